@@ -1,0 +1,5 @@
+import sys
+
+from kilnlm.cli.main import main
+
+sys.exit(main())

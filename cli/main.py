@@ -1,0 +1,47 @@
+"""The ``kilnlm`` console script: one entry point, one module per subcommand.
+
+Each subcommand module exposes ``add_parser(subparsers)`` (registers its options, each with unit and
+default in its help) and ``run(args) -> int`` (the exit status). Errors kilnlm raises on bad input
+(:class:`kilnlm.runtime.errors.KilnError`) are printed as one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module under kilnlm.cli. Imported lazily so that `kilnlm generate` on a serving-only
+# install never imports the build toolchain.
+SUBCOMMANDS = {
+    "build": ("kilnlm.cli.build_cmd", "compile a checkpoint (HF directory or .gguf) into an engine"),
+    "generate": ("kilnlm.cli.generate_cmd", "run a prompt through an engine and stream the completion"),
+}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kilnlm",
+        description="kilnlm: an ahead-of-time compiled LLM engine builder and in-flight-batching runtime.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        importlib.import_module(module).add_parser(sub, name, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kilnlm.runtime.errors import KilnError
+
+    args = make_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KilnError as exc:
+        print(f"kilnlm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""kilnlm.plugins: custom ops the engine calls (paged attention, quantized GEMMs).
+
+Importing this package declares the op schemas (``schema.py``). ``load_cpu_kernels()`` builds (once,
+cached) and loads the C++ CPU kernels that the CPU target's compiled engines call; ``reference.py``
+holds the plain-torch oracles. Imports neither kilnlm.builder nor kilnlm.runtime.
+"""
+
+from kilnlm.plugins.schema import PLUGIN_VERSIONS
+
+__all__ = ["PLUGIN_VERSIONS"]

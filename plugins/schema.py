@@ -1,0 +1,55 @@
+"""The plugins' schemas, declared once (torch.library). Every implementation registers against these:
+the plain-torch reference (``reference.py``, the numerical oracle), the CPU kernels (``csrc/``, loaded by
+``kilnlm.plugins.load_cpu_kernels``), and later GPU / TensorRT / ONNX glue.
+
+Ops (namespace ``kilnlm``):
+
+``paged_attention(q, k, v, kv_cache!, layer_idx, positions, inv_freq, cu_seqlens_q, seq_lens_kv,
+block_tables, slot_mapping, scale) -> out``
+    q ``[T, num_heads, head_dim]``, k / v ``[T, num_kv_heads, head_dim]`` -- this step's projections,
+    *before* RoPE, activation dtype (float32 or bfloat16); ``kv_cache`` the runtime's paged pool
+    ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` (same dtype), mutated in
+    place; ``layer_idx`` selects ``kv_cache[layer_idx]``; ``positions [T] int64``; ``inv_freq
+    [head_dim // 2] float32`` RoPE inverse frequencies (rotate-half / GPT-NeoX layout, as Hugging Face
+    Llama); ``cu_seqlens_q [B+1] int32``, ``seq_lens_kv [B] int32``, ``block_tables [B, max_blocks]
+    int32``, ``slot_mapping [T] int64`` as in ``kilnlm.runtime.abi``; ``scale`` the softmax scale
+    (usually ``head_dim ** -0.5``).
+    Applies RoPE to q and k, writes k and v into the pool at ``slot_mapping``, then computes causal
+    attention of each sequence's new query tokens over that sequence's KV ``[0, seq_lens_kv[b])`` (query
+    row i of sequence b sits at KV position ``seq_lens_kv[b] - num_new_b + i``; GQA: query head h reads
+    KV head ``h // (num_heads // num_kv_heads)``). Returns ``out [T, num_heads, head_dim]``, q's dtype.
+
+``fp8_linear(x, weight, weight_scale, input_scale, bias?) -> y``
+    x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features] float8_e4m3fn``;
+    ``weight_scale``, ``input_scale`` 0-dim float32 per-tensor scales; ``bias [out_features]`` or None.
+    Numerics of a Hopper FP8 GEMM: ``x_q = fp8_e4m3(clamp(x / input_scale, -448, 448))`` (round to
+    nearest even), ``y = (x_q @ weight.T) * (input_scale * weight_scale) + bias`` accumulated in float32,
+    returned in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bump a plugin's version whenever its schema or numerics change; engines record the versions they were
+# compiled against and the runtime refuses engines whose plugin versions it does not implement.
+PLUGIN_VERSIONS: dict[str, int] = {"paged_attention": 1, "fp8_linear": 1}
+
+_LIB = torch.library.Library("kilnlm", "DEF")
+_LIB.define(
+    "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer_idx, Tensor positions, "
+    "Tensor inv_freq, Tensor cu_seqlens_q, Tensor seq_lens_kv, Tensor block_tables, Tensor slot_mapping, "
+    "float scale) -> Tensor"
+)
+_LIB.define("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake("kilnlm::paged_attention")
+def _paged_attention_fake(q, k, v, kv_cache, layer_idx, positions, inv_freq, cu_seqlens_q, seq_lens_kv,
+                          block_tables, slot_mapping, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("kilnlm::fp8_linear")
+def _fp8_linear_fake(x, weight, weight_scale, input_scale, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))

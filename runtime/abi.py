@@ -1,0 +1,83 @@
+"""The engine ABI: the one forward call every target implements, once per scheduler iteration.
+
+The runtime packs every scheduled sequence -- context (prefill) chunks and generation (decode) tokens
+alike -- into one flat batch without padding and calls the engine once::
+
+    packed tokens   | seq 0: context chunk (5) | seq 1: decode (1) | seq 2: context chunk (3) |
+    input_ids [T=9] | t0 t1 t2 t3 t4           | u0                | w0 w1 w2                 |
+    cu_seqlens_q    | 0                          5                   6                          9
+    seq_lens_kv     | 5 (first chunk)            | 17 (16 cached+1)  | 11 (8 cached + 3)         |
+
+- ``input_ids``      ``[T] int64``   -- token ids of the T packed new tokens of B sequences;
+- ``positions``      ``[T] int64``   -- absolute position of each new token in its sequence;
+- ``cu_seqlens_q``   ``[B+1] int32`` -- sequence b's new tokens are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``;
+- ``seq_lens_kv``    ``[B] int32``   -- sequence b's total KV length *after* this step (cached + new);
+- ``block_tables``   ``[B, max_blocks_per_seq] int32`` -- physical KV block of each logical block;
+  entries past a sequence's last block are never read (the runtime fills them with 0);
+- ``slot_mapping``   ``[T] int64``   -- where each new token's K/V is written in the pool:
+  ``slot = block_id * tokens_per_block + offset_in_block``;
+- ``logits_indices`` ``[B] int64``   -- the packed rows whose logits come back (usually each sequence's
+  last new token);
+- ``kv_cache``       ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``, the
+  engine's activation dtype (float32 or bfloat16) -- the paged KV pool, allocated and owned by the
+  runtime, mutated in place by the attention plugin (index 0 of dim 1 holds K, index 1 holds V);
+- returns ``logits [B, vocab_size] float32``.
+
+Positions are absolute, so a query token at position p attends to KV positions ``0..p`` of its own
+sequence (causal). RoPE is applied inside the attention plugin from ``positions``.
+
+The dynamic dimensions are T (1..max_num_tokens), B (1..max_batch_size) and num_blocks; every other
+dimension is fixed at build time. The argument order below is the order of the compiled forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+ABI_VERSION = 1
+
+# Names in the order the compiled forward takes them (after them comes kv_cache).
+INPUT_NAMES = (
+    "input_ids",
+    "positions",
+    "cu_seqlens_q",
+    "seq_lens_kv",
+    "block_tables",
+    "slot_mapping",
+    "logits_indices",
+)
+
+
+@dataclass
+class EngineInputs:
+    """One packed batch for one engine forward. Shapes and dtypes are given in the module docstring; all
+    tensors live on the engine's device (CPU for the CPU target)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seq_lens_kv: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    logits_indices: torch.Tensor  # [B] int64
+
+    def as_args(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The positional arguments of the compiled forward, ``kv_cache`` last."""
+        return tuple(getattr(self, f.name) for f in fields(self)) + (kv_cache,)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens_kv.shape[0])
+
+
+def kv_cache_shape(
+    num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
+    """Shape of the paged KV pool: ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``."""
+    return (num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim)

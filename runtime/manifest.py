@@ -1,0 +1,187 @@
+"""The engine artifact's manifest: the contract between builder and runtime.
+
+An engine is a directory::
+
+    engine/
+      manifest.json          this file's format (written last by the builder)
+      model.pt2              CPU target: the AOTInductor package (TensorRT target: rank0.engine)
+      tokenizer/             tokenizer.json, tokenizer_config.json, chat template, ...
+
+``manifest.json`` holds the format version, the model and build configuration, the plugins (with
+versions) the engine calls, toolchain versions, the source checkpoint's digest, generation defaults and
+the size and SHA-256 of every other file. :func:`verify_engine` checks all of it *before* anything in the
+directory is loaded: loading a compiled engine is executing native code. Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kilnlm.runtime.errors import EngineError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SUPPORTED_FORMAT_VERSIONS = (1,)
+
+
+@dataclass
+class ModelConfig:
+    """The network's shape. ``head_dim`` is per attention head; RoPE ``inv_freq`` is derived by the builder
+    from ``rope_theta`` and ``rope_scaling`` (Hugging Face's meaning)."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+
+
+@dataclass
+class BuildConfig:
+    """How the engine was built (TensorRT-LLM's meanings for the limits)."""
+
+    qformat: str  # "fp32" | "bf16" | "fp8"
+    dtype: str  # activation / KV-cache dtype: "float32" | "bfloat16"
+    kv_cache_dtype: str  # "float32" | "bfloat16"
+    max_batch_size: int  # sequences per forward
+    max_num_tokens: int  # packed tokens per forward (context chunks + generation tokens)
+    max_seq_len: int  # prompt + generated tokens of one sequence
+    tokens_per_block: int  # tokens per paged-KV block
+    target: str  # "cpu" | "tensorrt"
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.tokens_per_block)
+
+
+@dataclass
+class GenerationDefaults:
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+
+@dataclass
+class Manifest:
+    model: ModelConfig
+    build: BuildConfig
+    generation: GenerationDefaults
+    plugins: dict[str, int]  # plugin name -> version the engine was compiled against
+    toolchain: dict[str, str]  # kilnlm, torch, target compiler, cpu_isa, ...
+    source_checkpoint_digest: str  # "sha256:<hex>" over the checkpoint's config and tensor files
+    engine_file: str = "model.pt2"  # relative path of the compiled engine
+    format_version: int = FORMAT_VERSION
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # rel path -> {"size", "sha256"}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+        return cls(
+            model=ModelConfig(**data["model"]),
+            build=BuildConfig(**data["build"]),
+            generation=GenerationDefaults(**data["generation"]),
+            plugins=dict(data["plugins"]),
+            toolchain=dict(data["toolchain"]),
+            source_checkpoint_digest=data["source_checkpoint_digest"],
+            engine_file=data.get("engine_file", "model.pt2"),
+            format_version=int(data["format_version"]),
+            files=dict(data.get("files", {})),
+        )
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(engine_dir: str | os.PathLike, manifest: Manifest) -> Manifest:
+    """Record size and SHA-256 of every file under ``engine_dir`` (except the manifest) in
+    ``manifest.files`` and write ``manifest.json``. Call it last, after every other file is in place."""
+    root = Path(engine_dir)
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == MANIFEST_NAME:
+            continue
+        files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest.files = files
+    tmp = root / (MANIFEST_NAME + ".tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, root / MANIFEST_NAME)
+    return manifest
+
+
+def read_manifest(engine_dir: str | os.PathLike) -> Manifest:
+    """Parse ``manifest.json`` without checking files. Raises :class:`EngineError` if it is missing,
+    unparsable or of an unsupported format version."""
+    root = Path(engine_dir)
+    path = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise EngineError(f"engine directory {root} does not exist: build one with `kilnlm build`")
+    if not path.is_file():
+        raise EngineError(f"{path} is missing: {root} is not a kilnlm engine (or its build did not finish); rebuild it with `kilnlm build`")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EngineError(f"{path} is not valid JSON ({exc}): the engine is corrupt; rebuild it with `kilnlm build`") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        raise EngineError(
+            f"{path}: engine format version {version!r} is not supported by this kilnlm "
+            f"(supports {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}): rebuild the engine with this kilnlm "
+            f"or install the kilnlm version that built it ({data.get('toolchain', {}).get('kilnlm', 'unknown') if isinstance(data, dict) else 'unknown'})"
+        )
+    try:
+        return Manifest.from_dict(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(f"{path} is malformed ({exc!r}): rebuild the engine with `kilnlm build`") from None
+
+
+def verify_files(engine_dir: str | os.PathLike, manifest: Manifest) -> None:
+    """Check that every file listed in the manifest exists with its recorded size and SHA-256, and that no
+    unlisted file sits in the directory. Raises :class:`EngineError` naming the first offending file."""
+    root = Path(engine_dir)
+    for rel, meta in sorted(manifest.files.items()):
+        path = root / rel
+        if not path.is_file():
+            raise EngineError(f"engine file {path} is missing: the engine is incomplete; rebuild it or pull it again from the cache")
+        size = path.stat().st_size
+        if size != meta["size"]:
+            raise EngineError(
+                f"engine file {path} is {size:,} bytes but the manifest records {meta['size']:,}: "
+                "the engine is truncated or modified; rebuild it or pull it again"
+            )
+        if sha256_file(path) != meta["sha256"]:
+            raise EngineError(
+                f"engine file {path} does not match its SHA-256 in the manifest: the engine is corrupt or "
+                "was modified; rebuild it or pull it again (never edit an engine in place)"
+            )
+    listed = set(manifest.files) | {MANIFEST_NAME}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel not in listed:
+            raise EngineError(
+                f"engine file {path} is not listed in the manifest: something was added to the engine "
+                "directory; remove it or rebuild the engine"
+            )
+    if manifest.engine_file not in manifest.files:
+        raise EngineError(f"{root / MANIFEST_NAME} lists no compiled engine file {manifest.engine_file!r}: rebuild the engine")
