@@ -5,6 +5,18 @@ cached) and loads the C++ CPU kernels that the CPU target's compiled engines cal
 holds the plain-torch oracles. Imports neither kilnlm.builder nor kilnlm.runtime.
 """
 
+from kilnlm.plugins.reference import (
+    apply_rope_reference,
+    fp8_linear_reference,
+    paged_attention_reference,
+    quantize_fp8_reference,
+)
 from kilnlm.plugins.schema import PLUGIN_VERSIONS
 
-__all__ = ["PLUGIN_VERSIONS"]
+__all__ = [
+    "PLUGIN_VERSIONS",
+    "apply_rope_reference",
+    "fp8_linear_reference",
+    "paged_attention_reference",
+    "quantize_fp8_reference",
+]

@@ -1,0 +1,133 @@
+"""Plain-torch reference implementations of the kilnlm plugins: the numerical oracle for tests.
+
+Clarity over speed: everything is computed in float32 with explicit per-sequence loops. The arguments and
+their meaning are exactly those of the op schemas in :mod:`kilnlm.plugins.schema`; the optimized kernels
+(``csrc/``) must agree with these functions within the tolerances their tests state.
+
+Registering these as the ``kilnlm`` ops' implementations is left to the caller (tests, or a builder
+fallback): importing this module only defines functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+
+
+def apply_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, rotate-half (GPT-NeoX) layout exactly as Hugging Face Llama.
+
+    x: ``[T, num_heads, head_dim]`` any float dtype, CPU; positions: ``[T]`` int; inv_freq:
+    ``[head_dim // 2]`` float32. Returns ``[T, num_heads, head_dim]`` float32.
+
+    ``freqs = positions * inv_freq`` (float32), ``emb = cat(freqs, freqs)``; ``out = x * cos(emb) +
+    rotate_half(x) * sin(emb)`` with ``rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])``
+    (Su et al., RoFormer, 2021; Hugging Face ``apply_rotary_pos_emb``).
+    """
+    x = x.float()
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
+    cos = emb.cos()[:, None, :]  # [T, 1, d]
+    sin = emb.sin()[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference of ``kilnlm::paged_attention`` (see :mod:`kilnlm.plugins.schema` for the contract).
+
+    q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (before RoPE), float32 or
+    bfloat16; kv_cache: ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``, same
+    dtype, **mutated in place** (RoPE'd k and v written at ``slot_mapping`` of layer ``layer_idx``);
+    positions ``[T]`` int64; inv_freq ``[head_dim // 2]`` float32; cu_seqlens_q ``[B+1]`` int32;
+    seq_lens_kv ``[B]`` int32; block_tables ``[B, max_blocks]`` int32; slot_mapping ``[T]`` int64.
+    Returns ``[T, num_heads, head_dim]`` in q's dtype.
+
+    Sequence b's new query rows are ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (n_b of them); query row i sits
+    at KV position ``seq_lens_kv[b] - n_b + i`` and attends to KV positions ``0..that`` (causal). KV
+    position p of sequence b lives in physical block ``block_tables[b, p // tokens_per_block]`` at offset
+    ``p % tokens_per_block``. The attention reads K/V back from the pool (after the write), so the new
+    tokens' keys are seen in the pool's dtype, as the kernels see them.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    tokens_per_block = kv_cache.shape[3]
+
+    q_rot = apply_rope_reference(q, positions, inv_freq)  # [T, H, D] f32
+    k_rot = apply_rope_reference(k, positions, inv_freq)  # [T, Hkv, D] f32
+
+    # Write the new K/V into the pool in place: slot = block * tokens_per_block + offset.
+    layer = kv_cache[layer_idx]  # [2, num_blocks, tpb, Hkv, D], a view
+    slots = slot_mapping.to(torch.int64)
+    blocks, offsets = slots // tokens_per_block, slots % tokens_per_block
+    layer[0, blocks, offsets] = k_rot.to(kv_cache.dtype)
+    layer[1, blocks, offsets] = v.to(kv_cache.dtype)
+
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    num_seqs = seq_lens_kv.shape[0]
+    for b in range(num_seqs):
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        num_new = end - start
+        if num_new == 0:
+            continue
+        kv_len = int(seq_lens_kv[b])
+        pos = torch.arange(kv_len)
+        phys = block_tables[b].to(torch.int64)[pos // tokens_per_block]
+        keys = layer[0, phys, pos % tokens_per_block].float()  # [L, Hkv, D]
+        values = layer[1, phys, pos % tokens_per_block].float()
+        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        qs = q_rot[start:end]  # [n, H, D]
+        scores = torch.einsum("nhd,lhd->hnl", qs, keys) * scale  # [H, n, L]
+        q_pos = kv_len - num_new + torch.arange(num_new)
+        mask = pos[None, :] > q_pos[:, None]  # [n, L] True = masked out
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hnl,lhd->nhd", probs, values)
+    return out.to(q.dtype)
+
+
+def quantize_fp8_reference(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor activation quantization: ``fp8_e4m3(clamp(x / input_scale, -448, 448))``.
+
+    x: any shape, float32 / bfloat16; input_scale: 0-dim float32. The division is done in float32 (x is
+    upcast first), rounding to nearest even, saturating at ±448. Returns float8_e4m3fn, x's shape.
+    """
+    return (x.float() / input_scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Reference of ``kilnlm::fp8_linear``.
+
+    x: ``[T, in_features]`` float32 / bfloat16; weight: ``[out_features, in_features]`` float8_e4m3fn;
+    weight_scale, input_scale: 0-dim float32; bias: ``[out_features]`` (any float dtype) or None.
+    Returns ``[T, out_features]`` in x's dtype:
+    ``y = (quantize(x) @ weight.T) * (input_scale * weight_scale) + bias``, accumulated in float32.
+    """
+    x_q = quantize_fp8_reference(x, input_scale)
+    y = (x_q.float() @ weight.float().T) * (input_scale.float() * weight_scale.float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
