@@ -1,0 +1,196 @@
+"""Shared layers of the compiled network, one op per module.
+
+Every weight is a registered buffer (the network is inference-only and exported as constants). Tensors
+live on CPU; the activation dtype ``dtype`` is float32 or bfloat16 (FP8 engines run bfloat16
+activations with float8_e4m3fn weights).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kilnlm.builder.errors import BuildError
+
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Fp8Amax:
+    """Calibrated absolute maxima of one linear (or of the parts of a fused linear, max-reduced)."""
+
+    weight_amax: float
+    input_amax: float
+
+    @staticmethod
+    def merge(parts: list["Fp8Amax"]) -> "Fp8Amax":
+        """Fused linears (QKV, gate/up) share one weight scale and one input scale: the max of the parts."""
+        return Fp8Amax(max(p.weight_amax for p in parts), max(p.input_amax for p in parts))
+
+
+class RMSNorm(nn.Module):
+    """``y = weight * x / sqrt(mean(x^2) + eps)``, computed in float32 and returned in x's dtype
+    (Zhang & Sennrich, 2019; the Hugging Face Llama order of casts).
+
+    x: ``[T, hidden]`` float32 / bfloat16."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", weight.to(dtype).contiguous())
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """Float linear ``y = x @ weight.T + bias`` (``torch.nn.functional.linear``).
+
+    x: ``[T, in_features]`` in ``dtype``; weight ``[out_features, in_features]``; returns ``[T, out]``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", weight.to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(dtype).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Fp8Linear(nn.Module):
+    """FP8 linear through ``torch.ops.kilnlm.fp8_linear``: float8_e4m3fn weight with a per-tensor
+    ``weight_scale`` and a static per-tensor ``input_scale`` (both 0-dim float32 = amax / 448).
+
+    x: ``[T, in_features]`` bfloat16; returns ``[T, out_features]`` bfloat16."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, amax: Fp8Amax, dtype: torch.dtype):
+        super().__init__()
+        if amax.weight_amax <= 0 or amax.input_amax <= 0 or not math.isfinite(amax.weight_amax * amax.input_amax):
+            raise BuildError(f"FP8 calibration gave an unusable amax {amax}: check the calibration data")
+        weight_scale = torch.tensor(amax.weight_amax / FP8_E4M3_MAX, dtype=torch.float32)
+        input_scale = torch.tensor(amax.input_amax / FP8_E4M3_MAX, dtype=torch.float32)
+        q = (weight.float() / weight_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("input_scale", input_scale)
+        self.register_buffer("bias", None if bias is None else bias.to(dtype).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kilnlm.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+
+
+def make_linear(
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    dtype: torch.dtype,
+    amax: list[Fp8Amax] | None = None,
+) -> nn.Module:
+    """One linear from the row-concatenation of ``weights`` (a fused QKV / gate-up projection, or a
+    single weight). ``amax`` (one per part) selects FP8 with shared scales; None keeps ``dtype``."""
+    weight = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
+    if amax is None:
+        return Linear(weight, bias, dtype)
+    return Fp8Linear(weight, bias, Fp8Amax.merge(amax), dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: fused gate/up linear, ``silu(gate) * up``, down linear (Shazeer, 2020).
+
+    x: ``[T, hidden]``; returns ``[T, hidden]``."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module):
+        super().__init__()
+        self.gate_up = gate_up
+        self.down = down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class PagedAttention(nn.Module):
+    """Fused QKV projection, ``torch.ops.kilnlm.paged_attention`` (RoPE, KV write into the paged pool,
+    causal GQA attention over each sequence's KV), output projection.
+
+    x: ``[T, hidden]``; kv_cache: ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``
+    mutated in place at layer ``layer_idx``; other inputs as in :mod:`kilnlm.runtime.abi`."""
+
+    def __init__(self, layer_idx: int, shape: AttentionShape, qkv: nn.Module, o_proj: nn.Module):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.shape = shape
+        self.qkv = qkv
+        self.o_proj = o_proj
+        self.scale = shape.head_dim**-0.5
+
+    def forward(self, x, positions, inv_freq, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping, kv_cache):
+        s = self.shape
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv(x).split(
+            [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], dim=-1
+        )
+        out = torch.ops.kilnlm.paged_attention(
+            q.reshape(num_tokens, s.num_heads, s.head_dim),  # [T, H, D]
+            k.reshape(num_tokens, s.num_kv_heads, s.head_dim),  # [T, Hkv, D]
+            v.reshape(num_tokens, s.num_kv_heads, s.head_dim),
+            kv_cache,
+            self.layer_idx,
+            positions,
+            inv_freq,
+            cu_seqlens_q,
+            seq_lens_kv,
+            block_tables,
+            slot_mapping,
+            self.scale,
+        )
+        return self.o_proj(out.reshape(num_tokens, s.num_heads * s.head_dim))
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2] float32`` for the rotate-half layout.
+
+    ``inv_freq[i] = rope_theta ** (-2i / head_dim)`` (Su et al., RoFormer, 2021), then by
+    ``rope_scaling["rope_type"]``: ``default`` (none), ``linear`` (position interpolation, Chen et al.
+    2023: divide by ``factor``), ``llama3`` (Meta's Llama 3.1 frequency-dependent scaling: wavelengths
+    above ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those below
+    ``... / high_freq_factor`` kept, a linear blend in between). Raises :class:`BuildError` for other
+    types."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope_theta**exponent)
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(rope_scaling["factor"])
+        low_freq_factor = float(rope_scaling["low_freq_factor"])
+        high_freq_factor = float(rope_scaling["high_freq_factor"])
+        original_len = float(rope_scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        long_wavelen = original_len / low_freq_factor  # above: fully scaled
+        short_wavelen = original_len / high_freq_factor  # below: unchanged
+        blend = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+        out = torch.where(wavelen > long_wavelen, inv_freq / factor, inv_freq)
+        middle = (wavelen <= long_wavelen) & (wavelen >= short_wavelen)
+        return torch.where(middle, blended, out)
+    raise BuildError(
+        f"rope_scaling type {rope_type!r} is not supported: kilnlm builds rope types default, linear and llama3"
+    )

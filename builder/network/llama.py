@@ -1,0 +1,159 @@
+"""Llama-family decoder (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) composed from the shared
+layers, plus the Hugging Face weight-name mapping.
+
+Per layer (pre-norm)::
+
+    h = h + o_proj(paged_attention(rope(q), rope(k), v | kv_cache))    q, k, v = split(qkv(rms_norm(h)))
+    h = h + down(silu(gate) * up)                                       gate, up = split(gate_up(rms_norm(h)))
+
+then a final RMSNorm and the LM head on the ``logits_indices`` rows only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kilnlm.builder.errors import BuildError
+from kilnlm.builder.network.layers import AttentionShape, Fp8Amax, GatedMLP, PagedAttention, RMSNorm, make_linear, rope_inv_freq
+from kilnlm.runtime.manifest import ModelConfig
+
+# Hugging Face linear names of one decoder layer, grouped by the fused linear they become.
+QKV_PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+GATE_UP_PROJS = ("mlp.gate_proj", "mlp.up_proj")
+O_PROJ = "self_attn.o_proj"
+DOWN_PROJ = "mlp.down_proj"
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from a transformers config (v5 ``rope_parameters`` or v4
+    ``rope_theta`` + ``rope_scaling``)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, None
+    return theta, scaling
+
+
+def model_config_from_hf(hf_config: Any) -> ModelConfig:
+    """The manifest's :class:`ModelConfig` from a transformers Llama / Mistral / Qwen2 config."""
+    arch = hf_config.architectures[0]
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    theta, scaling = rope_parameters(hf_config)
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise BuildError(f"hidden_act {hf_config.hidden_act!r} is not supported: kilnlm's Llama network uses silu")
+    if getattr(hf_config, "mlp_bias", False):
+        raise BuildError("mlp_bias=True is not supported: kilnlm's Llama network has bias-free MLPs")
+    return ModelConfig(
+        architecture=arch,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rope_theta=theta,
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf_config, "attention_bias", False)),
+        rope_scaling=scaling,
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, input_norm: RMSNorm, attn: PagedAttention, post_norm: RMSNorm, mlp: GatedMLP):
+        super().__init__()
+        self.input_norm = input_norm
+        self.attn = attn
+        self.post_norm = post_norm
+        self.mlp = mlp
+
+    def forward(self, h, positions, inv_freq, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping, kv_cache):
+        h = h + self.attn(self.input_norm(h), positions, inv_freq, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping, kv_cache)
+        return h + self.mlp(self.post_norm(h))
+
+
+class LlamaNetwork(nn.Module):
+    """The whole decoder. ``forward`` takes the engine ABI (:mod:`kilnlm.runtime.abi`, in
+    ``EngineInputs.as_args(kv_cache)`` order) and returns ``logits [B, vocab_size] float32``.
+
+    ``dtype``: activation and KV-cache dtype. ``fp8_amax``: HF linear name (e.g.
+    ``model.layers.0.self_attn.q_proj``) -> calibrated amax; when given, the decoder's linears are FP8
+    and the embedding / LM head stay in ``dtype`` (bfloat16)."""
+
+    def __init__(self, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 fp8_amax: dict[str, Fp8Amax] | None = None):
+        super().__init__()
+        self.cfg = cfg
+        shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        sd = _WeightReader(state_dict)
+
+        def linear(prefix: str, names: tuple[str, ...], bias: bool) -> nn.Module:
+            full = [f"{prefix}.{n}" for n in names]
+            weights = [sd.take(f"{n}.weight") for n in full]
+            biases = [sd.take(f"{n}.bias") if bias else None for n in full]
+            amax = None if fp8_amax is None else [_amax_of(fp8_amax, n) for n in full]
+            return make_linear(weights, biases, dtype, amax)
+
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            attn = PagedAttention(i, shape, linear(p, QKV_PROJS, cfg.attention_bias), linear(p, (O_PROJ,), False))
+            mlp = GatedMLP(linear(p, GATE_UP_PROJS, False), linear(p, (DOWN_PROJ,), False))
+            eps = cfg.rms_norm_eps
+            layers.append(DecoderLayer(RMSNorm(sd.take(f"{p}.input_layernorm.weight"), eps, dtype), attn,
+                                       RMSNorm(sd.take(f"{p}.post_attention_layernorm.weight"), eps, dtype), mlp))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(sd.take("model.norm.weight"), cfg.rms_norm_eps, dtype)
+        self.register_buffer("embed_tokens", sd.take("model.embed_tokens.weight").to(dtype).contiguous())
+        # Tied embeddings: the LM head reads embed_tokens (one tensor in the package).
+        lm_head = None if cfg.tie_word_embeddings else sd.take("lm_head.weight").to(dtype).contiguous()
+        self.register_buffer("lm_head", lm_head)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        sd.check_all_used()
+
+    def forward(self, input_ids, positions, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping,
+                logits_indices, kv_cache):
+        h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(h, positions, self.inv_freq, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping, kv_cache)
+        h = self.norm(h.index_select(0, logits_indices))  # [B, hidden]
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(h, head).float()  # [B, vocab]
+
+
+def _amax_of(fp8_amax: dict[str, Fp8Amax], name: str) -> Fp8Amax:
+    if name not in fp8_amax:
+        raise BuildError(f"FP8 calibration recorded no amax for {name}: the calibration did not reach this linear")
+    return fp8_amax[name]
+
+
+class _WeightReader:
+    """Hands out checkpoint tensors by HF name and reports missing / unused ones as BuildErrors."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]):
+        self._state = state_dict
+        self._used: set[str] = set()
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self._state:
+            raise BuildError(f"checkpoint has no tensor {name!r}: it does not match its config.json (re-export it)")
+        self._used.add(name)
+        return self._state[name]
+
+    def check_all_used(self) -> None:
+        unused = sorted(n for n in self._state if n not in self._used and not n.endswith("rotary_emb.inv_freq"))
+        if unused:
+            raise BuildError(f"checkpoint tensors {unused[:3]} ({len(unused)} in all) are not used by the network: "
+                             "the checkpoint does not match its architecture")
