@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Launch a real Triton Inference Server that serves a kilnlm engine.
+
+    python scripts/launch_triton.py --engine ENGINE_DIR [--http-port 8000] [--grpc-port 8001]
+        [--metrics-port 8002] [--model-repository model_repository] [--tritonserver PATH]
+        [--log-verbose N] [--work-dir DIR]
+
+What it does, in order:
+
+1. finds ``tritonserver``: ``--tritonserver``, else one on ``PATH`` (an NGC container), else the binary
+   the ``nvidia-pytriton`` wheel ships under ``pytriton/tritonserver/bin``;
+2. finds a Python backend that can start: the wheel keeps ``libtriton_python.so`` and the per-Python
+   stubs (``python_backend_stubs/<3.x>/triton_python_backend_stub``) apart, and Triton marks a model
+   UNAVAILABLE ("stub is not found") unless the stub lies next to the library, so a backend directory of
+   symlinks is assembled in the work directory (site-packages is never written);
+3. copies the model repository into the work directory and points the ``engine_dir`` parameter of each
+   kilnlm model at the engine;
+4. runs tritonserver in the foreground with ``PYTHONPATH`` taken from this interpreter's ``sys.path``
+   (so the stub sees the venv and kilnlm), forwards SIGINT/SIGTERM to it and exits 0 when a signal
+   stopped it, or with tritonserver's own status otherwise. Missing pieces exit 2 with a message.
+
+The functions are importable (tests load this file with importlib) so that fixtures and demos start the
+same server the command line does: :func:`prepare_server` then :func:`server_command` and
+:func:`server_environment`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+STUB_NAME = "triton_python_backend_stub"
+# Names of models in the repository that host kilnlm (their config.pbtxt has an engine_dir parameter).
+ENGINE_DIR_PARAMETER = "engine_dir"
+
+
+class LaunchError(RuntimeError):
+    """Something the server needs is missing; the message says what to install or pass."""
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Everything needed to start one tritonserver for one engine.
+
+    Attributes:
+        engine_dir: the built kilnlm engine directory to serve.
+        model_repository: the source model repository (copied, never modified).
+        work_dir: where the repository copy and the backend directory are assembled; a fresh
+            temporary directory when None.
+        http_port / grpc_port / metrics_port: TCP ports on all interfaces (0 is not allowed by
+            tritonserver: pick free ports first, see :func:`free_ports`).
+        tritonserver: the binary to run; found automatically when None.
+        log_verbose: tritonserver's ``--log-verbose`` level (0 = info only).
+        extra_args: further tritonserver arguments, appended last.
+    """
+
+    engine_dir: Path
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    work_dir: Path | None = None
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    tritonserver: Path | None = None
+    log_verbose: int = 0
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedServer:
+    """The result of :func:`prepare_server`: paths the command line refers to."""
+
+    tritonserver: Path
+    model_repository: Path
+    backend_directory: Path
+    library_dirs: tuple[Path, ...]
+
+
+def _pytriton_root() -> Path | None:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    return root if root.is_dir() else None
+
+
+def find_tritonserver(explicit: Path | None = None) -> Path:
+    """Return the tritonserver binary: ``explicit``, else ``tritonserver`` on PATH, else pytriton's.
+
+    Raises:
+        LaunchError: when none exists.
+    """
+    if explicit is not None:
+        path = Path(explicit)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise LaunchError(f"--tritonserver {path} is not an executable file")
+        return path.resolve()
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Path(on_path).resolve()
+    root = _pytriton_root()
+    if root is not None and (root / "bin" / "tritonserver").is_file():
+        return (root / "bin" / "tritonserver").resolve()
+    raise LaunchError(
+        "no tritonserver found: install the serving extra (pip install 'kilnlm[serve]', which brings "
+        "nvidia-pytriton and its tritonserver binary), run inside an NGC Triton container, or pass "
+        "--tritonserver PATH")
+
+
+def _library_dirs(tritonserver: Path) -> tuple[Path, ...]:
+    """Shared-library folders the pytriton build needs on LD_LIBRARY_PATH (the python backend library
+    finds them through an $ORIGIN-relative RPATH, which breaks once it is linked from elsewhere)."""
+    candidates = [tritonserver.parent.parent / "lib",
+                  tritonserver.parent.parent.parent.parent / "nvidia_pytriton.libs"]
+    return tuple(p for p in candidates if p.is_dir())
+
+
+def assemble_backend_directory(tritonserver: Path, dest: Path) -> Path:
+    """Return a backend directory whose ``python/`` holds libtriton_python.so *and* the stub.
+
+    A system install (NGC container: ``/opt/tritonserver/backends/python`` already holds its stub) is
+    used as is. For pytriton's layout, ``dest/backends/python`` is filled with symlinks to the library,
+    ``triton_python_backend_utils.py`` and the stub for the running Python version.
+
+    Raises:
+        LaunchError: no python backend, or no stub for this Python version.
+    """
+    backends = tritonserver.parent.parent / "backends"
+    python_backend = backends / "python"
+    if not (python_backend / "libtriton_python.so").is_file():
+        raise LaunchError(f"tritonserver at {tritonserver} has no python backend "
+                          f"({python_backend}/libtriton_python.so is missing)")
+    if (python_backend / STUB_NAME).is_file():
+        return backends
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = tritonserver.parent.parent / "python_backend_stubs" / version / STUB_NAME
+    if not stub.is_file():
+        raise LaunchError(f"no python backend stub for Python {version} (looked for {stub}): run the "
+                          "launcher with a Python version that nvidia-pytriton ships a stub for")
+    out = Path(dest) / "backends" / "python"
+    out.mkdir(parents=True, exist_ok=True)
+    for src in [stub, *sorted(python_backend.iterdir())]:
+        link = out / src.name
+        if src.name == "__pycache__" or link.exists() or link.is_symlink():
+            continue
+        link.symlink_to(src)
+    return out.parent
+
+
+_PARAM_RE = re.compile(
+    r'(key:\s*"' + ENGINE_DIR_PARAMETER + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"', re.S)
+
+
+def prepare_repository(source: Path, dest: Path, engine_dir: Path) -> Path:
+    """Copy the model repository ``source`` to ``dest`` with every kilnlm model's ``engine_dir``
+    parameter set to the absolute ``engine_dir``. Returns ``dest``.
+
+    Raises:
+        LaunchError: the engine or the repository is missing, or no model has an engine_dir parameter.
+    """
+    source, engine_dir = Path(source), Path(engine_dir).resolve()
+    if not (engine_dir.is_dir()):
+        raise LaunchError(f"engine directory {engine_dir} does not exist: build one with "
+                          "`kilnlm build` and pass it with --engine")
+    if not source.is_dir():
+        raise LaunchError(f"model repository {source} does not exist: pass --model-repository")
+    if Path(dest).exists():
+        shutil.rmtree(dest)
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    num_patched = 0
+    for config in sorted(Path(dest).glob("*/config.pbtxt")):
+        text = config.read_text()
+        patched, count = _PARAM_RE.subn(lambda m: f'{m.group(1)}"{engine_dir}"', text)
+        if count:
+            config.write_text(patched)
+            num_patched += count
+    if num_patched == 0:
+        raise LaunchError(f"no model in {source} has an '{ENGINE_DIR_PARAMETER}' parameter to point at "
+                          "the engine: is this kilnlm's model_repository?")
+    return Path(dest)
+
+
+def prepare_server(config: ServerConfig) -> PreparedServer:
+    """Find the binary and assemble backend directory and repository copy under ``config.work_dir``
+    (made a fresh temporary directory, and stored back in ``config``, when None)."""
+    tritonserver = find_tritonserver(config.tritonserver)
+    if config.work_dir is None:
+        config.work_dir = Path(tempfile.mkdtemp(prefix="kilnlm-triton-"))
+    work_dir = Path(config.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    backend_directory = assemble_backend_directory(tritonserver, work_dir)
+    repository = prepare_repository(config.model_repository, work_dir / "model_repository",
+                                    config.engine_dir)
+    return PreparedServer(tritonserver, repository, backend_directory, _library_dirs(tritonserver))
+
+
+def server_command(config: ServerConfig, prepared: PreparedServer) -> list[str]:
+    """The tritonserver argv for ``config`` (ports, repository, backend directory, log level)."""
+    return [
+        str(prepared.tritonserver),
+        f"--model-repository={prepared.model_repository}",
+        f"--backend-directory={prepared.backend_directory}",
+        f"--http-port={config.http_port}",
+        f"--grpc-port={config.grpc_port}",
+        f"--metrics-port={config.metrics_port}",
+        "--allow-metrics=true",
+        "--allow-gpu-metrics=false",
+        "--allow-cpu-metrics=true",
+        f"--log-verbose={config.log_verbose}",
+        *config.extra_args,
+    ]
+
+
+def server_environment(prepared: PreparedServer, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for tritonserver: ``base`` (default os.environ) plus PYTHONPATH from this
+    interpreter's sys.path, so the backend stub imports the same packages (venv, kilnlm), and
+    LD_LIBRARY_PATH with the pytriton library folders."""
+    env = dict(os.environ if base is None else base)
+    python_path = [p for p in sys.path if p and Path(p).exists()]
+    if env.get("PYTHONPATH"):
+        python_path.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(python_path))
+    lib_path = [str(p) for p in prepared.library_dirs]
+    if env.get("LD_LIBRARY_PATH"):
+        lib_path.append(env["LD_LIBRARY_PATH"])
+    if lib_path:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_path)
+    return env
+
+
+def free_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
+    """``num_ports`` distinct TCP ports that were free on ``host`` a moment ago."""
+    import socket
+
+    sockets, ports = [], []
+    try:
+        for _ in range(num_ports):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+            ports.append(sock.getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def run_foreground(command: list[str], env: dict[str, str]) -> int:
+    """Run tritonserver, forwarding SIGINT/SIGTERM to it. Returns 0 when a forwarded signal stopped
+    it, else its exit status."""
+    proc = subprocess.Popen(command, env=env)
+    stopped_by_signal = False
+
+    def forward(signum, _frame):
+        nonlocal stopped_by_signal
+        stopped_by_signal = True
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0 if stopped_by_signal else status
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Serve a kilnlm engine with Triton Inference Server.")
+    parser.add_argument("--engine", required=True, type=Path, help="built kilnlm engine directory")
+    parser.add_argument("--http-port", type=int, default=8000, help="HTTP/REST port (default 8000)")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
+    parser.add_argument("--metrics-port", type=int, default=8002,
+                        help="Prometheus metrics port (default 8002)")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
+                        help=f"source model repository, copied (default {DEFAULT_MODEL_REPOSITORY})")
+    parser.add_argument("--tritonserver", type=Path, default=None,
+                        help="tritonserver binary (default: on PATH, else nvidia-pytriton's)")
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver log verbosity (0)")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where to assemble the repository copy (default: a temporary directory, "
+                             "removed on exit)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    config = ServerConfig(
+        engine_dir=args.engine, model_repository=args.model_repository, work_dir=args.work_dir,
+        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        tritonserver=args.tritonserver, log_verbose=args.log_verbose)
+    remove_work_dir = args.work_dir is None
+    try:
+        prepared = prepare_server(config)
+    except LaunchError as exc:
+        print(f"launch_triton: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        command = server_command(config, prepared)
+        print("launch_triton: " + " ".join(command), file=sys.stderr, flush=True)
+        return run_foreground(command, server_environment(prepared))
+    finally:
+        if remove_work_dir and config.work_dir is not None:
+            shutil.rmtree(config.work_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
