@@ -1,0 +1,352 @@
+"""The executor: in-flight batching around one engine, shaped like TensorRT-LLM's ``Executor``.
+
+Clients (any thread) ``submit`` requests and read their ``Response`` stream; a background loop thread owns
+every request once submitted and runs, per iteration::
+
+    schedule -> prepare inputs -> engine forward -> sample -> update requests -> emit responses
+
+Submissions and cancellations cross threads through an inbox guarded by one lock; responses go back
+through one queue per request. The loop never dies on a request's error: the failing request (or, if the
+engine forward itself fails, every request of that batch) finishes with reason "error" and its KV blocks
+return to the pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from kilnlm.runtime.detokenizer import IncrementalDetokenizer, find_stop, num_held_back_chars
+from kilnlm.runtime.errors import KilnError, RequestError
+from kilnlm.runtime.inputs import InputBuilder, InputLimits
+from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from kilnlm.runtime.request import FinishReason, Request, RequestStatus, Response, SamplingParams
+from kilnlm.runtime.sampler import Sampler
+from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kilnlm.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Runtime settings. ``None`` limits take the engine's build limits (and may only lower them).
+
+    ``kv_cache_bytes``: size of the paged KV pool; default: enough for ``max_batch_size`` sequences of
+    ``max_seq_len`` tokens each.
+    """
+
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    num_active_requests: int = 0  # admitted (holding KV blocks)
+    num_queued: int = 0  # submitted, waiting for admission
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_cached_blocks: int = 0  # free or used blocks reusable by prefix hash
+    num_iterations: int = 0
+    last_num_tokens: int = 0  # packed tokens of the last iteration
+    last_num_seqs: int = 0
+    last_iteration_s: float = 0.0  # wall time of the last iteration (prepare + forward + sample + update)
+    num_preemptions: int = 0
+
+
+class Executor:
+    def __init__(self, engine, tokenizer: Tokenizer, config: ExecutorConfig | None = None) -> None:
+        """``engine``: a loaded :class:`kilnlm.runtime.engine.Engine` (or anything with its ``manifest``,
+        ``allocate_kv_cache``, ``kv_cache_bytes_per_block`` and ``forward``). Starts the loop thread."""
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config = config or ExecutorConfig()
+        build = engine.manifest.build
+        self.max_seq_len = build.max_seq_len
+        self.vocab_size = engine.manifest.model.vocab_size
+        self.eos_token_ids = frozenset(engine.manifest.generation.eos_token_ids)
+        max_batch_size = _lower_limit("max_batch_size", config.max_batch_size, build.max_batch_size)
+        max_num_tokens = _lower_limit("max_num_tokens", config.max_num_tokens, build.max_num_tokens)
+        max_blocks_per_seq = -(-build.max_seq_len // build.tokens_per_block)
+        if config.kv_cache_bytes is None:
+            num_blocks = max_batch_size * max_blocks_per_seq
+        else:
+            num_blocks = config.kv_cache_bytes // engine.kv_cache_bytes_per_block()
+            if num_blocks < 1:
+                raise KilnError(
+                    f"kv_cache_bytes={config.kv_cache_bytes:,} holds no KV block (one block is "
+                    f"{engine.kv_cache_bytes_per_block():,} bytes): raise kv_cache_bytes"
+                )
+        self.kv_cache = engine.allocate_kv_cache(num_blocks)
+        self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_prefix_caching))
+        self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens), self.kv_manager)
+        self.sampler = Sampler()
+        self.input_builder = InputBuilder(InputLimits(max_num_tokens, max_batch_size, max_blocks_per_seq, build.tokens_per_block))
+
+        self._lock = threading.Condition()
+        self._inbox: list[Request] = []
+        self._cancels: set[int] = set()
+        self._streams: dict[int, queue.SimpleQueue[Response]] = {}
+        self._next_id = itertools.count(1)
+        self._stopping = False
+        self._stats = IterationStats(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
+        # Loop-thread state.
+        self._requests: dict[int, Request] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._last_batch: tuple[int, int, float] = (0, 0, 0.0)  # num_tokens, num_seqs, iteration_s
+        self._num_iterations = 0
+        self._num_preemptions = 0
+        self._thread = threading.Thread(target=self._loop, name="kilnlm-executor", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | os.PathLike, config: ExecutorConfig | None = None) -> "Executor":
+        """Verify and load the engine in ``engine_dir`` and its tokenizer, and start the loop thread."""
+        from kilnlm.runtime.engine import Engine
+
+        engine = Engine.load(engine_dir)
+        return cls(engine, Tokenizer.from_dir(engine.tokenizer_dir), config)
+
+    # ------------------------------------------------------------------------------- client API
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Thread-safe. Raises :class:`RequestError` for an empty prompt,
+        a prompt of ``max_seq_len`` tokens or more, token ids outside the vocabulary, bad sampling params,
+        or a sequence that cannot fit the KV cache even alone."""
+        params = params or SamplingParams()
+        params.validate(self.vocab_size)
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise RequestError("the prompt is empty: send at least one token")
+        if len(prompt) >= self.max_seq_len:
+            raise RequestError(
+                f"the prompt has {len(prompt):,} tokens but the engine's max_seq_len is {self.max_seq_len:,} "
+                "(prompt + generated tokens): shorten the prompt or rebuild the engine with a larger --max-seq-len"
+            )
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise RequestError(f"the prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
+        max_num_tokens = min(len(prompt) + params.max_tokens, self.max_seq_len)
+        capacity_tokens = self.kv_manager.num_total_blocks * self.kv_manager.tokens_per_block
+        if max_num_tokens > capacity_tokens:
+            raise RequestError(
+                f"the request needs up to {max_num_tokens:,} tokens of KV cache but the pool holds "
+                f"{capacity_tokens:,}: lower max_tokens or raise the executor's kv_cache_bytes"
+            )
+        end_ids = frozenset() if params.ignore_eos else (frozenset({params.end_id}) if params.end_id is not None else self.eos_token_ids)
+        with self._lock:
+            if self._stopping:
+                raise RequestError("the executor is shut down: create a new one")
+            request_id = next(self._next_id)
+            request = Request(request_id, prompt, params, end_ids=end_ids, max_num_tokens=max_num_tokens)
+            self._streams[request_id] = queue.SimpleQueue()
+            self._inbox.append(request)
+            self._lock.notify()
+        return request_id
+
+    def stream(self, request_id: int, timeout_s: float | None = None) -> Iterator[Response]:
+        """Yield the request's responses until the finished one. Raises :class:`RequestError` for an unknown
+        (or already fully streamed) id and ``TimeoutError`` if no response arrives within ``timeout_s``."""
+        with self._lock:
+            responses = self._streams.get(request_id)
+        if responses is None:
+            raise RequestError(f"request {request_id} is unknown or its responses were already consumed")
+        while True:
+            try:
+                response = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no response for request {request_id} within {timeout_s} s") from None
+            if response.finished:
+                with self._lock:
+                    self._streams.pop(request_id, None)
+            yield response
+            if response.finished:
+                return
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None, timeout_s: float | None = None) -> Response:
+        """Submit and wait; the returned response holds all output token ids and the full text."""
+        request_id = self.submit(prompt_token_ids, params)
+        token_ids: list[int] = []
+        text: list[str] = []
+        for response in self.stream(request_id, timeout_s):
+            token_ids += response.token_ids
+            text.append(response.text)
+        return replace(response, token_ids=token_ids, text="".join(text))
+
+    def cancel(self, request_id: int) -> None:
+        """Finish the request with reason "cancelled"; its blocks return to the pool before the next
+        iteration. Thread-safe; a no-op for finished or unknown ids."""
+        with self._lock:
+            self._cancels.add(request_id)
+            self._lock.notify()
+
+    def stats(self) -> IterationStats:
+        with self._lock:
+            return self._stats
+
+    def shutdown(self, timeout_s: float | None = 30.0) -> None:
+        """Stop the loop; unfinished requests finish with reason "cancelled". Idempotent."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    # -------------------------------------------------------------------------------- loop thread
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._cancels or self.scheduler.has_work()):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                new_requests, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, set()
+            self._accept(new_requests, cancels)
+            if self.scheduler.has_work():
+                try:
+                    self.step()
+                except Exception as exc:  # a bug outside any one request: fail everything live, keep serving
+                    logger.exception("executor iteration failed")
+                    for request in list(self._requests.values()):
+                        self._finish(request, FinishReason.ERROR, f"executor iteration failed: {exc!r}")
+            self._publish_stats()
+        with self._lock:
+            new_requests, self._inbox = self._inbox, []
+        self._accept(new_requests, set())
+        for request in list(self._requests.values()):
+            self._finish(request, FinishReason.CANCELLED)
+        self._publish_stats()
+
+    def _accept(self, new_requests: list[Request], cancels: set[int]) -> None:
+        for request in new_requests:
+            self._requests[request.request_id] = request
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            self.scheduler.add(request)
+        for request_id in cancels:
+            if (request := self._requests.get(request_id)) is not None:
+                self._finish(request, FinishReason.CANCELLED)
+
+    def step(self) -> None:
+        """One iteration. Runs on the loop thread."""
+        start_s = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return
+        try:
+            inputs = self.input_builder.build(batch, self.kv_manager)
+            logits = self.engine.forward(inputs, self.kv_cache)  # [B, vocab] float32
+        except Exception as exc:
+            logger.exception("engine forward failed")
+            for seq in batch.seqs:
+                self._finish(seq.request, FinishReason.ERROR, f"engine forward failed: {exc!r}")
+            return
+        rows = [b for b, seq in enumerate(batch.seqs) if seq.completes_sequence]
+        sampled = [batch.seqs[b].request for b in rows]
+        next_tokens = self.sampler.sample(logits[rows], sampled) if rows else []
+        self._update(batch, dict(zip((r.request_id for r in sampled), next_tokens)))
+        self._last_batch = (batch.num_tokens, len(batch.seqs), time.perf_counter() - start_s)
+        self._num_iterations += 1
+        self._num_preemptions += len(batch.preempted)
+
+    def _update(self, batch: ScheduledBatch, next_tokens: dict[int, int]) -> None:
+        for seq in batch.seqs:
+            request = seq.request
+            try:
+                request.num_computed_tokens += seq.num_new_tokens
+                self.kv_manager.cache_computed_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+                if request.request_id in next_tokens:
+                    self._append_token(request, next_tokens[request.request_id])
+            except Exception as exc:
+                logger.exception("request %d failed", request.request_id)
+                self._finish(request, FinishReason.ERROR, f"request handling failed: {exc!r}")
+
+    def _append_token(self, request: Request, token_id: int) -> None:
+        """Add a sampled token, check the stop conditions, emit the response."""
+        if request.first_token_time_s is None:
+            request.first_token_time_s = time.monotonic()
+        if token_id in request.end_ids:
+            self._finish(request, FinishReason.END_ID)
+            return
+        request.token_ids.append(token_id)
+        delta = self._detokenizers[request.request_id].add([token_id])
+        stop = request.params.stop
+        if stop and delta:
+            search_from = max(0, len(request.output_text) - max(map(len, stop)) + 1)
+            request.output_text += delta
+            stop_at = find_stop(request.output_text, stop, search_from)
+            if stop_at is not None:
+                request.output_text = request.output_text[:stop_at]
+                self._finish(request, FinishReason.STOP, new_token_ids=[token_id])
+                return
+        else:
+            request.output_text += delta
+        if request.num_generated_tokens >= request.params.max_tokens or request.num_tokens >= request.max_num_tokens:
+            self._finish(request, FinishReason.LENGTH, new_token_ids=[token_id])
+            return
+        num_visible = len(request.output_text) - num_held_back_chars(request.output_text, stop)
+        text = request.output_text[request.num_text_sent : num_visible]
+        request.num_text_sent = max(request.num_text_sent, num_visible)
+        self._emit(request, Response(request.request_id, [token_id], text, False, None, request.num_prompt_tokens, request.num_generated_tokens))
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None, new_token_ids: list[int] | None = None) -> None:
+        """End the request: free its blocks, send the last response (all text still held back)."""
+        if request.finished:
+            return
+        detokenizer = self._detokenizers.pop(request.request_id, None)
+        if reason is not FinishReason.STOP and detokenizer is not None:
+            request.output_text += detokenizer.flush()
+        self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error_message = error
+        self._requests.pop(request.request_id, None)
+        text = request.output_text[request.num_text_sent :]
+        request.num_text_sent = len(request.output_text)
+        self._emit(request, Response(request.request_id, new_token_ids or [], text, True, reason,
+                                     request.num_prompt_tokens, request.num_generated_tokens, error))
+
+    def _emit(self, request: Request, response: Response) -> None:
+        with self._lock:
+            responses = self._streams.get(request.request_id)
+        if responses is not None:
+            responses.put(response)
+
+    def _publish_stats(self) -> None:
+        last_num_tokens, last_num_seqs, last_iteration_s = self._last_batch
+        stats = IterationStats(
+            num_active_requests=self.scheduler.num_running,
+            num_queued=self.scheduler.num_waiting,
+            num_free_blocks=self.kv_manager.num_free_blocks,
+            num_total_blocks=self.kv_manager.num_total_blocks,
+            num_cached_blocks=self.kv_manager.num_cached_blocks,
+            num_iterations=self._num_iterations,
+            last_num_tokens=last_num_tokens,
+            last_num_seqs=last_num_seqs,
+            last_iteration_s=last_iteration_s,
+            num_preemptions=self._num_preemptions,
+        )
+        with self._lock:
+            self._stats = stats
+
+
+def _lower_limit(name: str, requested: int | None, built: int) -> int:
+    if requested is None:
+        return built
+    if not (1 <= requested <= built):
+        raise KilnError(f"{name}={requested} must be between 1 and the engine's build limit {built}: lower it or rebuild the engine")
+    return requested

