@@ -1,0 +1,124 @@
+"""Exact block accounting of the KV-cache manager on tiny pools (block ids, eviction order, ref counts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
+
+
+def make_manager(num_blocks: int = 8, tokens_per_block: int = 4, prefix: bool = True) -> KVCacheManager:
+    return KVCacheManager(KVCacheConfig(num_blocks, tokens_per_block, prefix))
+
+
+def test_allocate_takes_blocks_in_order_and_free_returns_them():
+    kv = make_manager()
+    assert kv.allocate(1, list(range(10))) == 0  # 10 tokens -> 3 blocks, nothing cached yet
+    assert kv.block_table(1) == [0, 1, 2]
+    assert kv.allocate(2, list(range(100, 105))) == 0
+    assert kv.block_table(2) == [3, 4]
+    assert kv.num_free_blocks == 3
+    kv.free(1)
+    kv.free(2)
+    assert kv.num_free_blocks == 8
+    kv.free(2)  # idempotent
+    assert kv.num_free_blocks == 8
+
+
+def test_allocate_refuses_without_side_effects_when_blocks_run_out():
+    kv = make_manager(num_blocks=4)
+    assert kv.allocate(1, list(range(12))) == 0
+    assert kv.allocate(2, list(range(100, 108))) is None
+    assert kv.num_free_blocks == 1 and not kv.has_blocks(2)
+
+
+def test_append_slots_grows_block_table_at_block_boundaries():
+    kv = make_manager(num_blocks=4)
+    kv.allocate(1, [1, 2, 3, 4])
+    assert kv.block_table(1) == [0]
+    assert kv.append_slots(1, 4) and kv.block_table(1) == [0]
+    assert kv.append_slots(1, 5) and kv.block_table(1) == [0, 1]
+    assert kv.append_slots(1, 16) and kv.block_table(1) == [0, 1, 2, 3]
+    assert not kv.append_slots(1, 17)
+    assert kv.block_table(1) == [0, 1, 2, 3]
+
+
+def test_prefix_hit_shares_blocks_and_skips_cached_tokens():
+    kv = make_manager()
+    prompt = list(range(10))  # blocks [0..3] [4..7] [8 9]
+    kv.allocate(1, prompt)
+    kv.cache_computed_blocks(1, prompt, 10)  # two full blocks become reusable
+    assert kv.num_cached_blocks == 2
+    # Same first 8 tokens, different tail: the two full blocks are shared.
+    assert kv.allocate(2, prompt[:8] + [50, 51, 52]) == 8
+    assert kv.block_table(2) == [0, 1, 3]
+    # A prompt of exactly the cached blocks still computes its last token (needs its logits): 1 hit only.
+    assert kv.allocate(3, prompt[:8]) == 4
+    assert kv.block_table(3) == [0, 4]
+    # A different first block: no hit even though the second block's tokens match.
+    assert kv.allocate(4, [99, 1, 2, 3] + prompt[4:8] + [7]) == 0
+
+
+def test_freed_cached_blocks_are_reused_until_evicted_in_lru_order():
+    kv = make_manager(num_blocks=7)
+    a = list(range(9))  # 3 blocks, 2 of them full
+    kv.allocate(1, a)
+    kv.cache_computed_blocks(1, a, 9)
+    kv.free(1)
+    # Free queue: uncached block 2 at the front, cached blocks at the back, freed tail first:
+    # [2, 3, 4, 5, 6, 1, 0]
+    kv.allocate(2, list(range(100, 116)))  # 4 blocks: the cached ones survive
+    assert kv.block_table(2) == [2, 3, 4, 5]
+    assert kv.num_cached_blocks == 2
+    assert kv.allocate(3, a) == 8  # both full blocks hit, revived from the free queue
+    assert kv.block_table(3) == [0, 1, 6] and kv.num_free_blocks == 0
+    kv.free(3)  # queue [6, 1, 0]
+    kv.free(2)  # queue [2, 3, 4, 5, 6, 1, 0]
+    kv.allocate(4, list(range(200, 221)))  # 6 blocks: evicts block 1 (the tail) before block 0
+    assert kv.block_table(4) == [2, 3, 4, 5, 6, 1]
+    assert kv.num_cached_blocks == 1
+    kv.free(4)
+    assert kv.allocate(5, a) == 4  # block 0 still cached: the first block hits, the second was evicted
+    assert kv.block_table(5)[0] == 0
+
+
+def test_shared_block_returns_to_pool_only_after_last_reference():
+    kv = make_manager(num_blocks=4)
+    a = list(range(5))
+    kv.allocate(1, a)
+    kv.cache_computed_blocks(1, a, 5)
+    assert kv.allocate(2, a) == 4
+    assert kv.block_table(2)[0] == kv.block_table(1)[0] == 0
+    kv.free(1)
+    assert 0 not in kv._free  # still referenced by request 2
+    kv.free(2)
+    assert kv.num_free_blocks == 4
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    kv = make_manager(prefix=False)
+    a = list(range(9))
+    kv.allocate(1, a)
+    kv.cache_computed_blocks(1, a, 9)
+    assert kv.num_cached_blocks == 0
+    assert kv.allocate(2, a) == 0
+    assert set(kv.block_table(1)).isdisjoint(kv.block_table(2))
+
+
+def test_duplicate_content_is_cached_once():
+    kv = make_manager()
+    a = list(range(8))
+    kv.allocate(1, a)
+    kv.allocate(2, a)  # nothing cached yet: separate blocks with equal content
+    kv.cache_computed_blocks(1, a, 8)
+    kv.cache_computed_blocks(2, a, 8)
+    assert kv.num_cached_blocks == 2  # request 1's two blocks; request 2's copies stay uncached
+    kv.free(1)
+    kv.free(2)
+    assert kv.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("bad", [dict(num_blocks=0, tokens_per_block=4), dict(num_blocks=4, tokens_per_block=0)])
+def test_invalid_config(bad):
+    with pytest.raises(ValueError):
+        KVCacheManager(KVCacheConfig(**bad))
