@@ -5,6 +5,7 @@ cached) and loads the C++ CPU kernels that the CPU target's compiled engines cal
 holds the plain-torch oracles. Imports neither kilnlm.builder nor kilnlm.runtime.
 """
 
+from kilnlm.plugins.cpu import KernelBuildError, load_cpu_kernels
 from kilnlm.plugins.reference import (
     apply_rope_reference,
     fp8_linear_reference,
@@ -14,6 +15,8 @@ from kilnlm.plugins.reference import (
 from kilnlm.plugins.schema import PLUGIN_VERSIONS
 
 __all__ = [
+    "KernelBuildError",
+    "load_cpu_kernels",
     "PLUGIN_VERSIONS",
     "apply_rope_reference",
     "fp8_linear_reference",

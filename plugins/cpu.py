@@ -1,0 +1,126 @@
+"""Build (once, cached) and load the C++ CPU kernels of the kilnlm ops.
+
+The sources ship as package data in ``csrc/`` and register with ``TORCH_LIBRARY_IMPL(kilnlm, CPU, m)``
+against the schemas declared in :mod:`kilnlm.plugins.schema`. They are compiled with plain ``-O3``
+(never ``-march=native``: one build runs on any x86-64 machine; vector paths are picked at run time by
+CPU feature detection inside the kernels).
+
+Caching: the shared library lives in torch's extension cache (``$TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions/<py>_cpu``) under a name keyed by a hash of the sources, the flags and the
+torch version, so editing a source rebuilds and a second process finds the built library and loads it
+directly (milliseconds, no compiler or ninja run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+import kilnlm.plugins.schema  # noqa: F401  (declares the op schemas the kernels register against)
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+_CFLAGS = ("-O3",)
+_LOCK = threading.Lock()
+_LOADED_PATH: list[str] = []  # the loaded library's path, once loaded (one per process)
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded; the message says what to install or fix."""
+
+
+def _sources() -> list[Path]:
+    files = sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+    if not any(p.suffix == ".cpp" for p in files):
+        raise KernelBuildError(f"no C++ kernel sources found in {CSRC_DIR}: the kilnlm installation is incomplete "
+                               "(reinstall kilnlm; csrc/*.cpp is package data)")
+    return files
+
+
+def _build_key(sources: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(" ".join(_CFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_root() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        py = f"py{sys.version_info.major}{sys.version_info.minor}"
+        root = os.path.join(get_default_build_root(), f"{py}_cpu")
+    return Path(root)
+
+
+def _compile(name: str, sources: list[Path], build_dir: Path) -> Path:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"kilnlm's CPU kernels must be compiled once, but the C++ compiler {compiler!r} was not "
+                               "found: install g++ (e.g. `apt-get install g++`) or set CXX to a compiler")
+    if shutil.which("ninja") is None and not _ninja_module_available():
+        raise KernelBuildError("kilnlm's CPU kernels are built with ninja, which was not found: `pip install ninja`")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in sources if p.suffix == ".cpp"],
+            extra_cflags=list(_CFLAGS),
+            extra_include_paths=[str(CSRC_DIR)],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError) as exc:
+        raise KernelBuildError(f"building kilnlm's CPU kernels in {build_dir} failed; compiler output:\n{exc}") from exc
+    return build_dir / f"{name}.so"
+
+
+def _ninja_module_available() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_cpu_kernels() -> str:
+    """Build (first time only) and load the C++ CPU kernels of ``kilnlm::paged_attention`` and
+    ``kilnlm::fp8_linear``; idempotent and thread-safe. Returns the shared library's path.
+
+    After this call ``torch.ops.kilnlm.*`` dispatch to the C++ kernels for CPU tensors (in eager mode
+    and from AOTInductor packages, which call ops through the dispatcher). Call it before loading a
+    compiled engine that uses the ops.
+
+    Raises:
+        KernelBuildError: no C++ compiler / ninja, a compile error, or a library that does not load.
+    """
+    with _LOCK:
+        if _LOADED_PATH:
+            return _LOADED_PATH[0]
+        sources = _sources()
+        name = f"kilnlm_cpu_kernels_{_build_key(sources)}"
+        build_dir = _build_root() / name
+        library = build_dir / f"{name}.so"
+        # A build in progress in another process holds build_dir/lock: go through torch's loader, which
+        # waits for it, instead of opening a half-written library.
+        if not library.exists() or (build_dir / "lock").exists():
+            library = _compile(name, sources, build_dir)
+        else:
+            try:
+                torch.ops.load_library(str(library))
+            except OSError as exc:
+                raise KernelBuildError(f"loading {library} failed ({exc}); delete {build_dir} to rebuild it") from exc
+        _LOADED_PATH.append(str(library))
+        return str(library)

@@ -1,0 +1,137 @@
+// Raw FP8 (E4M3FN) weight kernels, written once and compiled twice by fp8_linear.cpp: as a portable
+// scalar version and, under `#pragma GCC target("avx2,fma,f16c")`, as an AVX2 version chosen at run time.
+//
+// This header is included *inside* a namespace, after every system / torch header: it must not include
+// anything itself, and it uses only raw pointers (no std containers, no torch types), so no inline
+// function of another header is ever instantiated with the AVX2 target.
+//
+// KILN_AVX2 (0 or 1) selects the code path.
+//
+// FP8 -> float32 on AVX2 goes through IEEE half: byte `s eeee mmm` becomes the half `s 0eeee mmm 0000000`
+// (bits 15, 14..10, 9..7), whose value is exactly 2^-8 times the E4M3 value -- normals and subnormals
+// alike, since E4M3's exponent bias (7) is the half bias (15) minus 8 -- and F16C converts it exactly to a
+// normal float32 (so flush-to-zero / denormals-are-zero modes cannot change the result). The 2^8 factor
+// is multiplied back in exactly afterwards. E4M3FN's NaN encodings (0x7F / 0xFF) would read as ±480:
+// quantized weights never hold NaN.
+
+// dot(fp8 row, x) for `num_rows` consecutive rows starting at row `row`, against `NT` activation rows.
+// w: [rows, in] bytes (row-major); x: NT rows of `in` floats, `x_stride` apart; y: NT rows, `y_stride`
+// apart, written at column `row + r`. `lut` maps a byte to its exact float value (scalar tails).
+#if KILN_AVX2
+
+static inline __m256i fp8x16_to_half_bits(__m128i bytes) {
+  // bytes: 16 x u8  ->  16 x u16 half bits holding 2^-8 * value
+  __m256i u = _mm256_cvtepu8_epi16(bytes);
+  u = _mm256_srai_epi16(_mm256_slli_epi16(u, 8), 1);  // s s eeee mmm 0000000
+  return _mm256_and_si256(u, _mm256_set1_epi16(static_cast<short>(0xBFFF)));  // clear the copied sign
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// NR rows x NT tokens microkernel: every 16 weights are converted once and used NT times.
+template <int NR, int NT>
+static inline void gemv_block(const uint8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
+                              int64_t y_stride, const float* lut) {
+  __m256 acc[NR][NT][2];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= in; i += 16) {
+    __m256 xv[NT][2];
+    for (int t = 0; t < NT; ++t) {
+      xv[t][0] = _mm256_loadu_ps(x + t * x_stride + i);
+      xv[t][1] = _mm256_loadu_ps(x + t * x_stride + i + 8);
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m256i h = fp8x16_to_half_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * in + i)));
+      __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+      __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+      for (int t = 0; t < NT; ++t) {
+        acc[r][t][0] = _mm256_fmadd_ps(w0, xv[t][0], acc[r][t][0]);
+        acc[r][t][1] = _mm256_fmadd_ps(w1, xv[t][1], acc[r][t][1]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      float s = hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1])) * 256.0f;  // exact: undo the 2^-8
+      for (int64_t j = i; j < in; ++j) s += lut[w[r * in + j]] * x[t * x_stride + j];
+      y[t * y_stride + r] = s;
+    }
+  }
+}
+
+template <int NT>
+static inline void gemv_rows_nt(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
+                                int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
+  constexpr int NR = NT == 1 ? 4 : (NT == 2 ? 2 : 1);
+  int64_t r = row_begin;
+  for (; r + NR <= row_end; r += NR)
+    gemv_block<NR, NT>(w + r * in, in, x, x_stride, y + r, y_stride, lut);
+  for (; r < row_end; ++r) gemv_block<1, NT>(w + r * in, in, x, x_stride, y + r, y_stride, lut);
+}
+
+static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
+                      int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
+  int64_t t = 0;
+  for (; t + 4 <= num_tokens; t += 4)
+    gemv_rows_nt<4>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
+  if (num_tokens - t >= 2) {
+    gemv_rows_nt<2>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
+    t += 2;
+  }
+  if (t < num_tokens)
+    gemv_rows_nt<1>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
+}
+
+// Exact dequantization of rows [row_begin, row_end) into dst [row_end - row_begin, in] floats.
+static void dequant_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, float* dst,
+                         const float* lut) {
+  const __m256 two8 = _mm256_set1_ps(256.0f);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint8_t* src = w + r * in;
+    float* out = dst + (r - row_begin) * in;
+    int64_t i = 0;
+    for (; i + 16 <= in; i += 16) {
+      __m256i h = fp8x16_to_half_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), two8));
+      _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), two8));
+    }
+    for (; i < in; ++i) out[i] = lut[src[i]];
+  }
+}
+
+#else  // portable scalar path: 256-entry lookup table, four partial sums
+
+static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
+                      int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint8_t* row = w + r * in;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const float* xt = x + t * x_stride;
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+      int64_t i = 0;
+      for (; i + 4 <= in; i += 4) {
+        s0 += lut[row[i]] * xt[i];
+        s1 += lut[row[i + 1]] * xt[i + 1];
+        s2 += lut[row[i + 2]] * xt[i + 2];
+        s3 += lut[row[i + 3]] * xt[i + 3];
+      }
+      for (; i < in; ++i) s0 += lut[row[i]] * xt[i];
+      y[t * y_stride + r] = (s0 + s1) + (s2 + s3);
+    }
+  }
+}
+
+static void dequant_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, float* dst,
+                         const float* lut) {
+  for (int64_t r = row_begin; r < row_end; ++r)
+    for (int64_t i = 0; i < in; ++i) dst[(r - row_begin) * in + i] = lut[w[r * in + i]];
+}
+
+#endif

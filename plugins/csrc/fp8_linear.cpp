@@ -1,0 +1,216 @@
+// kilnlm::fp8_linear, CPU kernel (schema and numerics: kilnlm/plugins/schema.py).
+//
+//   x [T, in] f32/bf16 --quantize (x / input_scale, clamp ±448, RNE to E4M3)--> x_q (held as exact floats)
+//   y [T, out] = (x_q @ weight.T) * (input_scale * weight_scale) + bias, accumulated in float32
+//
+// The weight [out, in] float8_e4m3fn is read directly as bytes, never dequantized as a whole:
+// - T <= kMaxDirectTokens (generation phase): a fused dequantize-and-FMA GEMV over output rows, each byte
+//   read once per call (memory bound: ~1 byte per weight);
+// - larger T (context phase): tiles of kTileRows output rows are dequantized into a thread-local float
+//   buffer and multiplied with at::mm.
+// Both parallelize over output rows with at::parallel_for.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_features.h"
+
+namespace kiln_fp8 {
+namespace generic {
+namespace {
+#define KILN_AVX2 0
+#include "fp8_kernels.h"
+#undef KILN_AVX2
+}  // namespace
+}  // namespace generic
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+namespace {
+#define KILN_AVX2 1
+#include "fp8_kernels.h"
+#undef KILN_AVX2
+}  // namespace
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+constexpr int64_t kMaxDirectTokens = 16;
+constexpr int64_t kTileRows = 64;
+constexpr float kFp8Max = 448.0f;
+
+struct Fp8Lut {
+  float value[256];
+  Fp8Lut() {
+    for (int b = 0; b < 256; ++b) value[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+
+const Fp8Lut& fp8_lut() {
+  static const Fp8Lut lut;
+  return lut;
+}
+
+using GemvFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t,
+                        const float*);
+using DequantFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*, const float*);
+
+GemvFn gemv_fn() {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::gemv_rows;
+#endif
+  return generic::gemv_rows;
+}
+
+DequantFn dequant_fn() {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::dequant_rows;
+#endif
+  return generic::dequant_rows;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                  const at::Tensor& input_scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "kilnlm::fp8_linear (CPU kernel): x and weight must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2, "kilnlm::fp8_linear: x must be [num_tokens, in_features], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "kilnlm::fp8_linear: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat8_e4m3fn,
+              "kilnlm::fp8_linear: weight must be a 2-D float8_e4m3fn tensor [out_features, in_features], got ",
+              weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "kilnlm::fp8_linear: weight must be contiguous (call .contiguous() when building)");
+  TORCH_CHECK(weight.size(1) == x.size(1), "kilnlm::fp8_linear: x has ", x.size(1), " features but weight expects ",
+              weight.size(1));
+  for (const at::Tensor* s : {&weight_scale, &input_scale}) {
+    TORCH_CHECK(s->numel() == 1 && s->scalar_type() == at::kFloat && s->device().is_cpu(),
+                "kilnlm::fp8_linear: weight_scale and input_scale must be 0-dim float32 CPU tensors, got ",
+                s->scalar_type(), " ", s->sizes());
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->device().is_cpu(),
+                "kilnlm::fp8_linear: bias must be [out_features=", weight.size(0), "], got ", bias->sizes());
+  }
+}
+
+// x_q[t, i] = float(fp8_e4m3(clamp(float(x[t, i]) / input_scale, -448, 448))), bit-exact with torch's
+// `(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)` (c10's round-to-nearest-even conversion).
+template <typename scalar_t>
+void quantize_activations(const at::Tensor& x, float input_scale, float* xq) {
+  const int64_t num_tokens = x.size(0), in = x.size(1);
+  const scalar_t* src = x.data_ptr<scalar_t>();
+  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 16384 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = 0; i < in; ++i) {
+        float v = static_cast<float>(src[t * in + i]) / input_scale;
+        v = std::min(std::max(v, -kFp8Max), kFp8Max);  // NaN propagates, as torch.clamp
+        xq[t * in + i] = static_cast<float>(c10::Float8_e4m3fn(v));
+      }
+    }
+  });
+}
+
+// out[t, o] = acc[t, o] * scale (+ bias[o]) in out's dtype (two roundings, as the reference).
+template <typename scalar_t>
+void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end, float scale,
+              const float* bias, scalar_t* out, int64_t out_stride) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t o = col_begin; o < col_end; ++o) {
+      float y = acc[t * acc_stride + (o - col_begin)] * scale;
+      if (bias != nullptr) y = y + bias[o];
+      out[t * out_stride + o] = static_cast<scalar_t>(y);
+    }
+  }
+}
+
+// Generation phase (few tokens): fused dequantize-and-FMA GEMV, each weight byte read once per call.
+template <typename scalar_t>
+void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, float scale,
+                const float* bias, scalar_t* out) {
+  const float* lut = fp8_lut().value;
+  const GemvFn gemv = gemv_fn();
+  std::vector<float> acc(static_cast<size_t>(num_tokens * out_features));
+  float* acc_ptr = acc.data();
+  // ~16 KiB of weights per task at least, so that small layers do not pay for threading.
+  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
+  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
+    gemv(w, in, r0, r1, xq, num_tokens, in, acc_ptr, out_features, lut);
+    epilogue<scalar_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, scale, bias, out, out_features);
+  });
+}
+
+// Context phase (many tokens): dequantize kTileRows output rows at a time into a thread-local float tile
+// and multiply it with at::mm (never a dequantized copy of the whole weight).
+template <typename scalar_t>
+void run_tiled(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, float scale,
+               const float* bias, scalar_t* out) {
+  const float* lut = fp8_lut().value;
+  const DequantFn dequant = dequant_fn();
+  const at::Tensor x_q = at::from_blob(const_cast<float*>(xq), {num_tokens, in}, at::kFloat);
+  const int64_t num_tiles = (out_features + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+    std::vector<float> w_tile(static_cast<size_t>(kTileRows * in));
+    at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
+    for (int64_t tile = tile0; tile < tile1; ++tile) {
+      const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
+      dequant(w, in, r0, r1, w_tile.data(), lut);
+      at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, in}, at::kFloat);
+      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
+      at::mm_out(acc_view, x_q, w_f.t());  // [T, rows]
+      epilogue<scalar_t>(acc_view.data_ptr<float>(), acc_view.stride(0), num_tokens, r0, r1, scale, bias, out,
+                         out_features);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor fp8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& weight_scale,
+                          const at::Tensor& input_scale, const std::optional<at::Tensor>& bias_in) {
+  check_inputs(x_in, weight, weight_scale, input_scale, bias_in);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t num_tokens = x.size(0), in = x.size(1), out_features = weight.size(0);
+  at::Tensor out = at::empty({num_tokens, out_features}, x.options());
+  if (num_tokens == 0 || out_features == 0) return out;
+
+  const float s_in = input_scale.item<float>();
+  const float scale = s_in * weight_scale.item<float>();
+  at::Tensor bias;
+  if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
+  const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(weight.data_ptr());
+
+  // x_q: [T, in] float32 holding exact E4M3 values.
+  std::vector<float> xq_buf(static_cast<size_t>(num_tokens * in));
+  float* xq = xq_buf.data();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::fp8_linear",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        quantize_activations<float>(x, s_in, xq);
+        if (num_tokens <= kMaxDirectTokens) run_direct<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
+        else run_tiled<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        quantize_activations<at::BFloat16>(x, s_in, xq);
+        at::BFloat16* y = out.data_ptr<at::BFloat16>();
+        if (num_tokens <= kMaxDirectTokens) run_direct<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
+        else run_tiled<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
+      }));
+  return out;
+}
+
+}  // namespace kiln_fp8
+
+TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("fp8_linear", &kiln_fp8::fp8_linear_cpu); }

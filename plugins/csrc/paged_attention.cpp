@@ -1,0 +1,345 @@
+// kilnlm::paged_attention, CPU kernel (schema and semantics: kilnlm/plugins/schema.py).
+//
+// One call serves a packed batch of context chunks and generation tokens:
+//   1. RoPE (rotate-half, as Hugging Face Llama) on q and k, q pre-multiplied by the softmax scale;
+//      the rotated k and v are written into kv_cache[layer_idx] at slot_mapping, in place;
+//   2. attention of each sequence's new query tokens over its KV blocks, read through its block table,
+//      causal by KV position, GQA (query head h reads KV head h / (num_heads / num_kv_heads)).
+// Step 2 is split into work items (sequence, KV head or single query head, chunk of query tokens) that
+// threads take dynamically, largest first; each item runs the online-softmax kernel of
+// attention_kernels.h. Activations / KV in float32 or bfloat16, computed in float32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_features.h"
+
+namespace kiln_attn {
+
+// One unit of attention work (see attend() in attention_kernels.h). Pointers are raw and typed by the
+// pool dtype at run time so that the ISA-specific kernels stay free of torch types.
+struct AttnWork {
+  const float* q;           // first query vector: q_rot[tok_begin, head_begin], float32, pre-scaled
+  int64_t q_tok_stride;     // floats between consecutive tokens' query vectors (num_heads * head_dim)
+  float* out;               // out_f32[tok_begin, head_begin]
+  int64_t out_tok_stride;   // num_heads * head_dim
+  const void* k_base;       // kv_cache[layer, 0] + kv_head * head_dim, pool dtype
+  const void* v_base;       // kv_cache[layer, 1] + kv_head * head_dim
+  int64_t kv_row_stride;    // elements between consecutive pool rows (num_kv_heads * head_dim)
+  bool kv_bf16;
+  const int32_t* block_table;  // this sequence's row of block_tables
+  int64_t tokens_per_block;
+  int64_t head_dim;
+  int64_t head_begin;       // query heads [head_begin, head_end), all reading the same KV head
+  int64_t head_end;
+  int64_t num_q_tokens;
+  int64_t first_q_pos;      // KV position of the first query token
+  int64_t cost;             // scheduling estimate: query vectors x KV positions read
+};
+
+namespace generic {
+namespace {
+#define KILN_AVX2 0
+#include "attention_kernels.h"
+#undef KILN_AVX2
+}  // namespace
+}  // namespace generic
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+namespace {
+#define KILN_AVX2 1
+#include "attention_kernels.h"
+#undef KILN_AVX2
+}  // namespace
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+using AttendFn = void (*)(const AttnWork&, float*);
+
+AttendFn attend_fn() {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::attend;
+#endif
+  return generic::attend;
+}
+
+constexpr int64_t kQueryChunkTokens = 16;  // query tokens per work item in the context phase
+
+struct Dims {
+  int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_seqs, max_blocks_per_seq;
+  int64_t num_layers, num_blocks, tokens_per_block;
+};
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), "kilnlm::paged_attention (CPU kernel): ", name, " must be a CPU tensor, got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "kilnlm::paged_attention: ", name, " must be ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "kilnlm::paged_attention: ", name, " must have ", dim, " dims, got shape ", t.sizes());
+}
+
+Dims check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+                  int64_t layer_idx, const at::Tensor& positions, const at::Tensor& inv_freq,
+                  const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_kv, const at::Tensor& block_tables,
+                  const at::Tensor& slot_mapping) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "kilnlm::paged_attention: q must be float32 or bfloat16, got ", dtype);
+  check_tensor(q, "q [T, num_heads, head_dim]", dtype, 3);
+  check_tensor(k, "k [T, num_kv_heads, head_dim] (same dtype as q)", dtype, 3);
+  check_tensor(v, "v [T, num_kv_heads, head_dim] (same dtype as q)", dtype, 3);
+  check_tensor(kv_cache, "kv_cache [num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim] (same dtype as q)",
+               dtype, 6);
+  check_tensor(positions, "positions [T]", at::kLong, 1);
+  check_tensor(inv_freq, "inv_freq [head_dim / 2]", at::kFloat, 1);
+  check_tensor(cu_seqlens_q, "cu_seqlens_q [B + 1]", at::kInt, 1);
+  check_tensor(seq_lens_kv, "seq_lens_kv [B]", at::kInt, 1);
+  check_tensor(block_tables, "block_tables [B, max_blocks_per_seq]", at::kInt, 2);
+  check_tensor(slot_mapping, "slot_mapping [T]", at::kLong, 1);
+
+  Dims d{};
+  d.num_tokens = q.size(0);
+  d.num_heads = q.size(1);
+  d.head_dim = q.size(2);
+  d.num_kv_heads = k.size(1);
+  d.num_seqs = seq_lens_kv.size(0);
+  d.max_blocks_per_seq = block_tables.size(1);
+  d.num_layers = kv_cache.size(0);
+  d.num_blocks = kv_cache.size(2);
+  d.tokens_per_block = kv_cache.size(3);
+  TORCH_CHECK(k.sizes() == v.sizes(), "kilnlm::paged_attention: k and v shapes differ: ", k.sizes(), " vs ", v.sizes());
+  TORCH_CHECK(k.size(0) == d.num_tokens && k.size(2) == d.head_dim,
+              "kilnlm::paged_attention: k must be [T=", d.num_tokens, ", num_kv_heads, head_dim=", d.head_dim, "], got ",
+              k.sizes());
+  TORCH_CHECK(d.num_kv_heads > 0 && d.num_heads % d.num_kv_heads == 0, "kilnlm::paged_attention: num_heads (",
+              d.num_heads, ") must be a multiple of num_kv_heads (", d.num_kv_heads, ")");
+  TORCH_CHECK(d.head_dim % 2 == 0, "kilnlm::paged_attention: head_dim must be even for RoPE, got ", d.head_dim);
+  TORCH_CHECK(kv_cache.size(1) == 2 && kv_cache.size(4) == d.num_kv_heads && kv_cache.size(5) == d.head_dim,
+              "kilnlm::paged_attention: kv_cache must be [num_layers, 2, num_blocks, tokens_per_block, num_kv_heads=",
+              d.num_kv_heads, ", head_dim=", d.head_dim, "], got ", kv_cache.sizes());
+  TORCH_CHECK(kv_cache.is_contiguous(), "kilnlm::paged_attention: kv_cache must be contiguous (allocate the pool with "
+              "torch.empty / torch.zeros, not as a view)");
+  TORCH_CHECK(layer_idx >= 0 && layer_idx < d.num_layers, "kilnlm::paged_attention: layer_idx ", layer_idx,
+              " is out of range for a kv_cache of ", d.num_layers, " layers");
+  TORCH_CHECK(positions.size(0) == d.num_tokens && slot_mapping.size(0) == d.num_tokens,
+              "kilnlm::paged_attention: positions and slot_mapping must have T=", d.num_tokens, " entries, got ",
+              positions.size(0), " and ", slot_mapping.size(0));
+  TORCH_CHECK(inv_freq.size(0) == d.head_dim / 2, "kilnlm::paged_attention: inv_freq must have head_dim / 2 = ",
+              d.head_dim / 2, " entries, got ", inv_freq.size(0));
+  TORCH_CHECK(cu_seqlens_q.size(0) == d.num_seqs + 1 && block_tables.size(0) == d.num_seqs,
+              "kilnlm::paged_attention: with B=", d.num_seqs, " sequences (seq_lens_kv), cu_seqlens_q must have B+1 "
+              "entries and block_tables B rows, got ", cu_seqlens_q.size(0), " and ", block_tables.size(0));
+  return d;
+}
+
+// Value checks (bounds of every index the kernel will follow), O(T + B * max_blocks_per_seq).
+void check_indices(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables, const int64_t* slots,
+                   const int64_t* positions) {
+  TORCH_CHECK(cu[0] == 0 && cu[d.num_seqs] == d.num_tokens, "kilnlm::paged_attention: cu_seqlens_q must start at 0 "
+              "and end at T=", d.num_tokens, ", got ", cu[0], " .. ", cu[d.num_seqs]);
+  for (int64_t b = 0; b < d.num_seqs; ++b) {
+    const int64_t num_new = cu[b + 1] - cu[b];
+    TORCH_CHECK(num_new >= 0, "kilnlm::paged_attention: cu_seqlens_q must be non-decreasing (sequence ", b, ")");
+    TORCH_CHECK(kv_lens[b] >= num_new, "kilnlm::paged_attention: sequence ", b, " has ", num_new,
+                " new tokens but seq_lens_kv = ", kv_lens[b], " (seq_lens_kv counts cached + new tokens)");
+    const int64_t blocks_needed = (static_cast<int64_t>(kv_lens[b]) + d.tokens_per_block - 1) / d.tokens_per_block;
+    TORCH_CHECK(num_new == 0 || blocks_needed <= d.max_blocks_per_seq, "kilnlm::paged_attention: sequence ", b,
+                " needs ", blocks_needed, " KV blocks but block_tables has ", d.max_blocks_per_seq, " columns");
+    if (num_new == 0) continue;
+    for (int64_t j = 0; j < blocks_needed; ++j) {
+      const int64_t blk = tables[b * d.max_blocks_per_seq + j];
+      TORCH_CHECK(blk >= 0 && blk < d.num_blocks, "kilnlm::paged_attention: block_tables[", b, ", ", j, "] = ", blk,
+                  " is out of range for a pool of ", d.num_blocks, " blocks");
+    }
+  }
+  const int64_t num_slots = d.num_blocks * d.tokens_per_block;
+  for (int64_t t = 0; t < d.num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "kilnlm::paged_attention: slot_mapping[", t, "] = ", slots[t],
+                " is out of range for a pool of ", d.num_blocks, " blocks x ", d.tokens_per_block, " tokens");
+    TORCH_CHECK(positions[t] >= 0, "kilnlm::paged_attention: positions[", t, "] = ", positions[t], " is negative");
+  }
+}
+
+// Step 1: RoPE on q (into q_rot, float32, times scale) and k; write rotated k and v into the pool.
+template <typename scalar_t>
+void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       scalar_t* k_pool, scalar_t* v_pool, const int64_t* positions, const float* inv_freq,
+                       const int64_t* slots, float scale, float* q_rot) {
+  const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, half = D / 2;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  const int64_t q_stride = q.stride(0), k_stride = k.stride(0), v_stride = v.stride(0);
+  at::parallel_for(0, d.num_tokens, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> cos_sin(static_cast<size_t>(D));
+    float* cos_v = cos_sin.data();
+    float* sin_v = cos_v + half;
+    for (int64_t t = t0; t < t1; ++t) {
+      const float pos = static_cast<float>(positions[t]);
+      for (int64_t j = 0; j < half; ++j) {
+        const float angle = pos * inv_freq[j];
+        cos_v[j] = std::cos(angle);
+        sin_v[j] = std::sin(angle);
+      }
+      // out[j] = x[j] cos - x[j + half] sin ; out[j + half] = x[j + half] cos + x[j] sin
+      for (int64_t h = 0; h < H; ++h) {
+        const scalar_t* src = qp + t * q_stride + h * D;
+        float* dst = q_rot + (t * H + h) * D;
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = static_cast<float>(src[j]), x2 = static_cast<float>(src[j + half]);
+          dst[j] = (x1 * cos_v[j] + (-x2) * sin_v[j]) * scale;
+          dst[j + half] = (x2 * cos_v[j] + x1 * sin_v[j]) * scale;
+        }
+      }
+      scalar_t* k_dst = k_pool + slots[t] * Hkv * D;
+      scalar_t* v_dst = v_pool + slots[t] * Hkv * D;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const scalar_t* src = kp + t * k_stride + h * D;
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = static_cast<float>(src[j]), x2 = static_cast<float>(src[j + half]);
+          k_dst[h * D + j] = static_cast<scalar_t>(x1 * cos_v[j] + (-x2) * sin_v[j]);
+          k_dst[h * D + j + half] = static_cast<scalar_t>(x2 * cos_v[j] + x1 * sin_v[j]);
+        }
+        const scalar_t* vsrc = vp + t * v_stride + h * D;
+        for (int64_t j = 0; j < D; ++j) v_dst[h * D + j] = vsrc[j];
+      }
+    }
+  });
+}
+
+// Step 2: work items, largest first. A generation-phase batch with fewer items than ~4 per thread is
+// split further into single query heads (each re-reads its KV head, from cache) to keep threads busy.
+std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables,
+                                const float* q_rot, float* out, const void* k_layer, const void* v_layer, bool kv_bf16,
+                                size_t elem_bytes) {
+  const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
+  int64_t num_chunks = 0;
+  for (int64_t b = 0; b < d.num_seqs; ++b) num_chunks += (cu[b + 1] - cu[b] + kQueryChunkTokens - 1) / kQueryChunkTokens;
+  const bool split_heads = group > 1 && num_chunks * Hkv < 4 * at::get_num_threads();
+  const int64_t heads_per_item = split_heads ? 1 : group;
+
+  std::vector<AttnWork> work;
+  work.reserve(static_cast<size_t>(num_chunks * H / heads_per_item));
+  for (int64_t b = 0; b < d.num_seqs; ++b) {
+    const int64_t num_new = cu[b + 1] - cu[b];
+    const int64_t first_pos = kv_lens[b] - num_new;
+    for (int64_t c0 = 0; c0 < num_new; c0 += kQueryChunkTokens) {
+      const int64_t n = std::min(kQueryChunkTokens, num_new - c0);
+      const int64_t tok = cu[b] + c0;
+      for (int64_t g = 0; g < Hkv; ++g) {
+        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += heads_per_item) {
+          AttnWork w{};
+          w.q = q_rot + (tok * H + h0) * D;
+          w.q_tok_stride = H * D;
+          w.out = out + (tok * H + h0) * D;
+          w.out_tok_stride = H * D;
+          w.k_base = static_cast<const char*>(k_layer) + g * D * elem_bytes;
+          w.v_base = static_cast<const char*>(v_layer) + g * D * elem_bytes;
+          w.kv_row_stride = Hkv * D;
+          w.kv_bf16 = kv_bf16;
+          w.block_table = tables + b * d.max_blocks_per_seq;
+          w.tokens_per_block = d.tokens_per_block;
+          w.head_dim = D;
+          w.head_begin = h0;
+          w.head_end = h0 + heads_per_item;
+          w.num_q_tokens = n;
+          w.first_q_pos = first_pos + c0;
+          w.cost = n * heads_per_item * (first_pos + c0 + n);
+          work.push_back(w);
+        }
+      }
+    }
+  }
+  std::stable_sort(work.begin(), work.end(), [](const AttnWork& a, const AttnWork& b) { return a.cost > b.cost; });
+  return work;
+}
+
+// Threads pull items from a shared counter (dynamic scheduling: items differ in cost by orders of
+// magnitude in a mixed batch, at::parallel_for alone splits statically).
+void run_work(const std::vector<AttnWork>& work, const Dims& d) {
+  const AttendFn attend = attend_fn();
+  int64_t max_m = 0;
+  for (const AttnWork& w : work) max_m = std::max(max_m, w.num_q_tokens * (w.head_end - w.head_begin));
+  const int64_t D = d.head_dim, tpb = d.tokens_per_block;
+  const size_t scratch_floats = static_cast<size_t>(max_m * (D + 2) + tpb + 2 * tpb * D);
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(work.size());
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend(work[i], scratch.data());
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                               const at::Tensor& kv_cache, int64_t layer_idx, const at::Tensor& positions_in,
+                               const at::Tensor& inv_freq_in, const at::Tensor& cu_seqlens_q_in,
+                               const at::Tensor& seq_lens_kv_in, const at::Tensor& block_tables_in,
+                               const at::Tensor& slot_mapping_in, double scale) {
+  const Dims d = check_shapes(q_in, k_in, v_in, kv_cache, layer_idx, positions_in, inv_freq_in, cu_seqlens_q_in,
+                              seq_lens_kv_in, block_tables_in, slot_mapping_in);
+  // Token rows may be strided (q, k, v split from a fused projection); heads and head_dim must be dense.
+  auto dense_rows = [](const at::Tensor& t) {
+    return (t.stride(2) == 1 && t.stride(1) == t.size(2)) ? t : t.contiguous();
+  };
+  const at::Tensor q = dense_rows(q_in), k = dense_rows(k_in), v = dense_rows(v_in);
+  const at::Tensor positions = positions_in.contiguous(), inv_freq = inv_freq_in.contiguous();
+  const at::Tensor cu_seqlens_q = cu_seqlens_q_in.contiguous(), seq_lens_kv = seq_lens_kv_in.contiguous();
+  const at::Tensor block_tables = block_tables_in.contiguous(), slot_mapping = slot_mapping_in.contiguous();
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* kv_lens = seq_lens_kv.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  check_indices(d, cu, kv_lens, tables, slots, pos);
+
+  at::Tensor out = at::empty_like(q_in, q_in.options().memory_format(at::MemoryFormat::Contiguous));
+  if (d.num_tokens == 0) return out;
+  const bool is_bf16 = q.scalar_type() == at::kBFloat16;
+  at::Tensor q_rot = at::empty({d.num_tokens, d.num_heads, d.head_dim}, q.options().dtype(at::kFloat));
+  at::Tensor out_f32 = is_bf16 ? at::empty({d.num_tokens, d.num_heads, d.head_dim}, q.options().dtype(at::kFloat)) : out;
+
+  const int64_t layer_elems = 2 * d.num_blocks * d.tokens_per_block * d.num_kv_heads * d.head_dim;
+  const int64_t kv_elems = layer_elems / 2;
+  AT_DISPATCH_SWITCH(q.scalar_type(), "kilnlm::paged_attention",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        float* k_pool = kv_cache.data_ptr<float>() + layer_idx * layer_elems;
+        rope_and_write_kv<float>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq.data_ptr<float>(), slots,
+                                 static_cast<float>(scale), q_rot.data_ptr<float>());
+        run_work(make_work(d, cu, kv_lens, tables, q_rot.data_ptr<float>(), out_f32.data_ptr<float>(), k_pool,
+                           k_pool + kv_elems, false, sizeof(float)), d);
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        at::BFloat16* k_pool = kv_cache.data_ptr<at::BFloat16>() + layer_idx * layer_elems;
+        rope_and_write_kv<at::BFloat16>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq.data_ptr<float>(), slots,
+                                        static_cast<float>(scale), q_rot.data_ptr<float>());
+        run_work(make_work(d, cu, kv_lens, tables, q_rot.data_ptr<float>(), out_f32.data_ptr<float>(), k_pool,
+                           k_pool + kv_elems, true, sizeof(at::BFloat16)), d);
+      }));
+  if (is_bf16) out.copy_(out_f32);
+  return out;
+}
+
+}  // namespace kiln_attn
+
+TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("paged_attention", &kiln_attn::paged_attention_cpu); }
