@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Launch a real Triton Inference Server that serves a kilnlm engine.
 
-    python scripts/launch_triton.py --engine ENGINE_DIR [--http-port 8000] [--grpc-port 8001]
+    python scripts/launch_triton.py --engine ENGINE_DIR [--address 0.0.0.0] [--http-port 8000] [--grpc-port 8001]
         [--metrics-port 8002] [--model-repository model_repository] [--tritonserver PATH]
         [--log-verbose N] [--work-dir DIR]
 
@@ -58,8 +58,9 @@ class ServerConfig:
         model_repository: the source model repository (copied, never modified).
         work_dir: where the repository copy and the backend directory are assembled; a fresh
             temporary directory when None.
-        http_port / grpc_port / metrics_port: TCP ports on all interfaces (0 is not allowed by
-            tritonserver: pick free ports first, see :func:`free_ports`).
+        address: the interface the HTTP, gRPC and metrics endpoints listen on ("0.0.0.0": all).
+        http_port / grpc_port / metrics_port: TCP ports (tritonserver takes no 0 = "any free port":
+            pick free ones first, see :func:`free_ports`).
         tritonserver: the binary to run; found automatically when None.
         log_verbose: tritonserver's ``--log-verbose`` level (0 = info only).
         extra_args: further tritonserver arguments, appended last.
@@ -68,6 +69,7 @@ class ServerConfig:
     engine_dir: Path
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
     work_dir: Path | None = None
+    address: str = "0.0.0.0"
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
@@ -184,7 +186,7 @@ def prepare_repository(source: Path, dest: Path, engine_dir: Path) -> Path:
         if count:
             config.write_text(patched)
             num_patched += count
-    if num_patched == 0:
+    if num_patched == 0:  # (models without the parameter, e.g. kilnlm_sync, are copied as they are)
         raise LaunchError(f"no model in {source} has an '{ENGINE_DIR_PARAMETER}' parameter to point at "
                           "the engine: is this kilnlm's model_repository?")
     return Path(dest)
@@ -210,8 +212,11 @@ def server_command(config: ServerConfig, prepared: PreparedServer) -> list[str]:
         str(prepared.tritonserver),
         f"--model-repository={prepared.model_repository}",
         f"--backend-directory={prepared.backend_directory}",
+        f"--http-address={config.address}",
         f"--http-port={config.http_port}",
+        f"--grpc-address={config.address}",
         f"--grpc-port={config.grpc_port}",
+        f"--metrics-address={config.address}",
         f"--metrics-port={config.metrics_port}",
         "--allow-metrics=true",
         "--allow-gpu-metrics=false",
@@ -279,6 +284,8 @@ def run_foreground(command: list[str], env: dict[str, str]) -> int:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Serve a kilnlm engine with Triton Inference Server.")
     parser.add_argument("--engine", required=True, type=Path, help="built kilnlm engine directory")
+    parser.add_argument("--address", default="0.0.0.0",
+                        help="interface to listen on (default 0.0.0.0: all; 127.0.0.1: this host only)")
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP/REST port (default 8000)")
     parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
     parser.add_argument("--metrics-port", type=int, default=8002,
@@ -298,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     config = ServerConfig(
         engine_dir=args.engine, model_repository=args.model_repository, work_dir=args.work_dir,
+        address=args.address,
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         tritonserver=args.tritonserver, log_verbose=args.log_verbose)
     remove_work_dir = args.work_dir is None

@@ -16,11 +16,12 @@ optional, each of shape [1] except the word lists):
 ``top_k`` / ``top_p``       0 = off / 1.0 = off
 ``seed``                    random seed of this request's sampler
 ``end_id``                  token id that ends generation (default: the engine's EOS ids)
-``stop_words``              [N] strings; generation stops when the text ends with one, and the stop
-                            string is not part of the output (honoured by the executor)
-``bad_words``               [N] strings; passed on to the executor's SamplingParams (honoured when the
-                            executor's sampler masks them; accepted otherwise)
-``pad_id``                  accepted for compatibility; ignored (responses are never padded)
+``stop_words``              [N] strings, each one stop string (no comma splitting); generation stops at
+                            the first, which is cut from the output (finish reason "stop"). Honoured.
+``bad_words``               [N] strings, each tokenized without special tokens; the executor never
+                            generates those token sequences. Honoured for that tokenization only (the
+                            same word tokenized differently in context, e.g. after a space, is not banned).
+``pad_id``                  accepted for compatibility and ignored: responses are never padded
 ``exclude_input_in_output`` false (default, as TensorRT-LLM): a non-streamed ``text_output`` starts with
                             the prompt; true: only the completion. Streamed responses never repeat it.
 ==========================  ==========================================================================
@@ -29,12 +30,13 @@ Response tensors: ``text_output`` [1] (the new text of this response), ``output_
 token ids it carries), ``sequence_length`` [1] (n), ``finish_reason`` [1] ("" until the final response,
 then e.g. "length", "stop", "end_id", "cancelled").
 
-Errors: a bad request (empty text, max_tokens < 1, top_p outside (0, 1], ...) gets one final error
-response (INVALID_ARG) and never affects other requests. A request whose client cancels (gRPC stream
+Errors: a bad request (empty text, max_tokens < 1, top_p outside (0, 1], a prompt too long for the
+engine, ...) gets one final error response (INVALID_ARG; over HTTP a 400) and never affects other
+requests; an executor failure gets INTERNAL. A request whose client cancels (gRPC stream
 closed, HTTP connection dropped) is cancelled in the executor, which frees its KV-cache blocks.
 
 Metrics (Triton's custom metrics, on the metrics port next to Triton's own): ``kilnlm_kv_cache_free_blocks``,
-``kilnlm_kv_cache_total_blocks``, ``kilnlm_active_requests`` (gauges), ``kilnlm_requests_finished_total``
+``kilnlm_kv_cache_total_blocks``, ``kilnlm_kv_cache_cached_blocks``, ``kilnlm_active_requests``, ``kilnlm_queued_requests`` (gauges), ``kilnlm_requests_finished_total``
 (counter, label ``finish_reason``), ``kilnlm_generated_tokens_total`` (counter),
 ``kilnlm_time_to_first_token_seconds`` and ``kilnlm_inter_token_latency_seconds`` (histograms).
 """
@@ -90,6 +92,7 @@ class ParsedRequest:
     stream: bool
     exclude_input_in_output: bool
     sampling: dict  # keyword arguments for kilnlm.runtime.request.SamplingParams
+    bad_words: list[str]  # tokenized by the model (the executor bans token-id sequences)
 
 
 def _values(request, name: str) -> list | None:
@@ -110,43 +113,36 @@ def _scalar(request, name: str, default):
 
 
 def parse_request(request, default_max_tokens: int) -> ParsedRequest:
-    """Read and validate a request's tensors (see the module docstring).
+    """Read a request's tensors (see the module docstring) into keyword arguments for SamplingParams.
+
+    Value ranges are checked once, by ``SamplingParams.validate`` in ``Executor.submit`` (its
+    RequestError becomes an INVALID_ARG response); this only checks presence and shapes.
 
     Raises:
-        BadRequest: a value outside its allowed range, or a missing/empty text_input.
+        BadRequest: a missing/empty text_input, or a scalar input holding several values.
     """
     text = _scalar(request, "text_input", None)
     if not isinstance(text, str) or not text:
         raise BadRequest("'text_input' must be a non-empty UTF-8 string")
-    max_tokens = int(_scalar(request, "max_tokens", default_max_tokens))
-    temperature = float(_scalar(request, "temperature", 0.0))
-    top_k = int(_scalar(request, "top_k", 0))
-    top_p = float(_scalar(request, "top_p", 1.0))
-    if max_tokens < 1:
-        raise BadRequest(f"'max_tokens' is {max_tokens}: send a value >= 1")
-    if not (temperature >= 0.0 and np.isfinite(temperature)):
-        raise BadRequest(f"'temperature' is {temperature}: send 0 (greedy) or a positive value")
-    if top_k < 0:
-        raise BadRequest(f"'top_k' is {top_k}: send 0 (off) or a positive value")
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"'top_p' is {top_p}: send a value in (0, 1]")
-    sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
-    seed = _scalar(request, "seed", None)
-    if seed is not None:
-        sampling["seed"] = int(seed)
-    for name in ("end_id", "pad_id"):
+    sampling = {
+        "max_tokens": int(_scalar(request, "max_tokens", default_max_tokens)),
+        "temperature": float(_scalar(request, "temperature", 0.0)),
+        "top_k": int(_scalar(request, "top_k", 0)),
+        "top_p": float(_scalar(request, "top_p", 1.0)),
+    }
+    for name in ("seed", "end_id"):
         value = _scalar(request, name, None)
         if value is not None:
             sampling[name] = int(value)
-    for name in ("stop_words", "bad_words"):
-        words = [w for w in (_values(request, name) or []) if w]
-        if words:
-            sampling[name] = words
+    stop_words = [w for w in (_values(request, "stop_words") or []) if w]
+    if stop_words:
+        sampling["stop"] = stop_words
     return ParsedRequest(
         text=text,
         stream=bool(_scalar(request, "stream", False)),
         exclude_input_in_output=bool(_scalar(request, "exclude_input_in_output", False)),
         sampling=sampling,
+        bad_words=[w for w in (_values(request, "bad_words") or []) if w],
     )
 
 
@@ -156,15 +152,19 @@ def _stat(stats, name: str, default=0):
     return getattr(stats, name, default)
 
 
-def _convert(text: str, like):
-    """Convert a config parameter string to the type of a dataclass field default ``like``."""
-    if isinstance(like, bool):
-        return text.strip().lower() in ("1", "true", "yes", "on")
-    if isinstance(like, int):
-        return int(text)
-    if isinstance(like, float):
-        return float(text)
-    return text
+def _convert(text: str, annotation: str):
+    """Convert a config.pbtxt parameter string to a dataclass field's type (its annotation string,
+    e.g. ``"int | None"``); "" or "none" means None."""
+    value = text.strip()
+    if value.lower() in ("", "none"):
+        return None
+    if "bool" in annotation:
+        return value.lower() in ("1", "true", "yes", "on")
+    if "int" in annotation:
+        return int(value)
+    if "float" in annotation:
+        return float(value)
+    return value
 
 
 class Metrics:
@@ -177,7 +177,12 @@ class Metrics:
         self._families = {
             "free": pb_utils.MetricFamily("kilnlm_kv_cache_free_blocks", "Free KV-cache blocks", gauge),
             "total": pb_utils.MetricFamily("kilnlm_kv_cache_total_blocks", "KV-cache blocks", gauge),
-            "active": pb_utils.MetricFamily("kilnlm_active_requests", "Requests in the executor", gauge),
+            "cached": pb_utils.MetricFamily("kilnlm_kv_cache_cached_blocks",
+                                            "KV-cache blocks reusable by prefix hash", gauge),
+            "active": pb_utils.MetricFamily("kilnlm_active_requests",
+                                            "Requests admitted by the executor (holding KV blocks)", gauge),
+            "queued": pb_utils.MetricFamily("kilnlm_queued_requests",
+                                            "Requests waiting for admission", gauge),
             "finished": pb_utils.MetricFamily("kilnlm_requests_finished_total",
                                               "Finished requests by finish reason", counter),
             "tokens": pb_utils.MetricFamily("kilnlm_generated_tokens_total", "Generated tokens", counter),
@@ -189,7 +194,9 @@ class Metrics:
         self._labels = labels
         self.free_blocks = self._families["free"].Metric(labels=labels)
         self.total_blocks = self._families["total"].Metric(labels=labels)
+        self.cached_blocks = self._families["cached"].Metric(labels=labels)
         self.active_requests = self._families["active"].Metric(labels=labels)
+        self.queued_requests = self._families["queued"].Metric(labels=labels)
         self.generated_tokens = self._families["tokens"].Metric(labels=labels)
         self.ttft = self._families["ttft"].Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self.itl = self._families["itl"].Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
@@ -206,7 +213,9 @@ class Metrics:
     def update_stats(self, stats) -> None:
         self.free_blocks.set(float(_stat(stats, "num_free_blocks")))
         self.total_blocks.set(float(_stat(stats, "num_total_blocks")))
+        self.cached_blocks.set(float(_stat(stats, "num_cached_blocks")))
         self.active_requests.set(float(_stat(stats, "num_active_requests")))
+        self.queued_requests.set(float(_stat(stats, "num_queued")))
 
 
 def _response(text: str, token_ids: list[int], finish_reason: str):
@@ -226,11 +235,12 @@ class TritonPythonModel:
     """One executor per model instance; requests are streamed by one thread each."""
 
     def initialize(self, args):
+        from kilnlm.runtime.errors import RequestError
         from kilnlm.runtime.executor import Executor, ExecutorConfig
         from kilnlm.runtime.request import SamplingParams
 
         self._sampling_cls = SamplingParams
-        self._sampling_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        self._request_error = RequestError
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         engine_dir = Path(params.get("engine_dir", "engine"))
@@ -238,8 +248,7 @@ class TritonPythonModel:
             engine_dir = Path(args["model_repository"]) / engine_dir
         self._default_max_tokens = int(params.get("default_max_tokens", "128"))
         # Any parameter named like an ExecutorConfig field configures the executor.
-        defaults = ExecutorConfig()
-        overrides = {f.name: _convert(params[f.name], getattr(defaults, f.name))
+        overrides = {f.name: _convert(params[f.name], str(f.type))
                      for f in dataclasses.fields(ExecutorConfig) if f.name in params}
         pb_utils.Logger.log_info(f"kilnlm: loading engine {engine_dir} with {overrides or 'defaults'}")
         self._executor = Executor.from_engine_dir(str(engine_dir), ExecutorConfig(**overrides))
@@ -259,16 +268,18 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 parsed = parse_request(request, self._default_max_tokens)
-                params = self._sampling_cls(
-                    **{k: v for k, v in parsed.sampling.items() if k in self._sampling_fields})
-                prompt_ids = self._executor.tokenizer.encode(parsed.text)
+                tokenizer = self._executor.tokenizer
+                bad_words = [tokenizer.encode(w, add_special_tokens=False) for w in parsed.bad_words]
+                params = self._sampling_cls(**parsed.sampling, bad_words=[w for w in bad_words if w])
+                prompt_ids = tokenizer.encode(parsed.text)
                 request_id = self._executor.submit(list(prompt_ids), params)
-            except BadRequest as exc:
+            except (BadRequest, self._request_error) as exc:  # the client's to fix: say what
                 self._send_final(sender, _error(str(exc), pb_utils.TritonError.INVALID_ARG))
                 continue
-            except Exception as exc:  # RequestError and any refusal: the client's problem, say why
-                self._send_final(sender, _error(f"{type(exc).__name__}: {exc}",
-                                                pb_utils.TritonError.INVALID_ARG))
+            except Exception as exc:  # a bug or a broken engine: report it, keep serving others
+                pb_utils.Logger.log_error(f"kilnlm: submitting a request failed: {exc!r}")
+                self._send_final(sender, _error(f"kilnlm could not submit the request: {exc}",
+                                                pb_utils.TritonError.INTERNAL))
                 continue
             with self._live_lock:
                 self._live[request_id] = sender
@@ -319,7 +330,10 @@ class TritonPythonModel:
                     last_s = now_s
                 if r.finished:
                     finish_reason = str(getattr(r.finish_reason, "value", r.finish_reason) or "")
-                    if parsed.stream:
+                    if finish_reason == "error":
+                        send_final(_error(f"kilnlm executor error: {getattr(r, 'error', None)}",
+                                          pb_utils.TritonError.INTERNAL))
+                    elif parsed.stream:
                         send_final(_response(r.text, new_ids, finish_reason))
                     else:
                         text_parts.append(r.text)
