@@ -81,11 +81,18 @@ class EagerEngine:
         return self.network(*inputs.as_args(kv_cache))
 
 
-def make_build_config(**overrides) -> BuildConfig:
+def build_config(**overrides) -> BuildConfig:
+    """A small CPU build config; keyword arguments override its fields."""
     params = dict(qformat="fp32", dtype="float32", kv_cache_dtype="float32", max_batch_size=4, max_num_tokens=32,
                   max_seq_len=128, tokens_per_block=4, target="cpu")
     params.update(overrides)
     return BuildConfig(**params)
+
+
+@pytest.fixture(scope="session")
+def make_build_config():
+    """Factory: ``make_build_config(**overrides) -> BuildConfig`` (small CPU limits)."""
+    return build_config
 
 
 @pytest.fixture(scope="session")
@@ -111,7 +118,7 @@ def make_eager_engine(tiny_hf_model, tiny_hf_checkpoint):
     network = LlamaNetwork(model_config, state_dict, torch.float32).eval()
 
     def make(**build_overrides) -> EagerEngine:
-        manifest = Manifest(model=model_config, build=make_build_config(**build_overrides),
+        manifest = Manifest(model=model_config, build=build_config(**build_overrides),
                             generation=GenerationDefaults(eos_token_ids=[2], bos_token_id=1, pad_token_id=2),
                             plugins={}, toolchain={}, source_checkpoint_digest="sha256:test")
         return EagerEngine(manifest, network, torch.float32, tiny_hf_checkpoint)

@@ -1,0 +1,222 @@
+"""Executor behaviour with a stand-in engine whose logits are a deterministic function of the input ids
+(next token = last token + 1): finish reasons, stop strings, streaming, cancellation, errors, accounting.
+Generated-text correctness against transformers is in test_executor_engine.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kilnlm.runtime.abi import EngineInputs
+from kilnlm.runtime.errors import RequestError
+from kilnlm.runtime.executor import Executor, ExecutorConfig
+from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
+from kilnlm.runtime.request import FinishReason, SamplingParams
+from kilnlm.runtime.tokenizer import Tokenizer
+
+VOCAB_SIZE = 49152
+EOS_ID = 2
+
+
+class CountingEngine:
+    """Engine stand-in: the logits of each sequence put all mass on ``last input id + 1`` (mod vocab);
+    ``fail_on`` makes forward raise when that token id is among the inputs."""
+
+    def __init__(self, build: BuildConfig):
+        model = ModelConfig("LlamaForCausalLM", 1, 8, 16, 2, 1, 4, VOCAB_SIZE, 4096, 10000.0, 1e-5, True)
+        self.manifest = Manifest(model, build, GenerationDefaults([EOS_ID]), {}, {}, "sha256:x")
+        self.fail_on: int | None = None
+        self.num_forwards = 0
+        self.max_seen_tokens = 0
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return 64
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return torch.zeros(num_blocks)
+
+    def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        self.num_forwards += 1
+        self.max_seen_tokens = max(self.max_seen_tokens, inputs.num_tokens)
+        if self.fail_on is not None and bool((inputs.input_ids == self.fail_on).any()):
+            raise RuntimeError("injected engine failure")
+        last = inputs.input_ids[inputs.logits_indices]
+        logits = torch.zeros(inputs.num_seqs, VOCAB_SIZE)
+        logits[torch.arange(inputs.num_seqs), (last + 1) % VOCAB_SIZE] = 10.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def tokenizer(rt_tokenizer_dir) -> Tokenizer:
+    return Tokenizer.from_dir(rt_tokenizer_dir)
+
+
+@pytest.fixture
+def make_executor(tokenizer, make_build_config):
+    executors = []
+
+    def make(config: ExecutorConfig | None = None, **build_overrides) -> tuple[Executor, CountingEngine]:
+        engine = CountingEngine(make_build_config(**build_overrides))
+        executor = Executor(engine, tokenizer, config)
+        executors.append(executor)
+        return executor, engine
+
+    yield make
+    for executor in executors:
+        executor.shutdown()
+
+
+def wait_idle(executor: Executor) -> None:
+    """Block until the loop has nothing left (all requests finished and accounted)."""
+    for _ in range(2000):
+        stats = executor.stats()
+        if stats.num_active_requests == 0 and stats.num_queued == 0 and not executor._inbox and not executor._cancels:
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError("executor did not become idle")
+
+
+def test_length_finish_and_token_ids(make_executor, tokenizer):
+    executor, _ = make_executor()
+    response = executor.generate([100, 101, 102], SamplingParams(max_tokens=5))
+    assert response.finished and response.finish_reason is FinishReason.LENGTH
+    assert response.token_ids == [103, 104, 105, 106, 107]
+    assert response.text == tokenizer.decode([103, 104, 105, 106, 107])
+    assert (response.num_prompt_tokens, response.num_generated_tokens) == (3, 5)
+
+
+def test_end_id_stops_and_is_not_part_of_the_output(make_executor):
+    executor, _ = make_executor()
+    response = executor.generate([EOS_ID - 2], SamplingParams(max_tokens=10))  # generates EOS_ID - 1, then EOS
+    assert response.finish_reason is FinishReason.END_ID and response.token_ids == [EOS_ID - 1]
+    assert response.num_generated_tokens == 1
+    response = executor.generate([EOS_ID - 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert response.finish_reason is FinishReason.LENGTH and EOS_ID in response.token_ids
+    response = executor.generate([500], SamplingParams(max_tokens=10, end_id=503))
+    assert response.finish_reason is FinishReason.END_ID and response.token_ids == [501, 502]
+
+
+def test_stop_string_truncates_output(make_executor, tokenizer):
+    executor, _ = make_executor()
+    prompt = [1000]
+    full = tokenizer.decode(list(range(1001, 1011)))
+    stop = full[len(tokenizer.decode(list(range(1001, 1005)))) :][:3]  # starts inside the 5th token's text
+    expected = full[: full.find(stop)]
+    response = executor.generate(prompt, SamplingParams(max_tokens=10, stop=[stop, "never-appears"]))
+    assert response.finish_reason is FinishReason.STOP
+    assert response.text == expected
+    # streamed deltas never contain any part of the stop string
+    request_id = executor.submit(prompt, SamplingParams(max_tokens=10, stop=[stop]))
+    deltas = [r.text for r in executor.stream(request_id, timeout_s=30)]
+    assert "".join(deltas) == expected
+
+
+def test_streaming_yields_one_response_per_token(make_executor, tokenizer):
+    executor, _ = make_executor()
+    request_id = executor.submit([300], SamplingParams(max_tokens=4))
+    responses = list(executor.stream(request_id, timeout_s=30))
+    assert [r.token_ids for r in responses] == [[301], [302], [303], [304]]
+    assert [r.finished for r in responses] == [False, False, False, True]
+    assert "".join(r.text for r in responses) == tokenizer.decode([301, 302, 303, 304])
+    with pytest.raises(RequestError):
+        next(executor.stream(request_id))  # already consumed
+
+
+def test_chunked_context_and_in_flight_batching_respect_limits(make_executor):
+    executor, engine = make_executor(max_batch_size=3, max_num_tokens=16, max_seq_len=128)
+    prompts = [list(range(10 * i + 5, 10 * i + 5 + n)) for i, n in enumerate([40, 3, 17, 9, 1, 25])]
+    ids = [executor.submit(p, SamplingParams(max_tokens=6 + i)) for i, p in enumerate(prompts)]
+    results = {rid: [t for r in executor.stream(rid, timeout_s=60) for t in r.token_ids] for rid in ids}
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        assert results[rid] == [prompt[-1] + 1 + j for j in range(6 + i)]
+    assert engine.max_seen_tokens <= 16
+    wait_idle(executor)
+    stats = executor.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_cancel_returns_blocks(make_executor):
+    executor, _ = make_executor(max_seq_len=4096)
+    request_id = executor.submit([10, 11], SamplingParams(max_tokens=4000, ignore_eos=True))
+    stream = executor.stream(request_id, timeout_s=30)
+    next(stream)
+    executor.cancel(request_id)
+    last = list(stream)[-1]
+    assert last.finished and last.finish_reason is FinishReason.CANCELLED
+    wait_idle(executor)
+    stats = executor.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    executor.cancel(request_id)  # no-op
+
+
+def test_engine_failure_fails_the_batch_and_the_loop_keeps_serving(make_executor):
+    executor, engine = make_executor()
+    engine.fail_on = 777
+    response = executor.generate([776, 777], SamplingParams(max_tokens=3))
+    assert response.finish_reason is FinishReason.ERROR and "injected engine failure" in response.error
+    engine.fail_on = None
+    assert executor.generate([50], SamplingParams(max_tokens=2)).token_ids == [51, 52]
+    wait_idle(executor)
+    assert executor.stats().num_free_blocks == executor.stats().num_total_blocks
+
+
+def test_preemption_under_a_small_pool_still_completes_everything(make_executor):
+    # 8 blocks of 4 tokens = 32 tokens for 3 requests that each grow to 20 tokens.
+    executor, _ = make_executor(ExecutorConfig(kv_cache_bytes=8 * 64), max_batch_size=3, max_num_tokens=16, max_seq_len=64)
+    prompts = [[100 * (i + 1) + j for j in range(8)] for i in range(3)]
+    ids = [executor.submit(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+    for rid, prompt in zip(ids, prompts):
+        tokens = [t for r in executor.stream(rid, timeout_s=60) for t in r.token_ids]
+        assert tokens == [prompt[-1] + 1 + j for j in range(12)]
+    wait_idle(executor)
+    stats = executor.stats()
+    assert stats.num_preemptions > 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_submit_from_many_threads(make_executor):
+    executor, _ = make_executor(max_batch_size=4, max_num_tokens=32)
+    results: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        results[i] = executor.generate([1000 * i + 7], SamplingParams(max_tokens=3), timeout_s=60).token_ids
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(1, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: [1000 * i + 8, 1000 * i + 9, 1000 * i + 10] for i in range(1, 9)}
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], SamplingParams(), "empty"),
+        (list(range(128)), SamplingParams(), "max_seq_len"),
+        ([VOCAB_SIZE], SamplingParams(), "vocabulary"),
+        ([1], SamplingParams(temperature=-1), "temperature"),
+    ],
+)
+def test_submit_rejects_bad_requests(make_executor, prompt, params, match):
+    executor, _ = make_executor()
+    with pytest.raises(RequestError, match=match):
+        executor.submit(prompt, params)
+
+
+def test_request_larger_than_the_pool_is_rejected(make_executor):
+    executor, _ = make_executor(ExecutorConfig(kv_cache_bytes=4 * 64))  # 16 tokens
+    with pytest.raises(RequestError, match="kv_cache_bytes"):
+        executor.submit(list(range(10)), SamplingParams(max_tokens=10))
+
+
+def test_shutdown_cancels_outstanding_requests(make_executor):
+    executor, _ = make_executor(max_seq_len=4096)
+    request_id = executor.submit([5], SamplingParams(max_tokens=4000, ignore_eos=True))
+    stream = executor.stream(request_id, timeout_s=30)
+    next(stream)
+    executor.shutdown()
+    assert list(stream)[-1].finish_reason is FinishReason.CANCELLED
+    with pytest.raises(RequestError, match="shut down"):
+        executor.submit([5])
