@@ -1,0 +1,196 @@
+"""``kilnlm build``: checkpoint -> (FP8 calibration) -> fused network -> AOTInductor package -> engine dir.
+
+The engine is built in a temporary directory next to ``--output`` and renamed into place only when it
+is complete and smoke-tested, so a failed build never leaves a half-written engine behind::
+
+    <output>.tmp-<pid>/  model.pt2, tokenizer/, manifest.json (last)  --os.replace-->  <output>/
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kilnlm.builder.checkpoint import Checkpoint, load_checkpoint
+from kilnlm.builder.compile import CompileOptions, compile_engine
+from kilnlm.builder.errors import BuildError
+from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
+from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig, write_manifest
+
+log = logging.getLogger(__name__)
+
+QFORMATS = ("fp32", "bf16", "fp8")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# qformat -> activation / KV-cache dtype when --dtype auto.
+AUTO_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
+
+
+@dataclass
+class BuildOptions:
+    """What ``kilnlm build`` takes (TensorRT-LLM's meanings for the limits)."""
+
+    checkpoint: Path
+    output: Path
+    qformat: str = "fp32"
+    dtype: str = "auto"  # activation / KV-cache dtype: auto | float32 | bfloat16
+    max_batch_size: int = 32  # sequences per forward
+    max_seq_len: int = 2048  # tokens of one sequence (prompt + generated)
+    max_num_tokens: int = 2048  # packed tokens per forward
+    tokens_per_block: int = 32  # tokens per paged-KV block
+    overwrite: bool = False
+    smoke_test: bool = True
+    calib_num_samples: int = 24  # FP8 calibration: samples of real English text
+    calib_seq_len: int = 256  # FP8 calibration: tokens per sample
+    compile: CompileOptions = field(default_factory=CompileOptions)
+
+
+def resolve_dtype(qformat: str, dtype: str) -> str:
+    """The activation dtype name for ``qformat`` and ``--dtype``. Raises :class:`BuildError` for
+    contradictory choices (fp32 weights with bfloat16 activations and the reverse)."""
+    if qformat not in QFORMATS:
+        raise BuildError(f"--qformat {qformat!r} is not supported: choose one of {', '.join(QFORMATS)}")
+    if dtype == "auto":
+        return AUTO_DTYPE[qformat]
+    if dtype not in DTYPES:
+        raise BuildError(f"--dtype {dtype!r} is not supported: choose auto, {', '.join(DTYPES)}")
+    if qformat in ("fp32", "bf16") and dtype != AUTO_DTYPE[qformat]:
+        raise BuildError(f"--qformat {qformat} runs {AUTO_DTYPE[qformat]} activations, not {dtype}: "
+                         f"drop --dtype or pick --qformat {'fp32' if dtype == 'float32' else 'bf16'}")
+    return dtype
+
+
+def _check_limits(opts: BuildOptions, model: ModelConfig, hf_config) -> None:
+    for name in ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+        if getattr(opts, name) < 1:
+            raise BuildError(f"--{name.replace('_', '-')} is {getattr(opts, name)}: it must be at least 1")
+    if opts.max_seq_len > model.max_position_embeddings:
+        raise BuildError(f"--max-seq-len {opts.max_seq_len:,} exceeds the model's max_position_embeddings "
+                         f"{model.max_position_embeddings:,}: lower --max-seq-len")
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and getattr(hf_config, "use_sliding_window", True) and opts.max_seq_len > window:
+        raise BuildError(f"--max-seq-len {opts.max_seq_len:,} exceeds the model's sliding_window {window:,} and kilnlm's "
+                         f"attention has no sliding window: lower --max-seq-len to {window:,}")
+
+
+def _check_output(opts: BuildOptions) -> None:
+    out = opts.output
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"--output {out} is a file: pass a directory path")
+    if out.is_dir() and any(out.iterdir()) and not opts.overwrite:
+        raise BuildError(f"--output {out} exists and is not empty: pass --overwrite or choose another directory")
+
+
+def _generation_defaults(ck: Checkpoint) -> GenerationDefaults:
+    def first(*values):
+        return next((v for v in values if v is not None), None)
+
+    gc, cfg = ck.generation_config, ck.config
+    eos = first(getattr(gc, "eos_token_id", None), getattr(cfg, "eos_token_id", None), ck.tokenizer.eos_token_id)
+    eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+    bos = first(getattr(gc, "bos_token_id", None), getattr(cfg, "bos_token_id", None), ck.tokenizer.bos_token_id)
+    pad = first(getattr(gc, "pad_token_id", None), getattr(cfg, "pad_token_id", None), ck.tokenizer.pad_token_id)
+    if not eos_ids:
+        raise BuildError(f"{ck.source} defines no EOS token (generation_config / config / tokenizer): add eos_token_id")
+    return GenerationDefaults(eos_token_ids=eos_ids, bos_token_id=bos, pad_token_id=pad)
+
+
+def toolchain_versions() -> dict[str, str]:
+    """kilnlm, torch, C++ compiler and the CPU vector ISA inductor generates code for."""
+    from torch._inductor import cpp_builder
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    try:
+        kilnlm_version = importlib.metadata.version("kilnlm")
+    except importlib.metadata.PackageNotFoundError:
+        kilnlm_version = "0+unknown"
+    info = cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())
+    compiler = next((part.strip() for part in info.split("_") if " version " in part), info[-80:]).strip()
+    return {"kilnlm": kilnlm_version, "torch": torch.__version__, "compiler": compiler,
+            "cpu_isa": str(pick_vec_isa()), "target": "cpu"}
+
+
+def build_engine(opts: BuildOptions) -> Manifest:
+    """Build an engine directory at ``opts.output`` and return its manifest. Raises
+    :class:`BuildError` for bad input; never leaves a partial ``opts.output`` behind."""
+    opts.checkpoint, opts.output = Path(opts.checkpoint), Path(opts.output)
+    dtype_name = resolve_dtype(opts.qformat, opts.dtype)
+    dtype = DTYPES[dtype_name]
+    _check_output(opts)
+    t_start = time.perf_counter()
+    ck = load_checkpoint(opts.checkpoint)
+    model_cfg = model_config_from_hf(ck.config)
+    _check_limits(opts, model_cfg, ck.config)
+    log.info("loaded %s (%s, %d layers) in %.1f s", opts.checkpoint, model_cfg.architecture, model_cfg.num_layers,
+             time.perf_counter() - t_start)
+
+    fp8_amax = None
+    if opts.qformat == "fp8":
+        from kilnlm.builder.quantize import CalibrationConfig, calibrate_fp8
+
+        t0 = time.perf_counter()
+        fp8_amax = calibrate_fp8(ck, CalibrationConfig(opts.calib_num_samples, opts.calib_seq_len))
+        log.info("FP8 calibration (ModelOpt) took %.1f s", time.perf_counter() - t0)
+    network = LlamaNetwork(model_cfg, ck.state_dict, dtype, fp8_amax)
+    build_cfg = BuildConfig(qformat=opts.qformat, dtype=dtype_name, kv_cache_dtype=dtype_name,
+                            max_batch_size=opts.max_batch_size, max_num_tokens=opts.max_num_tokens,
+                            max_seq_len=opts.max_seq_len, tokens_per_block=opts.tokens_per_block, target="cpu")
+
+    from kilnlm.plugins import PLUGIN_VERSIONS
+
+    used = ["paged_attention"] + (["fp8_linear"] if opts.qformat == "fp8" else [])
+    tmp = opts.output.parent / f".{opts.output.name}.tmp-{os.getpid()}"
+    opts.output.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        compile_engine(network, model_cfg, build_cfg, dtype, tmp / "model.pt2", opts.compile)
+        del network
+        ck.tokenizer.save_pretrained(tmp / "tokenizer")
+        manifest = Manifest(model=model_cfg, build=build_cfg, generation=_generation_defaults(ck),
+                            plugins={name: PLUGIN_VERSIONS[name] for name in used},
+                            toolchain=toolchain_versions(), source_checkpoint_digest=ck.digest)
+        write_manifest(tmp, manifest)
+        if opts.smoke_test:
+            _smoke_test(tmp)
+        _move_into_place(tmp, opts.output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("built %s in %.1f s", opts.output, time.perf_counter() - t_start)
+    return manifest
+
+
+def _smoke_test(engine_dir: Path) -> None:
+    """Load the engine as the runtime does and run one forward of one token."""
+    from kilnlm.runtime.abi import EngineInputs
+    from kilnlm.runtime.engine import Engine
+
+    engine = Engine.load(engine_dir)
+    max_blocks = engine.manifest.build.max_blocks_per_seq
+    inputs = EngineInputs(
+        input_ids=torch.tensor([1], dtype=torch.int64), positions=torch.tensor([0], dtype=torch.int64),
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seq_lens_kv=torch.tensor([1], dtype=torch.int32),
+        block_tables=torch.zeros(1, max_blocks, dtype=torch.int32), slot_mapping=torch.tensor([0], dtype=torch.int64),
+        logits_indices=torch.tensor([0], dtype=torch.int64),
+    )
+    logits = engine.forward(inputs, engine.allocate_kv_cache(1))
+    if logits.shape != (1, engine.manifest.model.vocab_size) or not torch.isfinite(logits).all():
+        raise BuildError(f"smoke test of the built engine failed: logits {tuple(logits.shape)}, finite="
+                         f"{bool(torch.isfinite(logits).all())}; report this as a kilnlm bug")
+
+
+def _move_into_place(tmp: Path, output: Path) -> None:
+    if output.exists():
+        trash = output.parent / f".{output.name}.old-{os.getpid()}"
+        os.replace(output, trash)
+        os.replace(tmp, output)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, output)

@@ -1,0 +1,104 @@
+"""Export the network with ``torch.export`` and compile it ahead of time with AOTInductor into a
+``.pt2`` package (the CPU target's compiled engine).
+
+Dynamic dimensions: T (packed tokens, 1..max_num_tokens), B (sequences, 1..max_batch_size; ``cu_seqlens_q``
+is B+1) and num_blocks (the KV pool's size, chosen by the runtime). ``max_blocks_per_seq`` =
+ceil(max_seq_len / tokens_per_block) is fixed. Weights are frozen into the package as constants.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from kilnlm.builder.errors import BuildError
+from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
+from kilnlm.runtime.manifest import BuildConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def default_inductor_configs() -> dict:
+    """Inductor settings measured on this CPU target (see docs/ and tests/builder/bench_compile.py):
+    ``freezing`` folds the weights into constants, which lets inductor pre-pack the linears' weights for
+    oneDNN (mkldnn) GEMMs -- the main CPU speed-up over its default generated GEMM loops."""
+    return {"freezing": True}
+
+
+@dataclass
+class CompileOptions:
+    inductor_configs: dict = field(default_factory=default_inductor_configs)
+
+
+def example_inputs(model: ModelConfig, build: BuildConfig, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A small valid packed batch (2 sequences, 3 + 2 tokens, 4 KV blocks) for tracing; all on CPU."""
+    max_blocks = build.max_blocks_per_seq
+    tpb = build.tokens_per_block
+    num_tokens = [3, 2] if build.max_num_tokens >= 5 else [2, 1]
+    num_seqs = 2
+    positions = torch.cat([torch.arange(n) for n in num_tokens])
+    block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    block_tables[:, 0] = torch.tensor([1, 2], dtype=torch.int32)
+    slots = torch.cat([block_tables[b, 0].long() * tpb + torch.arange(n) for b, n in enumerate(num_tokens)])
+    cu = torch.tensor([0, num_tokens[0], sum(num_tokens)], dtype=torch.int32)
+    inputs = EngineInputs(
+        input_ids=torch.tensor([5, 6, 7, 8, 9][: sum(num_tokens)], dtype=torch.int64),
+        positions=positions.to(torch.int64),
+        cu_seqlens_q=cu,
+        seq_lens_kv=torch.tensor(num_tokens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=slots.to(torch.int64),
+        logits_indices=(cu[1:] - 1).to(torch.int64),
+    )
+    kv_cache = torch.zeros(kv_cache_shape(model.num_layers, 4, tpb, model.num_kv_heads, model.head_dim), dtype=dtype)
+    return inputs.as_args(kv_cache)
+
+
+def dynamic_shapes(build: BuildConfig) -> tuple:
+    """Per-argument dynamic dims, in ABI order."""
+    num_tokens = Dim("num_tokens", min=1, max=build.max_num_tokens)
+    num_seqs = Dim("num_seqs", min=1, max=build.max_batch_size)
+    num_blocks = Dim("num_blocks", min=1, max=2**31 - 1)
+    return (
+        {0: num_tokens},  # input_ids
+        {0: num_tokens},  # positions
+        {0: num_seqs + 1},  # cu_seqlens_q
+        {0: num_seqs},  # seq_lens_kv
+        {0: num_seqs},  # block_tables (max_blocks_per_seq fixed)
+        {0: num_tokens},  # slot_mapping
+        {0: num_seqs},  # logits_indices
+        {2: num_blocks},  # kv_cache
+    )
+
+
+def compile_engine(network: torch.nn.Module, model: ModelConfig, build: BuildConfig, dtype: torch.dtype,
+                   package_path: str | Path, options: CompileOptions | None = None) -> Path:
+    """``torch.export`` the network over the dynamic ABI and AOT-compile it into ``package_path``
+    (``.pt2``). Raises :class:`BuildError` if export or compilation fails. Logs each step's duration."""
+    options = options or CompileOptions()
+    network = network.eval()
+    args = example_inputs(model, build, dtype)
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(network, args, dynamic_shapes=dynamic_shapes(build), strict=False)
+    except Exception as exc:  # export failures are many types; report them as one build error
+        raise BuildError(f"torch.export failed for {model.architecture}: {str(exc).splitlines()[0]}") from exc
+    log.info("exported the network in %.1f s", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    package_path = Path(package_path)
+    try:
+        with torch.no_grad():
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(package_path), inductor_configs=dict(options.inductor_configs)
+            )
+    except Exception as exc:
+        raise BuildError(f"AOTInductor compilation failed: {str(exc).splitlines()[0]}") from exc
+    log.info("AOT-compiled the engine in %.1f s (%s, %.1f MB)", time.perf_counter() - t0, package_path.name,
+             package_path.stat().st_size / 1e6)
+    return package_path

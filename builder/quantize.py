@@ -1,0 +1,87 @@
+"""FP8 (E4M3) post-training quantization with NVIDIA ModelOpt's FP8 recipe.
+
+ModelOpt inserts max-calibrating quantizers into every linear of a transformers model
+(``mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)``); running real English text through it
+records each linear's weight amax and input (activation) amax. The builder turns those into static
+per-tensor scales ``amax / 448`` (see :class:`kilnlm.builder.network.layers.Fp8Linear`); fused linears
+take the max over their parts. Calibration text defaults to the standard library's
+``pydoc_data.topics`` (the Python language reference), so builds need no network and are deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kilnlm.builder.checkpoint import Checkpoint
+from kilnlm.builder.errors import BuildError
+from kilnlm.builder.network.layers import Fp8Amax
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibrationConfig:
+    num_samples: int = 24  # calibration sequences
+    seq_len: int = 256  # tokens per sequence
+
+
+def calibration_text() -> str:
+    """The Python language reference shipped with the standard library (~465 KB of English), topics in
+    sorted order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def calibration_batches(tokenizer, cfg: CalibrationConfig) -> list[torch.Tensor]:
+    """``cfg.num_samples`` token sequences ``[1, seq_len] int64``, spread evenly over the text."""
+    ids = tokenizer(calibration_text(), add_special_tokens=False)["input_ids"]
+    num_chunks = len(ids) // cfg.seq_len
+    if num_chunks < 1:
+        raise BuildError("calibration text is shorter than one sample: lower the calibration sequence length")
+    stride = max(1, num_chunks // cfg.num_samples)
+    starts = [i * stride * cfg.seq_len for i in range(min(cfg.num_samples, num_chunks))]
+    return [torch.tensor([ids[s: s + cfg.seq_len]], dtype=torch.int64) for s in starts]
+
+
+def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig) -> dict[str, Fp8Amax]:
+    """Run ModelOpt FP8 calibration on the checkpoint's float32 weights.
+
+    Returns HF linear name (``model.layers.{i}.self_attn.q_proj``, ...) -> :class:`Fp8Amax` for every
+    decoder linear (the LM head is not quantized). Raises :class:`BuildError` if ModelOpt is missing or
+    a quantizer recorded no amax."""
+    try:
+        import modelopt.torch.quantization as mtq
+    except ImportError as exc:
+        raise BuildError(f"--qformat fp8 needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(ck.config, dtype=torch.float32)
+    model.load_state_dict(ck.state_dict, strict=False)
+    if getattr(ck.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.eval()
+    batches = calibration_batches(ck.tokenizer, cfg)
+    log.info("calibrating FP8 on %d samples x %d tokens of pydoc_data.topics", len(batches), batches[0].shape[1])
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for batch in batches:
+                m(batch)
+
+    # The default recipe already leaves the LM head (and embeddings) unquantized.
+    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)
+    amax: dict[str, Fp8Amax] = {}
+    for name, module in model.named_modules():
+        if not name.startswith("model.layers.") or not hasattr(module, "weight_quantizer"):
+            continue
+        w_amax, in_amax = module.weight_quantizer.amax, module.input_quantizer.amax
+        if w_amax is None or in_amax is None:
+            raise BuildError(f"ModelOpt recorded no amax for {name}: the calibration did not reach it")
+        amax[name] = Fp8Amax(float(w_amax.float().max()), float(in_amax.float().max()))
+    if not amax:
+        raise BuildError("ModelOpt FP8 calibration quantized no linear layer: check the model architecture")
+    return amax

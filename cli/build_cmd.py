@@ -1,0 +1,45 @@
+"""``kilnlm build``: compile a checkpoint (HF directory or .gguf) into an engine directory."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    from kilnlm.builder.build import QFORMATS
+
+    p = subparsers.add_parser(name, help=help_text, description=help_text)
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="Hugging Face model directory (config.json + *.safetensors) or a .gguf file")
+    p.add_argument("--output", required=True, type=Path, help="engine directory to create")
+    p.add_argument("--qformat", choices=QFORMATS, default="fp32",
+                   help="weight format: fp32, bf16, or fp8 (E4M3 per-tensor, ModelOpt-calibrated) (default: fp32)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="activation and KV-cache dtype; auto = float32 for fp32, bfloat16 for bf16/fp8 (default: auto)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="sequences per forward (default: 32)")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="tokens per sequence, prompt + generated (default: 2048)")
+    p.add_argument("--max-num-tokens", type=int, default=2048,
+                   help="tokens packed into one forward, context chunks + generation tokens (default: 2048)")
+    p.add_argument("--tokens-per-block", type=int, default=32, help="tokens per paged-KV block (default: 32)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
+    p.add_argument("--quiet", action="store_true", help="print only errors")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kilnlm.builder.build import BuildOptions, build_engine
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[kilnlm build] %(message)s")
+    manifest = build_engine(BuildOptions(
+        checkpoint=args.checkpoint, output=args.output, qformat=args.qformat, dtype=args.dtype,
+        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
+        tokens_per_block=args.tokens_per_block, overwrite=args.overwrite,
+    ))
+    if not args.quiet:
+        size_bytes = sum(f["size"] for f in manifest.files.values())
+        print(f"engine written to {args.output} ({size_bytes / 1e6:.1f} MB, qformat {manifest.build.qformat})")
+    return 0
