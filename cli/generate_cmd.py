@@ -1,0 +1,75 @@
+"""``kilnlm generate``: run one prompt through an engine and stream the completion to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help=help_text, description=help_text)
+    p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    p.add_argument("--engine", required=True, type=Path, help="engine directory written by `kilnlm build`")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default: 0.0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens reaching this probability mass; 1.0 = off (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string; the output ends before it (repeatable; default: none)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens (default: off)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the engine's chat template (default: off)")
+    p.add_argument("--system", default=None, help="with --chat: a system message (default: the template's own)")
+    p.add_argument("--stats", action="store_true",
+                   help="print token counts, time to first token (ms) and tokens/s to stderr (default: off)")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kilnlm.runtime.executor import Executor
+    from kilnlm.runtime.request import SamplingParams
+
+    executor = Executor.from_engine_dir(args.engine)
+    try:
+        tokenizer = executor.tokenizer
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}
+            ]
+            prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                                          add_special_tokens=False)
+        else:
+            prompt_ids = tokenizer.encode(args.prompt)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+        start_s = time.perf_counter()
+        first_token_s = None
+        request_id = executor.submit(prompt_ids, params)
+        for response in executor.stream(request_id):
+            if first_token_s is None and response.token_ids:
+                first_token_s = time.perf_counter() - start_s
+            if response.text:
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+            last = response
+        total_s = time.perf_counter() - start_s
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    finally:
+        executor.shutdown()
+    if last.finish_reason is not None and last.finish_reason.value == "error":
+        print(f"kilnlm generate: error: {last.error}", file=sys.stderr)
+        return 1
+    if args.stats:
+        decode_s = total_s - (first_token_s or 0.0)
+        num_decoded = max(last.num_generated_tokens - 1, 0)
+        print(f"[kilnlm generate] prompt {last.num_prompt_tokens} tokens, generated {last.num_generated_tokens} "
+              f"({last.finish_reason.value}); TTFT {1e3 * (first_token_s or total_s):.1f} ms; "
+              f"{num_decoded / decode_s if decode_s > 0 else 0.0:.1f} tokens/s after the first", file=sys.stderr)
+    return 0

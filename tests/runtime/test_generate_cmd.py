@@ -1,0 +1,46 @@
+"""``kilnlm generate`` end to end through the CLI dispatcher, on the tiny eager engine (the engine loader
+is replaced by one returning it; the compiled engines are exercised where the builder's fixtures exist)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kilnlm.cli.main import main
+from kilnlm.runtime.executor import Executor
+from kilnlm.runtime.tokenizer import Tokenizer
+
+
+@pytest.fixture
+def eager_engine_dir(monkeypatch, make_eager_engine, rt_tokenizer_dir, tmp_path):
+    engine = make_eager_engine()
+    tokenizer = Tokenizer.from_dir(rt_tokenizer_dir)
+
+    def from_engine_dir(cls, engine_dir, config=None):
+        assert str(engine_dir) == str(tmp_path)
+        return cls(engine, tokenizer, config)
+
+    monkeypatch.setattr(Executor, "from_engine_dir", classmethod(from_engine_dir))
+    return tmp_path
+
+
+def test_generate_streams_greedy_completion(eager_engine_dir, tiny_hf_model, hf_tokenizer, capsys):
+    import torch
+
+    prompt = "The kiln was hot and"
+    ids = hf_tokenizer(prompt).input_ids
+    with torch.no_grad():
+        out = tiny_hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    expected = hf_tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    status = main(["generate", "--engine", str(eager_engine_dir), "--max-tokens", "12", "--ignore-eos", "--stats", prompt])
+    captured = capsys.readouterr()
+    assert status == 0
+    assert captured.out == expected + "\n"
+    assert "generated 12" in captured.err and "TTFT" in captured.err
+
+
+def test_generate_chat_and_errors(eager_engine_dir, capsys):
+    assert main(["generate", "--engine", str(eager_engine_dir), "--chat", "--max-tokens", "3", "hello"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--engine", str(eager_engine_dir), "--temperature", "-1", "hello"]) == 2
+    assert "temperature" in capsys.readouterr().err
