@@ -1,0 +1,110 @@
+"""The C++ fp8_linear kernel: bit-exact activation quantization and FP8 decoding, and the GEMM within
+float32 rounding of ``(x_q.float() @ w.float().T) * scale`` -- on both the generation-phase GEMV path
+(T <= 16) and the tiled context-phase path, with in_features not a multiple of the vector width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kilnlm.plugins.reference import fp8_linear_reference, quantize_fp8_reference
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+fp8_linear = torch.ops.kilnlm.fp8_linear
+
+
+def random_fp8_weight(out_features: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
+    # Spread over E4M3's whole range, subnormals included.
+    w = torch.randn(out_features, in_features, generator=gen) * torch.exp2(torch.randint(-10, 8, (1,), generator=gen))
+    return w.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 17, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantization_is_bit_exact(num_tokens, dtype):
+    """With an identity weight, y = x_q * input_scale exactly: the kernel's E4M3 rounding, saturation and
+    subnormals equal torch's ``(x.float() / s).clamp(-448, 448).to(float8_e4m3fn)``."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    in_features = 40
+    x = torch.randn(num_tokens, in_features, generator=gen) * torch.logspace(-4, 3, in_features)
+    x[0, :4] = torch.tensor([1e9, -1e9, 0.0, -0.0])  # saturation, signed zero
+    x = x.to(dtype)
+    input_scale, weight_scale = torch.tensor(0.37), torch.tensor(1.0)
+    eye = torch.eye(in_features).to(torch.float8_e4m3fn)
+    y = fp8_linear(x, eye, weight_scale, input_scale, None)
+    expected = (quantize_fp8_reference(x, input_scale).float() * input_scale).to(dtype)
+    assert y.dtype == dtype
+    assert torch.equal(y, expected)
+    assert torch.equal(y, fp8_linear_reference(x, eye, weight_scale, input_scale, None))
+
+
+@pytest.mark.parametrize("num_tokens", [16, 32])
+def test_every_fp8_weight_byte_decodes_exactly(num_tokens):
+    """One-hot activations read the weight back: all 254 finite E4M3 encodings decode bit-exactly."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0  # the two NaN encodings
+    weight = codes.view(torch.float8_e4m3fn).reshape(8, 32)  # [out=8, in=32]
+    x = torch.eye(32)[:num_tokens]
+    y = fp8_linear(x, weight, torch.tensor(1.0), torch.tensor(1.0), None)  # [T, 8] = weight.T rows
+    assert torch.equal(y, weight.float().T[:num_tokens])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_fp32_matmul_of_quantized_operands(num_tokens, dtype, with_bias):
+    gen = torch.Generator().manual_seed(7 * num_tokens + with_bias)
+    in_features, out_features = 200, 72  # 200 = 12 x 16 + 8: exercises the vector tails
+    x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(dtype)
+    weight = random_fp8_weight(out_features, in_features, gen)
+    input_scale, weight_scale = torch.tensor(0.05), torch.tensor(0.003)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    y = fp8_linear(x, weight, weight_scale, input_scale, bias)
+    x_q = quantize_fp8_reference(x, input_scale)
+    exact = (x_q.double() @ weight.double().T) * (input_scale.double() * weight_scale.double())
+    if bias is not None:
+        exact = exact + bias.double()
+    expected = fp8_linear_reference(x, weight, weight_scale, input_scale, bias)
+    assert y.dtype == dtype and y.shape == (num_tokens, out_features)
+    # float32: a few ulps of the accumulated magnitude; bfloat16: the final rounding (~2 bf16 ulps).
+    magnitude = (x_q.double().abs() @ weight.double().abs().T) * float(input_scale * weight_scale)
+    if dtype == torch.float32:
+        assert ((y.double() - exact).abs() <= 1e-6 * magnitude + 1e-6).all()
+    else:
+        torch.testing.assert_close(y.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_smollm2_shaped_generation_gemv():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 576, generator=gen)
+    weight = random_fp8_weight(3072, 576, gen)
+    scales = torch.tensor(0.02), torch.tensor(0.01)
+    y = fp8_linear(x, weight, scales[1], scales[0], None)
+    torch.testing.assert_close(y, fp8_linear_reference(x, weight, scales[1], scales[0], None), atol=1e-4, rtol=1e-5)
+
+
+def test_empty_batch():
+    weight = torch.zeros(8, 16).to(torch.float8_e4m3fn)
+    y = fp8_linear(torch.zeros(0, 16), weight, torch.tensor(1.0), torch.tensor(1.0), None)
+    assert y.shape == (0, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(x=torch.zeros(2, 16, dtype=torch.float64)), "x must be float32 or bfloat16"),
+        (dict(weight=torch.zeros(8, 16, dtype=torch.bfloat16)), "weight must be a 2-D float8_e4m3fn"),
+        (dict(x=torch.zeros(2, 15)), "x has 15 features but weight expects 16"),
+        (dict(input_scale=torch.tensor([1.0, 2.0])), "must be 0-dim float32"),
+        (dict(weight_scale=torch.tensor(1.0, dtype=torch.float64)), "must be 0-dim float32"),
+        (dict(bias=torch.zeros(7)), "bias must be \\[out_features=8\\]"),
+    ],
+    ids=["x-dtype", "weight-dtype", "in-features", "scale-shape", "scale-dtype", "bias-shape"],
+)
+def test_bad_inputs_raise_clear_errors(kwargs, message):
+    args = dict(x=torch.zeros(2, 16), weight=torch.zeros(8, 16).to(torch.float8_e4m3fn),
+                weight_scale=torch.tensor(1.0), input_scale=torch.tensor(1.0), bias=None)
+    args.update(kwargs)
+    with pytest.raises(RuntimeError, match=message):
+        fp8_linear(args["x"], args["weight"], args["weight_scale"], args["input_scale"], args["bias"])

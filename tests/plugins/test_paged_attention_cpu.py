@@ -1,0 +1,137 @@
+"""The C++ paged-attention kernel against the plain-torch reference on packed, paged batches.
+
+Tolerances: float32 atol/rtol 1e-5 (only summation order and libm cos/sin differ); bfloat16 atol/rtol
+1e-2 on outputs (~2 bf16 ulps: both compute in float32, the kernel in another order, then round to bf16)
+and on the written keys (RoPE's cos/sin may differ by a float32 ulp before rounding to bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kilnlm.plugins.reference import paged_attention_reference
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+# (num_cached, num_new): a first context chunk, generation tokens, context chunks after cached KV (one
+# longer than the kernel's 16-token query chunk), a generation token at a block boundary.
+MIXED = [(0, 20), (37, 1), (20, 13), (5, 40), (63, 1), (31, 1)]
+
+
+def run_both(batch):
+    """Runs the kernel and the reference on separate copies of the pool; returns both outputs and pools."""
+    pool_kernel, pool_ref = batch.kv_cache.clone(), batch.kv_cache.clone()
+    out = torch.ops.kilnlm.paged_attention(*batch.args(pool_kernel))
+    expected = paged_attention_reference(*batch.args(pool_ref))
+    return out, expected, pool_kernel, pool_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("tokens_per_block", [16, 32])
+def test_mixed_packed_batch_matches_reference(make_packed_batch, dtype, group, tokens_per_block):
+    batch = make_packed_batch(MIXED, num_heads=3 * group, num_kv_heads=3, head_dim=64,
+                              tokens_per_block=tokens_per_block, dtype=dtype)
+    out, expected, pool_kernel, pool_ref = run_both(batch)
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(pool_kernel, pool_ref, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_written_in_place_at_exactly_the_addressed_slots(make_packed_batch, dtype):
+    batch = make_packed_batch(MIXED, dtype=dtype)
+    pool = batch.kv_cache
+    before = pool.clone()
+    data_ptr = pool.data_ptr()
+    torch.ops.kilnlm.paged_attention(*batch.args())
+    assert pool.data_ptr() == data_ptr
+    tpb = pool.shape[3]
+    changed = (pool != before).any(dim=-1).any(dim=-1)  # [layers, 2, num_blocks, tpb]
+    expected = torch.zeros_like(changed)
+    slots = batch.slot_mapping
+    expected[batch.layer_idx, :, slots // tpb, slots % tpb] = True
+    assert torch.equal(changed, expected)
+    # And what was written is v itself (unrotated, bit-exact) and k after RoPE.
+    assert torch.equal(pool[batch.layer_idx, 1, slots // tpb, slots % tpb], batch.v)
+
+
+def test_sequence_over_non_contiguous_blocks(make_packed_batch):
+    batch = make_packed_batch([(60, 1), (50, 7)], tokens_per_block=16)
+    # Scatter both sequences over hand-picked, interleaved, descending blocks.
+    batch.block_tables[0, :4] = torch.tensor([41, 3, 17, 9], dtype=torch.int32)
+    batch.block_tables[1, :4] = torch.tensor([30, 29, 2, 40], dtype=torch.int32)
+    tpb = 16
+    slots = [int(batch.block_tables[0, 60 // tpb]) * tpb + 60 % tpb]
+    slots += [int(batch.block_tables[1, p // tpb]) * tpb + p % tpb for p in range(50, 57)]
+    batch.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    out, expected, pool_kernel, pool_ref = run_both(batch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool_kernel, pool_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seqs", [[(100 + 13 * b, 1) for b in range(12)], [(0, 100)], [(0, 1)]],
+                         ids=["decode-batch", "long-context-chunk", "first-token"])
+def test_generation_only_and_context_only_batches(make_packed_batch, seqs):
+    batch = make_packed_batch(seqs, num_heads=9, num_kv_heads=3, num_blocks=160)
+    out, expected, _, _ = run_both(batch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_q_k_v_from_a_fused_projection(make_packed_batch):
+    batch = make_packed_batch(MIXED, num_heads=6, num_kv_heads=2)
+    num_tokens = batch.q.shape[0]
+    fused = torch.cat([batch.q.reshape(num_tokens, -1), batch.k.reshape(num_tokens, -1),
+                       batch.v.reshape(num_tokens, -1)], dim=1)
+    q, k, v = fused.split([6 * 64, 2 * 64, 2 * 64], dim=1)
+    batch.q, batch.k, batch.v = q.view(num_tokens, 6, 64), k.view(num_tokens, 2, 64), v.view(num_tokens, 2, 64)
+    assert not batch.q.is_contiguous()
+    out, expected, _, _ = run_both(batch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_then_generation_steps_match_reference(make_packed_batch):
+    """A short generation loop: the kernel's and the reference's pools evolve identically step by step."""
+    batch = make_packed_batch([(0, 19)], num_heads=6, num_kv_heads=2, tokens_per_block=16)
+    pool_kernel, pool_ref = batch.kv_cache.clone(), batch.kv_cache.clone()
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        out = torch.ops.kilnlm.paged_attention(*batch.args(pool_kernel))
+        expected = paged_attention_reference(*batch.args(pool_ref))
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        # Next step: one generation token at the next position.
+        position = int(batch.seq_lens_kv[0])
+        batch.q, batch.k, batch.v = (torch.randn(1, h, 64, generator=gen) for h in (6, 2, 2))
+        batch.positions = torch.tensor([position])
+        batch.cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32)
+        batch.seq_lens_kv = torch.tensor([position + 1], dtype=torch.int32)
+        batch.slot_mapping = torch.tensor([int(batch.block_tables[0, position // 16]) * 16 + position % 16])
+    torch.testing.assert_close(pool_kernel, pool_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda b: setattr(b, "q", b.q.double()), "q must be float32 or bfloat16"),
+        (lambda b: setattr(b, "k", b.k.to(torch.bfloat16)), "k .* must be Float, got BFloat16"),
+        (lambda b: setattr(b, "kv_cache", b.kv_cache.to(torch.bfloat16)), "kv_cache .* must be Float"),
+        (lambda b: setattr(b, "slot_mapping", b.slot_mapping.to(torch.int32)), "slot_mapping .* must be Long"),
+        (lambda b: b.slot_mapping.__setitem__(0, 64 * 16), "slot_mapping\\[0\\] = 1024 is out of range"),
+        (lambda b: b.slot_mapping.__setitem__(1, -1), "slot_mapping\\[1\\] = -1 is out of range"),
+        (lambda b: setattr(b, "layer_idx", 2), "layer_idx 2 is out of range"),
+        (lambda b: b.block_tables.__setitem__((0, 0), 99), "block_tables\\[0, 0\\] = 99 is out of range"),
+        (lambda b: b.seq_lens_kv.__setitem__(0, 2), "has 5 new tokens but seq_lens_kv = 2"),
+        (lambda b: setattr(b, "inv_freq", b.inv_freq[:10]), "inv_freq must have head_dim / 2 = 32"),
+        (lambda b: setattr(b, "kv_cache", b.kv_cache.transpose(2, 3)), "kv_cache must be"),
+    ],
+    ids=["q-dtype", "k-dtype", "pool-dtype", "slot-dtype", "slot-high", "slot-negative", "layer", "block",
+         "kv-len", "inv-freq", "pool-layout"],
+)
+def test_bad_inputs_raise_clear_errors(make_packed_batch, mutate, message):
+    batch = make_packed_batch([(0, 5), (10, 1)], num_blocks=64, tokens_per_block=16)
+    mutate(batch)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kilnlm.paged_attention(*batch.args())
