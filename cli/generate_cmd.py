@@ -32,10 +32,11 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
 
 
 def run(args: argparse.Namespace) -> int:
-    from kilnlm.runtime.executor import Executor
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
     from kilnlm.runtime.request import SamplingParams
 
-    executor = Executor.from_engine_dir(args.engine)
+    # One request: a batch of one, and (by default) a KV pool of one max_seq_len sequence.
+    executor = Executor.from_engine_dir(args.engine, ExecutorConfig(max_batch_size=1))
     try:
         tokenizer = executor.tokenizer
         if args.chat:

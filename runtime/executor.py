@@ -35,13 +35,17 @@ from kilnlm.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_KV_CACHE_BYTES = 2 << 30  # cap of the default KV pool (2 GiB)
+
 
 @dataclass(frozen=True)
 class ExecutorConfig:
     """Runtime settings. ``None`` limits take the engine's build limits (and may only lower them).
 
     ``kv_cache_bytes``: size of the paged KV pool; default: enough for ``max_batch_size`` sequences of
-    ``max_seq_len`` tokens each.
+    ``max_seq_len`` tokens each, capped at ``DEFAULT_MAX_KV_CACHE_BYTES`` but never below one full
+    ``max_seq_len`` sequence (a smaller pool still serves every request: the scheduler admits what fits
+    and preempts when generation outgrows it).
     """
 
     kv_cache_bytes: int | None = None
@@ -79,7 +83,8 @@ class Executor:
         max_num_tokens = _lower_limit("max_num_tokens", config.max_num_tokens, build.max_num_tokens)
         max_blocks_per_seq = -(-build.max_seq_len // build.tokens_per_block)
         if config.kv_cache_bytes is None:
-            num_blocks = max_batch_size * max_blocks_per_seq
+            num_cap_blocks = DEFAULT_MAX_KV_CACHE_BYTES // engine.kv_cache_bytes_per_block()
+            num_blocks = max(min(max_batch_size * max_blocks_per_seq, num_cap_blocks), max_blocks_per_seq)
         else:
             num_blocks = config.kv_cache_bytes // engine.kv_cache_bytes_per_block()
             if num_blocks < 1:

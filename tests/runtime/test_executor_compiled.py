@@ -1,0 +1,99 @@
+"""The executor on compiled (AOTInductor) engines built by the builder's session fixtures: greedy output
+of in-flight batched requests equals transformers' ``generate`` greedy output.
+
+Several prompts of different lengths and different ``max_tokens`` are submitted together, more join while
+the first ones decode, and the long prompt's context phase is chunked (``max_num_tokens`` lowered)."""
+
+from __future__ import annotations
+
+import importlib.resources
+
+import pytest
+import torch
+
+from kilnlm.runtime.executor import Executor, ExecutorConfig
+from kilnlm.runtime.request import FinishReason, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):\n",
+    "List three colours:",
+    "Hi",
+    "Explain in one paragraph why the sky is blue, mentioning Rayleigh scattering, the wavelength of light "
+    "and the composition of the atmosphere, as if to a curious ten-year-old who asked at dinner",
+]
+MAX_TOKENS = [32, 24, 32, 9, 32, 28]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate of exactly ``max_new_tokens`` tokens (EOS suppressed = ignore_eos)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def run_in_flight(executor: Executor, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Submit half the requests, wait until the first one decodes, then submit the rest."""
+    half = len(prompts) // 2
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    ids = [executor.submit(p, sp) for p, sp in zip(prompts[:half], params[:half])]
+    first_stream = executor.stream(ids[0], timeout_s=300)
+    first = [next(first_stream)]
+    ids += [executor.submit(p, sp) for p, sp in zip(prompts[half:], params[half:])]
+    outputs = [[t for r in first + list(first_stream) for t in r.token_ids]]
+    for rid in ids[1:]:
+        outputs.append([t for r in executor.stream(rid, timeout_s=300) for t in r.token_ids])
+    return outputs
+
+
+def check_engine(engine_dir, hf_dir, config: ExecutorConfig, chat: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with Executor.from_engine_dir(engine_dir, config) as executor:
+        tok = executor.tokenizer
+        if chat:
+            prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+                       for p in PROMPTS]
+        else:
+            prompts = [tok.encode(p) for p in PROMPTS]
+        expected = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+        outputs = run_in_flight(executor, prompts, MAX_TOKENS)
+        again = run_in_flight(executor, prompts, MAX_TOKENS)  # prefix-cache hits this time
+        texts = [tok.decode(o) for o in outputs]
+        stats = executor.stats()
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        assert got == want, f"prompt {i} {PROMPTS[i]!r}: kilnlm {got} != transformers {want}"
+    assert again == expected
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_cached_blocks > 0
+    assert all(texts)
+
+
+def test_tiny_engine_in_flight_greedy_equals_transformers(tiny_engine_dir, tiny_llama_dir):
+    check_engine(tiny_engine_dir, tiny_llama_dir, ExecutorConfig(max_batch_size=4, max_num_tokens=24), chat=False)
+
+
+@pytest.mark.e2e
+def test_smollm2_fp32_in_flight_greedy_equals_transformers(smollm2_engine_fp32_dir, smollm2_hf_dir):
+    # A small pool (64 blocks) instead of the default: the SmolLM2 fp32 KV cache is 45 KiB per token.
+    from kilnlm.runtime.engine import Engine
+
+    bytes_per_block = Engine.load(smollm2_engine_fp32_dir).kv_cache_bytes_per_block()
+    config = ExecutorConfig(kv_cache_bytes=64 * bytes_per_block, max_batch_size=4, max_num_tokens=48)
+    check_engine(smollm2_engine_fp32_dir, smollm2_hf_dir, config, chat=True)
+
+
+@pytest.mark.e2e
+def test_smollm2_stop_string_and_chat_answer(smollm2_engine_fp32_dir):
+    with Executor.from_engine_dir(smollm2_engine_fp32_dir, ExecutorConfig(max_batch_size=2)) as executor:
+        tok = executor.tokenizer
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                            add_special_tokens=False)
+        full = executor.generate(prompt, SamplingParams(max_tokens=48))
+        assert "Paris" in full.text
+        assert full.finish_reason in (FinishReason.END_ID, FinishReason.LENGTH)
+        stopped = executor.generate(prompt, SamplingParams(max_tokens=48, stop=["Paris"]))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == full.text[: full.text.index("Paris")]
