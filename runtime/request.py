@@ -92,9 +92,10 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence inside the executor. Owned by the executor's loop thread once submitted."""
+    """One sequence inside the executor. Owned by the executor's loop thread once submitted. Compared by
+    identity (the scheduler looks requests up in its queues)."""
 
     request_id: int
     prompt_token_ids: list[int]

@@ -27,7 +27,8 @@ MAX_TOKENS = [32, 24, 32, 9, 32, 28]
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate of exactly ``max_new_tokens`` tokens (EOS suppressed = ignore_eos)."""
+    """transformers' greedy generate of exactly ``max_new_tokens`` tokens: ``min_new_tokens`` masks the EOS
+    logits, which the executor matches by banning the EOS ids as ``bad_words``."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
@@ -37,7 +38,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 def run_in_flight(executor: Executor, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Submit half the requests, wait until the first one decodes, then submit the rest."""
     half = len(prompts) // 2
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    no_eos = tuple((e,) for e in executor.eos_token_ids)
+    params = [SamplingParams(max_tokens=n, bad_words=no_eos) for n in max_tokens]
     ids = [executor.submit(p, sp) for p, sp in zip(prompts[:half], params[:half])]
     first_stream = executor.stream(ids[0], timeout_s=300)
     first = [next(first_stream)]

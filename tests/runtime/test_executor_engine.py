@@ -30,7 +30,8 @@ MAX_TOKENS = [32, 20, 32, 7, 32, 25]
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate, exactly ``max_new_tokens`` tokens (EOS suppressed like ignore_eos)."""
+    """transformers' greedy generate of exactly ``max_new_tokens`` tokens: ``min_new_tokens`` masks the EOS
+    logits, which the executor matches by banning the EOS ids as ``bad_words``."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
@@ -40,10 +41,11 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 def run_in_flight(executor: Executor, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Submit half the requests, let them start decoding, then submit the rest (joining mid-flight)."""
     half = len(prompts) // 2
-    ids = [executor.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts[:half], max_tokens[:half])]
+    no_eos = tuple((e,) for e in executor.eos_token_ids)
+    ids = [executor.submit(p, SamplingParams(max_tokens=n, bad_words=no_eos)) for p, n in zip(prompts[:half], max_tokens[:half])]
     first_stream = executor.stream(ids[0], timeout_s=120)
     first = [next(first_stream)]  # request 0 is in its generation phase now
-    ids += [executor.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts[half:], max_tokens[half:])]
+    ids += [executor.submit(p, SamplingParams(max_tokens=n, bad_words=no_eos)) for p, n in zip(prompts[half:], max_tokens[half:])]
     outputs = [[t for r in first + list(first_stream) for t in r.token_ids]]
     for rid in ids[1:]:
         outputs.append([t for r in executor.stream(rid, timeout_s=120) for t in r.token_ids])
@@ -78,7 +80,8 @@ def test_text_and_chat_prompt(make_eager_engine, tiny_hf_model, tokenizer, hf_to
     assert prompt == hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     expected = hf_greedy(tiny_hf_model, prompt, 16)
     with Executor(engine, tokenizer) as executor:
-        response = executor.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+        no_eos = tuple((e,) for e in executor.eos_token_ids)
+        response = executor.generate(prompt, SamplingParams(max_tokens=16, bad_words=no_eos))
     assert response.token_ids == expected
     assert response.text == hf_tokenizer.decode(expected, skip_special_tokens=True)
     assert response.finish_reason is FinishReason.LENGTH
