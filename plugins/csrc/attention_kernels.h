@@ -57,6 +57,83 @@ static inline void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
   }
 }
 
+
+// exp(x) for x <= 0 (scores minus their running max), Cephes-style: 2^n * P(r), r = x - n ln2,
+// degree-5 polynomial; relative error ~2e-7 (about a float32 ulp). Inputs below -87 give ~0.
+static inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// s[o] = dot(q, k_o) for the n rows k_o = k + o * row_stride (D floats each). Eight rows at a time with
+// eight independent accumulators reduced together (no horizontal sum per score).
+static inline void block_scores(const float* q, const float* k, int64_t row_stride, int64_t n, int64_t D, float* s) {
+  int64_t o = 0;
+  if (D % 8 == 0) {
+    for (; o + 8 <= n; o += 8) {
+      __m256 acc[8];
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (o + r) * row_stride + d), acc[r]);
+      }
+      const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+      const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+      const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+      _mm256_storeu_ps(s + o, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    }
+  }
+  for (; o < n; ++o) s[o] = dot_f32(q, k + o * row_stride, D);
+}
+
+// s[o] = exp(s[o] - m) for o < n; returns their sum. s has room for n rounded up to 8.
+static inline float block_exp(float* s, float m, int64_t n) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) {
+    const __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + o), mv));
+    _mm256_storeu_ps(s + o, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  float total = hsum8(sum);
+  for (; o < n; ++o) {
+    s[o] = __builtin_expf(s[o] - m);
+    total += s[o];
+  }
+  return total;
+}
+
+// acc[0:D] += sum_o p[o] * v_o, 64 columns of acc held in registers across the rows.
+static inline void block_pv(const float* p, const float* v, int64_t row_stride, int64_t n, int64_t D, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
+    for (int64_t o = 0; o < n; ++o) {
+      const __m256 pv = _mm256_set1_ps(p[o]);
+      const float* row = v + o * row_stride + d0;
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
+  }
+  if (d0 < D)
+    for (int64_t o = 0; o < n; ++o) axpy_f32(p[o], v + o * row_stride + d0, acc + d0, D - d0);
+}
+
 #else  // portable scalar path
 
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
@@ -89,28 +166,53 @@ static inline void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
   }
 }
 
+
+static inline void block_scores(const float* q, const float* k, int64_t row_stride, int64_t n, int64_t D, float* s) {
+  for (int64_t o = 0; o < n; ++o) s[o] = dot_f32(q, k + o * row_stride, D);
+}
+
+static inline float block_exp(float* s, float m, int64_t n) {
+  float total = 0.f;
+  for (int64_t o = 0; o < n; ++o) {
+    s[o] = __builtin_expf(s[o] - m);
+    total += s[o];
+  }
+  return total;
+}
+
+static inline void block_pv(const float* p, const float* v, int64_t row_stride, int64_t n, int64_t D, float* acc) {
+  for (int64_t o = 0; o < n; ++o) axpy_f32(p[o], v + o * row_stride, acc, D);
+}
+
 #endif
 
 // One work item: the query vectors of `num_q_tokens` consecutive new tokens of one sequence, for query
-// heads [head_begin, head_end) that all read KV head `kv_head`, over that sequence's paged KV.
+// heads [head_begin, head_end) (query head h reads KV head h / group), over that sequence's paged KV.
 // Flash-style online softmax over the KV blocks (Milakov & Gimelshein 2018, "Online normalizer
 // calculation for softmax"; Dao et al. 2022, FlashAttention): per query vector a running max m, running
-// sum l and unnormalized output acc; no [T, T] score matrix is ever built.
+// sum l and unnormalized output acc; no [T, T] score matrix is ever built. Each KV block is visited once
+// per item, for all the item's heads, while its rows are in cache.
 //
 //   KV position p of the sequence:   block_table[p / tokens_per_block], offset p % tokens_per_block
 //   query token qi sits at position  first_q_pos + qi and sees KV positions 0..first_q_pos + qi
 //
-// scratch: at least attn_scratch_floats(...) floats.
+// scratch: at least attn_scratch_floats(M, D, tokens_per_block, num_kv_heads) floats.
+static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int64_t num_kv_heads) {
+  return M * (D + 2) + tpb + 8 + 2 * tpb * num_kv_heads * D;
+}
+
 static void attend(const AttnWork& w, float* scratch) {
   const int64_t D = w.head_dim, tpb = w.tokens_per_block;
   const int64_t num_heads_item = w.head_end - w.head_begin;
+  const int64_t kv_head_begin = w.head_begin / w.group, kv_head_end = (w.head_end - 1) / w.group + 1;
+  const int64_t num_kv_item = kv_head_end - kv_head_begin;
   const int64_t M = w.num_q_tokens * num_heads_item;  // query vectors in this item
   float* m = scratch;                                  // [M] running max
   float* l = m + M;                                    // [M] running sum of exp
   float* acc = l + M;                                  // [M, D] unnormalized output
-  float* s = acc + M * D;                              // [tpb] scores of one block
-  float* kbuf = s + tpb;                               // [tpb, D] K block as float (bf16 pool)
-  float* vbuf = kbuf + tpb * D;                        // [tpb, D] V block as float (bf16 pool)
+  float* s = acc + M * D;                              // [tpb + 8] scores, then probabilities, of one block
+  float* kbuf = s + tpb + 8;                           // [tpb, num_kv_item * D] K block as float (bf16 pool)
+  float* vbuf = kbuf + tpb * num_kv_item * D;          // [tpb, num_kv_item * D] V block as float (bf16 pool)
   for (int64_t i = 0; i < M; ++i) {
     m[i] = -__builtin_inff();
     l[i] = 0.f;
@@ -123,22 +225,25 @@ static void attend(const AttnWork& w, float* scratch) {
     const int64_t base_pos = j * tpb;
     const int64_t num_block_tokens = (last_pos + 1 - base_pos) < tpb ? (last_pos + 1 - base_pos) : tpb;
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;  // pool row of offset 0
-    const float* k_rows;
-    const float* v_rows;
+    // k_block + g_local * D is KV head (kv_head_begin + g_local) of the block's first token.
+    const float* k_block;
+    const float* v_block;
     int64_t row_stride;
     if (w.kv_bf16) {
-      const uint16_t* k16 = static_cast<const uint16_t*>(w.k_base) + first_row * w.kv_row_stride;
-      const uint16_t* v16 = static_cast<const uint16_t*>(w.v_base) + first_row * w.kv_row_stride;
+      const int64_t offset = first_row * w.kv_row_stride + kv_head_begin * D;
+      const uint16_t* k16 = static_cast<const uint16_t*>(w.k_base) + offset;
+      const uint16_t* v16 = static_cast<const uint16_t*>(w.v_base) + offset;
+      row_stride = num_kv_item * D;
       for (int64_t o = 0; o < num_block_tokens; ++o) {
-        bf16_to_f32(k16 + o * w.kv_row_stride, kbuf + o * D, D);
-        bf16_to_f32(v16 + o * w.kv_row_stride, vbuf + o * D, D);
+        bf16_to_f32(k16 + o * w.kv_row_stride, kbuf + o * row_stride, row_stride);
+        bf16_to_f32(v16 + o * w.kv_row_stride, vbuf + o * row_stride, row_stride);
       }
-      k_rows = kbuf;
-      v_rows = vbuf;
-      row_stride = D;
+      k_block = kbuf;
+      v_block = vbuf;
     } else {
-      k_rows = static_cast<const float*>(w.k_base) + first_row * w.kv_row_stride;
-      v_rows = static_cast<const float*>(w.v_base) + first_row * w.kv_row_stride;
+      const int64_t offset = first_row * w.kv_row_stride + kv_head_begin * D;
+      k_block = static_cast<const float*>(w.k_base) + offset;
+      v_block = static_cast<const float*>(w.v_base) + offset;
       row_stride = w.kv_row_stride;
     }
     for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
@@ -148,12 +253,11 @@ static void attend(const AttnWork& w, float* scratch) {
       if (num_valid > num_block_tokens) num_valid = num_block_tokens;
       for (int64_t h = 0; h < num_heads_item; ++h) {
         const int64_t i = qi * num_heads_item + h;
+        const int64_t g_local = (w.head_begin + h) / w.group - kv_head_begin;
         const float* qv = w.q + qi * w.q_tok_stride + h * D;
+        block_scores(qv, k_block + g_local * D, row_stride, num_valid, D, s);
         float block_max = -__builtin_inff();
-        for (int64_t o = 0; o < num_valid; ++o) {
-          s[o] = dot_f32(qv, k_rows + o * row_stride, D);
-          block_max = s[o] > block_max ? s[o] : block_max;
-        }
+        for (int64_t o = 0; o < num_valid; ++o) block_max = s[o] > block_max ? s[o] : block_max;
         const float m_new = block_max > m[i] ? block_max : m[i];
         float* a = acc + i * D;
         if (m_new != m[i]) {
@@ -162,13 +266,8 @@ static void attend(const AttnWork& w, float* scratch) {
           scale_f32(alpha, a, D);
           m[i] = m_new;
         }
-        float sum = 0.f;
-        for (int64_t o = 0; o < num_valid; ++o) {
-          const float p = __builtin_expf(s[o] - m_new);
-          sum += p;
-          axpy_f32(p, v_rows + o * row_stride, a, D);
-        }
-        l[i] += sum;
+        l[i] += block_exp(s, m_new, num_valid);  // s now holds the probabilities
+        block_pv(s, v_block + g_local * D, row_stride, num_valid, D, a);
       }
     }
   }

@@ -35,15 +35,16 @@ struct AttnWork {
   int64_t q_tok_stride;     // floats between consecutive tokens' query vectors (num_heads * head_dim)
   float* out;               // out_f32[tok_begin, head_begin]
   int64_t out_tok_stride;   // num_heads * head_dim
-  const void* k_base;       // kv_cache[layer, 0] + kv_head * head_dim, pool dtype
-  const void* v_base;       // kv_cache[layer, 1] + kv_head * head_dim
+  const void* k_base;       // kv_cache[layer, 0], pool dtype
+  const void* v_base;       // kv_cache[layer, 1]
   int64_t kv_row_stride;    // elements between consecutive pool rows (num_kv_heads * head_dim)
   bool kv_bf16;
   const int32_t* block_table;  // this sequence's row of block_tables
   int64_t tokens_per_block;
   int64_t head_dim;
-  int64_t head_begin;       // query heads [head_begin, head_end), all reading the same KV head
+  int64_t head_begin;       // query heads [head_begin, head_end); head h reads KV head h / group
   int64_t head_end;
+  int64_t group;            // num_heads / num_kv_heads
   int64_t num_q_tokens;
   int64_t first_q_pos;      // KV position of the first query token
   int64_t cost;             // scheduling estimate: query vectors x KV positions read
@@ -225,46 +226,46 @@ void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
   });
 }
 
-// Step 2: work items, largest first. A generation-phase batch with fewer items than ~4 per thread is
-// split further into single query heads (each re-reads its KV head, from cache) to keep threads busy.
+// Step 2: work items, largest first. An item covers all heads of a chunk of query tokens when there are
+// enough chunks to keep the threads busy (each KV row is then read once, whole); otherwise items are
+// split per KV head, and in a small generation-phase batch per query head (re-reading KV rows, from cache).
 std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables,
-                                const float* q_rot, float* out, const void* k_layer, const void* v_layer, bool kv_bf16,
-                                size_t elem_bytes) {
+                                const float* q_rot, float* out, const void* k_layer, const void* v_layer, bool kv_bf16) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) num_chunks += (cu[b + 1] - cu[b] + kQueryChunkTokens - 1) / kQueryChunkTokens;
-  const bool split_heads = group > 1 && num_chunks * Hkv < 4 * at::get_num_threads();
-  const int64_t heads_per_item = split_heads ? 1 : group;
+  const int64_t min_items = 4 * at::get_num_threads();
+  int64_t heads_per_item = H;
+  if (num_chunks < min_items) heads_per_item = (num_chunks * Hkv < min_items) ? 1 : group;
 
   std::vector<AttnWork> work;
-  work.reserve(static_cast<size_t>(num_chunks * H / heads_per_item));
+  work.reserve(static_cast<size_t>(num_chunks * (H / heads_per_item)));
   for (int64_t b = 0; b < d.num_seqs; ++b) {
     const int64_t num_new = cu[b + 1] - cu[b];
     const int64_t first_pos = kv_lens[b] - num_new;
     for (int64_t c0 = 0; c0 < num_new; c0 += kQueryChunkTokens) {
       const int64_t n = std::min(kQueryChunkTokens, num_new - c0);
       const int64_t tok = cu[b] + c0;
-      for (int64_t g = 0; g < Hkv; ++g) {
-        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += heads_per_item) {
-          AttnWork w{};
-          w.q = q_rot + (tok * H + h0) * D;
-          w.q_tok_stride = H * D;
-          w.out = out + (tok * H + h0) * D;
-          w.out_tok_stride = H * D;
-          w.k_base = static_cast<const char*>(k_layer) + g * D * elem_bytes;
-          w.v_base = static_cast<const char*>(v_layer) + g * D * elem_bytes;
-          w.kv_row_stride = Hkv * D;
-          w.kv_bf16 = kv_bf16;
-          w.block_table = tables + b * d.max_blocks_per_seq;
-          w.tokens_per_block = d.tokens_per_block;
-          w.head_dim = D;
-          w.head_begin = h0;
-          w.head_end = h0 + heads_per_item;
-          w.num_q_tokens = n;
-          w.first_q_pos = first_pos + c0;
-          w.cost = n * heads_per_item * (first_pos + c0 + n);
-          work.push_back(w);
-        }
+      for (int64_t h0 = 0; h0 < H; h0 += heads_per_item) {
+        AttnWork w{};
+        w.q = q_rot + (tok * H + h0) * D;
+        w.q_tok_stride = H * D;
+        w.out = out + (tok * H + h0) * D;
+        w.out_tok_stride = H * D;
+        w.k_base = k_layer;
+        w.v_base = v_layer;
+        w.kv_row_stride = Hkv * D;
+        w.kv_bf16 = kv_bf16;
+        w.block_table = tables + b * d.max_blocks_per_seq;
+        w.tokens_per_block = d.tokens_per_block;
+        w.head_dim = D;
+        w.head_begin = h0;
+        w.head_end = h0 + heads_per_item;
+        w.group = group;
+        w.num_q_tokens = n;
+        w.first_q_pos = first_pos + c0;
+        w.cost = n * heads_per_item * (first_pos + c0 + n);
+        work.push_back(w);
       }
     }
   }
@@ -278,8 +279,9 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
   const AttendFn attend = attend_fn();
   int64_t max_m = 0;
   for (const AttnWork& w : work) max_m = std::max(max_m, w.num_q_tokens * (w.head_end - w.head_begin));
-  const int64_t D = d.head_dim, tpb = d.tokens_per_block;
-  const size_t scratch_floats = static_cast<size_t>(max_m * (D + 2) + tpb + 2 * tpb * D);
+  // Sized by the generic kernel's formula (both ISA variants use the same layout).
+  const size_t scratch_floats =
+      static_cast<size_t>(generic::attn_scratch_floats(max_m, d.head_dim, d.tokens_per_block, d.num_kv_heads));
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(work.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
@@ -327,14 +329,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
         rope_and_write_kv<float>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq.data_ptr<float>(), slots,
                                  static_cast<float>(scale), q_rot.data_ptr<float>());
         run_work(make_work(d, cu, kv_lens, tables, q_rot.data_ptr<float>(), out_f32.data_ptr<float>(), k_pool,
-                           k_pool + kv_elems, false, sizeof(float)), d);
+                           k_pool + kv_elems, false), d);
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         at::BFloat16* k_pool = kv_cache.data_ptr<at::BFloat16>() + layer_idx * layer_elems;
         rope_and_write_kv<at::BFloat16>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq.data_ptr<float>(), slots,
                                         static_cast<float>(scale), q_rot.data_ptr<float>());
         run_work(make_work(d, cu, kv_lens, tables, q_rot.data_ptr<float>(), out_f32.data_ptr<float>(), k_pool,
-                           k_pool + kv_elems, true, sizeof(at::BFloat16)), d);
+                           k_pool + kv_elems, true), d);
       }));
   if (is_bf16) out.copy_(out_f32);
   return out;

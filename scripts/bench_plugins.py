@@ -1,0 +1,131 @@
+"""Microbenchmarks of kilnlm's C++ CPU kernels, printed against what limits them.
+
+- fp8_linear on SmolLM2-135M's projection shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
+  576x1536) at T = 1 / 32 / 256 tokens, against torch's float32 and bfloat16 linear (at::mm / oneDNN) on
+  the same shapes. GB/s counts weight bytes read once per call (1 byte per FP8 weight, 2 per bf16, 4 per
+  fp32): the generation phase (T=1) is memory bound, so GB/s is the figure of merit there; GFLOP/s is
+  printed for the larger T.
+- paged_attention in the generation phase (batch 1 and 32, KV length 512) and for one 256-token context
+  chunk, SmolLM2's heads (9 query / 3 KV heads, head_dim 64), against dense (unpaged) SDPA of the same
+  problem. GB/s counts the K/V bytes read.
+
+Usage: python scripts/bench_plugins.py [--threads N] [--dtype float32|bfloat16] [--min-time-s 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kilnlm.plugins import load_cpu_kernels
+
+SMOLLM2_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def time_call(fn: Callable[[], object], min_time_s: float) -> float:
+    """Median seconds per call over repeats of at least min_time_s / 5 each (after a warm-up)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    deadline = time.perf_counter() + min_time_s
+    while time.perf_counter() < deadline or len(samples) < 5:
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def bench_fp8_linear(min_time_s: float) -> None:
+    print("fp8_linear  (weight GB/s = weight bytes / time; fp8 reads 1 B/weight, bf16 2 B, fp32 4 B)")
+    print(f"{'layer':>8} {'T':>4} | {'fp8 us':>8} {'GB/s':>6} {'GFLOP/s':>8} | {'bf16 us':>8} {'GB/s':>6} | "
+          f"{'fp32 us':>8} {'GB/s':>6} | fp8 vs bf16")
+    gen = torch.Generator().manual_seed(0)
+    for name, (out_features, in_features) in SMOLLM2_LINEARS.items():
+        weight = torch.randn(out_features, in_features, generator=gen)
+        w_fp8 = (weight * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w_bf16, scale = weight.to(torch.bfloat16), torch.tensor(0.01)
+        for num_tokens in (1, 32, 256):
+            x = torch.randn(num_tokens, in_features, generator=gen)
+            x_bf16 = x.to(torch.bfloat16)
+            t_fp8 = time_call(lambda: torch.ops.kilnlm.fp8_linear(x, w_fp8, scale, scale, None), min_time_s)
+            t_bf16 = time_call(lambda: F.linear(x_bf16, w_bf16), min_time_s)
+            t_fp32 = time_call(lambda: F.linear(x, weight), min_time_s)
+            num_weights = out_features * in_features
+            gflops = 2 * num_weights * num_tokens / t_fp8 / 1e9
+            print(f"{name:>8} {num_tokens:>4} | {t_fp8 * 1e6:8.1f} {num_weights / t_fp8 / 1e9:6.1f} {gflops:8.1f} | "
+                  f"{t_bf16 * 1e6:8.1f} {2 * num_weights / t_bf16 / 1e9:6.1f} | "
+                  f"{t_fp32 * 1e6:8.1f} {4 * num_weights / t_fp32 / 1e9:6.1f} | {t_bf16 / t_fp8:5.2f}x")
+
+
+def paged_batch(seqs: list[tuple[int, int]], dtype: torch.dtype, tokens_per_block: int):
+    """Arguments of paged_attention for sequences (num_cached, num_new), blocks shuffled in the pool."""
+    gen = torch.Generator().manual_seed(1)
+    blocks_per_seq = [-(-(c + n) // tokens_per_block) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 8
+    pool = torch.randn(1, 2, num_blocks, tokens_per_block, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.int32)
+    positions, slots, used = [], [], 0
+    for b, ((c, n), nblk) in enumerate(zip(seqs, blocks_per_seq)):
+        tables[b, :nblk] = perm[used:used + nblk].to(torch.int32)
+        used += nblk
+        positions += range(c, c + n)
+        slots += [int(tables[b, p // tokens_per_block]) * tokens_per_block + p % tokens_per_block for p in range(c, c + n)]
+    num_tokens = len(positions)
+    new = torch.tensor([n for _, n in seqs])
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    return (q, k, v, pool, 0, torch.tensor(positions), inv_freq,
+            torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(torch.int32),
+            torch.tensor([c + n for c, n in seqs], dtype=torch.int32), tables, torch.tensor(slots),
+            HEAD_DIM ** -0.5)
+
+
+def bench_paged_attention(dtype: torch.dtype, min_time_s: float) -> None:
+    print(f"\npaged_attention  ({dtype}, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}; "
+          "KV GB/s = K/V bytes read / time; dense = SDPA on contiguous KV, no paging, no RoPE)")
+    print(f"{'case':>28} {'tpb':>4} | {'paged us':>9} {'KV GB/s':>8} | {'dense us':>9}")
+    elem_bytes = torch.empty(0, dtype=dtype).element_size()
+    cases = {"decode B=1 kv=512": [(511, 1)], "decode B=32 kv=512": [(511, 1)] * 32,
+             "context chunk 256 (first)": [(0, 256)], "context chunk 256 after 256": [(256, 256)]}
+    for label, seqs in cases.items():
+        for tokens_per_block in (16, 32):
+            args = paged_batch(seqs, dtype, tokens_per_block)
+            t = time_call(lambda: torch.ops.kilnlm.paged_attention(*args), min_time_s)
+            kv_bytes = sum(c + n for c, n in seqs) * NUM_KV_HEADS * HEAD_DIM * 2 * elem_bytes
+            # Dense reference problem: every sequence's queries over its contiguous K/V.
+            num_new, kv_len = seqs[0][1], sum(seqs[0])
+            qd = torch.randn(len(seqs), NUM_HEADS, num_new, HEAD_DIM).to(dtype)
+            kd = torch.randn(len(seqs), NUM_KV_HEADS, kv_len, HEAD_DIM).to(dtype)
+            mask = torch.ones(num_new, kv_len, dtype=torch.bool).tril(diagonal=kv_len - num_new)
+            t_dense = time_call(lambda: F.scaled_dot_product_attention(qd, kd, kd, attn_mask=mask, enable_gqa=True),
+                                min_time_s)
+            print(f"{label:>28} {tokens_per_block:>4} | {t * 1e6:9.1f} {kv_bytes / t / 1e9:8.2f} | {t_dense * 1e6:9.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="attention dtype")
+    parser.add_argument("--min-time-s", type=float, default=0.2, help="measuring time per case")
+    parser.add_argument("--only", choices=["fp8", "attention"], default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_cpu_kernels()
+    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
+    if args.only in (None, "fp8"):
+        bench_fp8_linear(args.min_time_s)
+    if args.only in (None, "attention"):
+        bench_paged_attention(getattr(torch, args.dtype), args.min_time_s)
+
+
+if __name__ == "__main__":
+    main()
