@@ -77,6 +77,11 @@ class KVCacheManager:
     def has_blocks(self, request_id: int) -> bool:
         return request_id in self._tables
 
+    def can_allocate(self, token_ids: list[int]) -> bool:
+        """Whether :meth:`allocate` would succeed for a new request with these tokens now."""
+        hits, _ = self._lookup_prefix(token_ids)
+        return self._num_blocks_short(token_ids, hits) <= 0
+
     # ------------------------------------------------------------------------------------- operations
     def allocate(self, request_id: int, token_ids: list[int]) -> int | None:
         """Give a new request blocks for all of ``token_ids``, reusing cached prefix blocks.
@@ -88,10 +93,9 @@ class KVCacheManager:
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already holds KV blocks")
         hits, hashes = self._lookup_prefix(token_ids)
-        num_new_blocks = _cdiv(len(token_ids), self.tokens_per_block) - len(hits)
-        num_hits_in_free = sum(1 for b in hits if self._ref_counts[b] == 0)
-        if num_new_blocks > len(self._free) - num_hits_in_free:
+        if self._num_blocks_short(token_ids, hits) > 0:
             return None
+        num_new_blocks = _cdiv(len(token_ids), self.tokens_per_block) - len(hits)
         for block in hits:
             if self._ref_counts[block] == 0:
                 del self._free[block]
@@ -144,6 +148,12 @@ class KVCacheManager:
                     self._free.move_to_end(block, last=False)
 
     # ------------------------------------------------------------------------------------- internals
+    def _num_blocks_short(self, token_ids: list[int], hits: list[int]) -> int:
+        """New blocks needed beyond the prefix hits minus the free blocks left after reviving the hits."""
+        num_new_blocks = _cdiv(len(token_ids), self.tokens_per_block) - len(hits)
+        num_hits_in_free = sum(1 for b in hits if self._ref_counts[b] == 0)
+        return num_new_blocks - (len(self._free) - num_hits_in_free)
+
     def _num_missing_blocks(self, request_id: int, num_tokens: int) -> int:
         return max(0, _cdiv(num_tokens, self.tokens_per_block) - len(self._tables[request_id]))
 

@@ -28,6 +28,7 @@ def test_allocate_takes_blocks_in_order_and_free_returns_them():
 def test_allocate_refuses_without_side_effects_when_blocks_run_out():
     kv = make_manager(num_blocks=4)
     assert kv.allocate(1, list(range(12))) == 0
+    assert kv.can_allocate(list(range(100, 104))) and not kv.can_allocate(list(range(100, 108)))
     assert kv.allocate(2, list(range(100, 108))) is None
     assert kv.num_free_blocks == 1 and not kv.has_blocks(2)
 
