@@ -1,0 +1,107 @@
+"""The runtime refuses a tampered or incompatible engine *before* loading any of it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kilnlm.runtime.engine import Engine, verify_engine
+from kilnlm.runtime.errors import EngineError
+
+
+@pytest.fixture
+def engine_copy(tiny_engine_dir, tmp_path):
+    dst = tmp_path / "engine"
+    shutil.copytree(tiny_engine_dir, dst)
+    return dst
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything tries to load the compiled package."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine package was loaded before verification refused it")
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", refuse)
+
+
+def edit_manifest(engine_dir, edit) -> None:
+    path = engine_dir / "manifest.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def assert_refused(engine_dir, *fragments: str) -> None:
+    with pytest.raises(EngineError) as info:
+        Engine.load(engine_dir)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_intact_engine_verifies(tiny_engine_dir):
+    manifest = verify_engine(tiny_engine_dir)
+    assert manifest.build.target == "cpu" and "model.pt2" in manifest.files
+
+
+def test_flipped_byte(engine_copy, no_loading):
+    package = engine_copy / "model.pt2"
+    data = bytearray(package.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    package.write_bytes(bytes(data))
+    assert_refused(engine_copy, "model.pt2", "SHA-256")
+
+
+def test_unknown_format_version(engine_copy, no_loading):
+    edit_manifest(engine_copy, lambda d: d.update(format_version=99))
+    assert_refused(engine_copy, "manifest.json", "format version 99")
+
+
+def test_missing_file(engine_copy, no_loading):
+    (engine_copy / "tokenizer" / "tokenizer.json").unlink()
+    assert_refused(engine_copy, "tokenizer.json", "missing")
+
+
+def test_extra_file(engine_copy, no_loading):
+    (engine_copy / "tokenizer" / "evil.so").write_bytes(b"\x7fELF")
+    assert_refused(engine_copy, "evil.so", "not listed")
+
+
+def test_missing_manifest(engine_copy, no_loading):
+    (engine_copy / "manifest.json").unlink()
+    assert_refused(engine_copy, "manifest.json", "missing")
+
+
+def test_plugin_version_mismatch(engine_copy, no_loading):
+    edit_manifest(engine_copy, lambda d: d["plugins"].update(paged_attention=999))
+    assert_refused(engine_copy, "manifest.json", "paged_attention", "999")
+
+
+def test_unknown_plugin(engine_copy, no_loading):
+    edit_manifest(engine_copy, lambda d: d["plugins"].update(int4_awq_linear=1))
+    assert_refused(engine_copy, "int4_awq_linear", "not implemented")
+
+
+def test_wrong_target(engine_copy, no_loading):
+    edit_manifest(engine_copy, lambda d: d["build"].update(target="tensorrt"))
+    assert_refused(engine_copy, "build.target", "tensorrt")
+
+
+def test_foreign_cpu_isa(engine_copy, no_loading):
+    edit_manifest(engine_copy, lambda d: d["toolchain"].update(cpu_isa="neon"))
+    assert_refused(engine_copy, "cpu_isa", "neon")
+
+
+def test_kv_cache_allocation(tiny_engine_dir):
+    engine = Engine.load(tiny_engine_dir)
+    m, b = engine.manifest.model, engine.manifest.build
+    kv_cache = engine.allocate_kv_cache(5)
+    assert kv_cache.shape == (m.num_layers, 2, 5, b.tokens_per_block, m.num_kv_heads, m.head_dim)
+    assert kv_cache.dtype == torch.float32 and not kv_cache.any()
+    assert engine.kv_cache_bytes_per_block() * 5 == kv_cache.numel() * kv_cache.element_size()
+    with pytest.raises(EngineError):
+        engine.allocate_kv_cache(0)
