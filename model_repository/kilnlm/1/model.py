@@ -2,8 +2,9 @@
 
 Triton hands each request to :meth:`TritonPythonModel.execute` as it arrives (max_batch_size 0); the
 request is validated, tokenized and submitted to one :class:`kilnlm.runtime.executor.Executor`, and
-``execute`` returns at once. A thread per request then streams the executor's responses back through
-the request's response sender; the executor's own loop batches all live requests in flight.
+``execute`` returns at once. The executor's own loop batches all live requests in flight; a reader
+thread per request hands its responses to one dispatcher thread, which alone sends them through the
+requests' response senders (see :class:`TritonPythonModel` for why).
 
 Request tensors (names of TensorRT-LLM's ``inflight_batcher_llm`` ensemble; all but ``text_input``
 optional, each of shape [1] except the word lists):
@@ -46,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import site
 import sys
 import threading
@@ -74,10 +76,9 @@ _add_launcher_python_path()
 import numpy as np  # noqa: E402  (after the path set-up above)
 import triton_python_backend_utils as pb_utils
 
-STATS_INTERVAL_S = 0.1       # how often the gauges are refreshed from executor.stats()
+STATS_INTERVAL_S = 0.1  # how often the gauges are refreshed from executor.stats()
 CANCEL_POLL_INTERVAL_S = 0.05  # how often live requests are checked for client cancellation
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
-OUTPUT_NAMES = ("text_output", "output_ids", "sequence_length", "finish_reason")
 
 
 class BadRequest(ValueError):
@@ -231,8 +232,29 @@ def _error(message: str, code):
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
+@dataclasses.dataclass
+class LiveRequest:
+    """Dispatcher-thread state of one submitted request."""
+
+    sender: object  # the request's response sender (touched by the dispatcher thread only)
+    parsed: ParsedRequest
+    arrival_s: float
+    last_token_s: float | None = None
+    text_parts: list[str] = dataclasses.field(default_factory=list)  # non-streamed: the whole answer
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    cancelled: bool = False  # the client cancelled; Triton already completed the request
+
+
 class TritonPythonModel:
-    """One executor per model instance; requests are streamed by one thread each."""
+    """One executor per model instance.
+
+    Threads: ``execute`` (Triton's) parses and submits, then returns; one reader thread per request
+    moves the executor's responses into ``self._outbox``; one dispatcher thread owns every response
+    sender. Only the dispatcher talks to senders (send, is_cancelled): concurrent use of senders from
+    several threads crashed tritonserver 2.51's python backend, as does touching a sender after its
+    final response, or after ``is_cancelled()`` returned True (the backend then completes the
+    request itself), so none of that happens here.
+    """
 
     def initialize(self, args):
         from kilnlm.runtime.errors import RequestError
@@ -253,15 +275,13 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"kilnlm: loading engine {engine_dir} with {overrides or 'defaults'}")
         self._executor = Executor.from_engine_dir(str(engine_dir), ExecutorConfig(**overrides))
         self._metrics = Metrics(args["model_name"])
-        self._live: dict[object, object] = {}  # request id -> response sender, for cancellation
-        self._cancelled: set = set()  # live request ids whose client cancelled
-        self._live_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads: set[threading.Thread] = set()
-        self._monitor = threading.Thread(target=self._monitor_loop, name="kilnlm-monitor", daemon=True)
-        self._monitor.start()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._readers: set[threading.Thread] = set()
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="kilnlm-dispatcher",
+                                            daemon=True)
+        self._dispatcher.start()
 
-    # -- request path ---------------------------------------------------------------------------------
+    # -- Triton's thread ------------------------------------------------------------------------------
     def execute(self, requests):
         for request in requests:
             arrival_s = time.monotonic()
@@ -274,131 +294,125 @@ class TritonPythonModel:
                 prompt_ids = tokenizer.encode(parsed.text)
                 request_id = self._executor.submit(list(prompt_ids), params)
             except (BadRequest, self._request_error) as exc:  # the client's to fix: say what
-                self._send_final(sender, _error(str(exc), pb_utils.TritonError.INVALID_ARG))
+                self._outbox.put(("refused", sender, _error(str(exc), pb_utils.TritonError.INVALID_ARG)))
                 continue
             except Exception as exc:  # a bug or a broken engine: report it, keep serving others
                 pb_utils.Logger.log_error(f"kilnlm: submitting a request failed: {exc!r}")
-                self._send_final(sender, _error(f"kilnlm could not submit the request: {exc}",
-                                                pb_utils.TritonError.INTERNAL))
+                self._outbox.put(("refused", sender, _error(f"kilnlm could not submit the request: {exc}",
+                                                            pb_utils.TritonError.INTERNAL)))
                 continue
-            with self._live_lock:
-                self._live[request_id] = sender
-            thread = threading.Thread(target=self._stream_request, daemon=True,
-                                      args=(request_id, parsed, sender, arrival_s),
-                                      name=f"kilnlm-request-{request_id}")
-            self._threads.add(thread)
-            thread.start()
+            self._outbox.put(("submitted", request_id, LiveRequest(sender, parsed, arrival_s)))
+            reader = threading.Thread(target=self._read_responses, args=(request_id,), daemon=True,
+                                      name=f"kilnlm-reader-{request_id}")
+            self._readers.add(reader)
+            reader.start()
         return None
 
-    def _stream_request(self, request_id, parsed: ParsedRequest, sender, arrival_s: float) -> None:
-        """Forward the executor's responses for ``request_id`` to ``sender`` (runs on its own thread).
-
-        Ownership rule: a response sender must not be touched once its final response is sent (Triton
-        frees it; even ``is_cancelled`` then crashes the server). The monitor thread is the only
-        caller of ``is_cancelled`` and only for senders in ``self._live``; this thread removes its
-        sender from there, under the lock, before it sends the final response.
-        """
-        text_parts = [parsed.text] if not parsed.exclude_input_in_output and not parsed.stream else []
-        token_ids: list[int] = []
-        last_s = None
-        finish_reason = ""
-        final_sent = False
-
-        def send_final(response) -> None:
-            nonlocal final_sent
-            with self._live_lock:
-                self._live.pop(request_id, None)
-                cancelled = request_id in self._cancelled
-                self._cancelled.discard(request_id)
-            final_sent = True
-            if cancelled:  # the client is gone: close the request without a payload
-                response = _error("request cancelled by the client", pb_utils.TritonError.CANCELLED)
-            self._send_final(sender, response)
-
+    # -- reader threads (one per request): executor -> outbox -----------------------------------------
+    def _read_responses(self, request_id) -> None:
         try:
-            for r in self._executor.stream(request_id):
-                if final_sent:  # drain the stream so the executor finishes its bookkeeping
-                    continue
-                now_s = time.monotonic()
-                new_ids = list(r.token_ids)
-                if new_ids:
-                    self._metrics.generated_tokens.increment(len(new_ids))
-                    if last_s is None:
-                        self._metrics.ttft.observe(now_s - arrival_s)
-                    else:
-                        self._metrics.itl.observe(now_s - last_s)
-                    last_s = now_s
-                if r.finished:
-                    finish_reason = str(getattr(r.finish_reason, "value", r.finish_reason) or "")
-                    if finish_reason == "error":
-                        send_final(_error(f"kilnlm executor error: {getattr(r, 'error', None)}",
-                                          pb_utils.TritonError.INTERNAL))
-                    elif parsed.stream:
-                        send_final(_response(r.text, new_ids, finish_reason))
-                    else:
-                        text_parts.append(r.text)
-                        token_ids.extend(new_ids)
-                        send_final(_response("".join(text_parts), token_ids, finish_reason))
-                    continue
-                if not parsed.stream:
-                    text_parts.append(r.text)
-                    token_ids.extend(new_ids)
-                elif (r.text or new_ids) and not self._is_cancelled(request_id):
-                    sender.send(_response(r.text, new_ids, ""))
-            if not final_sent:
-                finish_reason = finish_reason or "cancelled"
-                send_final(_error("the executor ended the request without a final response",
-                                  pb_utils.TritonError.INTERNAL))
-        except Exception as exc:  # the executor failed this request: tell the client, keep serving
-            pb_utils.Logger.log_error(f"kilnlm: request {request_id} failed: {exc!r}")
-            self._cancel(request_id)
-            finish_reason = "error"
-            if not final_sent:
-                send_final(_error(f"kilnlm executor error: {exc}", pb_utils.TritonError.INTERNAL))
+            for response in self._executor.stream(request_id):
+                self._outbox.put(("response", request_id, response))
+        except Exception as exc:  # the executor lost this request: the dispatcher tells the client
+            self._outbox.put(("failed", request_id, exc))
         finally:
-            self._metrics.count_finished(finish_reason or "unknown")
-            self._threads.discard(threading.current_thread())
+            self._readers.discard(threading.current_thread())
 
-    def _is_cancelled(self, request_id) -> bool:
-        with self._live_lock:
-            return request_id in self._cancelled
-
-    def _cancel(self, request_id) -> None:
-        try:
-            self._executor.cancel(request_id)
-        except Exception as exc:  # already finished: nothing to free
-            pb_utils.Logger.log_verbose(f"kilnlm: cancel({request_id}): {exc!r}")
-
-    @staticmethod
-    def _send_final(sender, response) -> None:
-        flag = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        try:
-            sender.send(response, flags=flag)
-        except Exception as exc:  # the client is gone (cancelled); the request is complete anyway
-            pb_utils.Logger.log_warn(f"kilnlm: could not send the final response: {exc!r}")
-
-    # -- background: cancellation and gauges ---------------------------------------------------------
-    def _monitor_loop(self) -> None:
-        """Every CANCEL_POLL_INTERVAL_S: cancel, in the executor, the live requests whose client
-        cancelled (frees their KV blocks); every STATS_INTERVAL_S: refresh the gauges."""
-        next_stats_s = 0.0
-        while not self._stop.wait(CANCEL_POLL_INTERVAL_S):
-            with self._live_lock:
-                newly_cancelled = [rid for rid, sender in self._live.items()
-                                   if rid not in self._cancelled and sender.is_cancelled()]
-                self._cancelled.update(newly_cancelled)
-            for request_id in newly_cancelled:
-                self._cancel(request_id)
-            if time.monotonic() >= next_stats_s:
-                next_stats_s = time.monotonic() + STATS_INTERVAL_S
+    # -- the dispatcher thread: outbox -> response senders ------------------------------------------
+    def _dispatch_loop(self) -> None:
+        """Send responses as they arrive; every CANCEL_POLL_INTERVAL_S check live requests for client
+        cancellation (cancelling them in the executor frees their KV blocks); every
+        STATS_INTERVAL_S refresh the gauges."""
+        live: dict[object, LiveRequest] = {}
+        next_poll_s = next_stats_s = 0.0
+        while True:
+            try:
+                event = self._outbox.get(timeout=CANCEL_POLL_INTERVAL_S)
+            except queue.Empty:
+                event = None
+            if event is not None:
+                kind, key, payload = event
+                if kind == "stop":
+                    return
+                try:
+                    self._handle(live, kind, key, payload)
+                except Exception as exc:  # never let one request take the dispatcher down
+                    pb_utils.Logger.log_error(f"kilnlm: handling {kind} of request {key} failed: {exc!r}")
+            now_s = time.monotonic()
+            if now_s >= next_poll_s:
+                next_poll_s = now_s + CANCEL_POLL_INTERVAL_S
+                self._poll_cancellation(live)
+            if now_s >= next_stats_s:
+                next_stats_s = now_s + STATS_INTERVAL_S
                 try:
                     self._metrics.update_stats(self._executor.stats())
                 except Exception as exc:
                     pb_utils.Logger.log_warn(f"kilnlm: reading executor stats failed: {exc!r}")
 
+    def _handle(self, live: dict, kind: str, key, payload) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if kind == "refused":
+            key.send(payload, flags=final)
+            return
+        if kind == "submitted":
+            live[key] = payload
+            return
+        state = live.get(key)
+        if state is None:
+            return
+        if kind == "failed":
+            del live[key]
+            self._metrics.count_finished("error")
+            if not state.cancelled:
+                state.sender.send(_error(f"kilnlm executor error: {payload}", pb_utils.TritonError.INTERNAL),
+                                  flags=final)
+            return
+        r = payload  # kind == "response"
+        now_s = time.monotonic()
+        new_ids = list(r.token_ids)
+        if new_ids:
+            self._metrics.generated_tokens.increment(len(new_ids))
+            if state.last_token_s is None:
+                self._metrics.ttft.observe(now_s - state.arrival_s)
+            else:
+                self._metrics.itl.observe(now_s - state.last_token_s)
+            state.last_token_s = now_s
+        if state.cancelled:  # Triton completed the request; wait for the executor's final response
+            if r.finished:
+                del live[key]
+                self._metrics.count_finished("cancelled")
+            return
+        if not r.finished:
+            if state.parsed.stream:
+                if r.text or new_ids:
+                    state.sender.send(_response(r.text, new_ids, ""))
+            else:
+                state.text_parts.append(r.text)
+                state.token_ids.extend(new_ids)
+            return
+        del live[key]
+        finish_reason = str(getattr(r.finish_reason, "value", r.finish_reason) or "")
+        self._metrics.count_finished(finish_reason or "unknown")
+        if finish_reason == "error":
+            response = _error(f"kilnlm executor error: {getattr(r, 'error', None)}",
+                              pb_utils.TritonError.INTERNAL)
+        elif state.parsed.stream:
+            response = _response(r.text, new_ids, finish_reason)
+        else:
+            prefix = "" if state.parsed.exclude_input_in_output else state.parsed.text
+            text = prefix + "".join(state.text_parts) + r.text
+            response = _response(text, state.token_ids + new_ids, finish_reason)
+        state.sender.send(response, flags=final)
+
+    def _poll_cancellation(self, live: dict) -> None:
+        for request_id, state in live.items():
+            if not state.cancelled and state.sender.is_cancelled():
+                state.cancelled = True  # the sender must not be used again
+                self._executor.cancel(request_id)
+
     def finalize(self):
-        self._stop.set()
-        self._monitor.join(timeout=5.0)
-        self._executor.shutdown()
-        for thread in list(self._threads):
-            thread.join(timeout=5.0)
+        self._executor.shutdown()  # unfinished requests end as "cancelled"; the readers drain
+        for reader in list(self._readers):
+            reader.join(timeout=5.0)
+        self._outbox.put(("stop", None, None))
+        self._dispatcher.join(timeout=5.0)
