@@ -14,6 +14,33 @@
 // is multiplied back in exactly afterwards. E4M3FN's NaN encodings (0x7F / 0xFF) would read as ±480:
 // quantized weights never hold NaN.
 
+// Activation quantization: out[i] = float(E4M3(clamp(x[i] / scale, -448, 448))), round to nearest even,
+// bit-exact with torch's `.clamp(-448, 448).to(torch.float8_e4m3fn)` but kept as the exact float value
+// (the GEMM consumes floats). On the float32 bits: normal E4M3 (|v| >= 2^-6) keeps 3 mantissa bits, so
+// add 0x7FFFF plus the lowest kept bit and truncate (RNE, carries into the exponent); subnormal E4M3
+// (|v| < 2^-6) is a multiple of 2^-9, obtained by RNE addition of 2^14 (whose float ulp is 2^-9).
+// NaN stays NaN; clamping first keeps every result within ±448.
+static inline float quantize_e4m3_scalar(float x, float scale) {
+  float v = x / scale;
+  v = v < -448.0f ? -448.0f : (v > 448.0f ? 448.0f : v);  // NaN compares false: passes through
+  uint32_t bits;
+  __builtin_memcpy(&bits, &v, sizeof(bits));
+  const uint32_t sign = bits & 0x80000000u;
+  uint32_t mag = bits & 0x7FFFFFFFu;
+  float a;
+  __builtin_memcpy(&a, &mag, sizeof(a));
+  if (a < 0.015625f) {  // 2^-6: E4M3 subnormal range (or zero)
+    a = (a + 16384.0f) - 16384.0f;  // IEEE evaluation as written (no -ffast-math)
+    __builtin_memcpy(&mag, &a, sizeof(mag));
+  } else if (mag < 0x7F800000u) {
+    mag = (mag + 0x7FFFFu + ((mag >> 20) & 1u)) & 0xFFF00000u;
+  }
+  bits = sign | mag;
+  float out;
+  __builtin_memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // dot(fp8 row, x) for `num_rows` consecutive rows starting at row `row`, against `NT` activation rows.
 // w: [rows, in] bytes (row-major); x: NT rows of `in` floats, `x_stride` apart; y: NT rows, `y_stride`
 // apart, written at column `row + r`. `lut` maps a byte to its exact float value (scalar tails).
@@ -106,6 +133,53 @@ static void dequant_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_
   }
 }
 
+
+static inline __m256 quantize_e4m3_ps(__m256 x, __m256 scale) {
+  __m256 v = _mm256_div_ps(x, scale);
+  v = _mm256_max_ps(_mm256_set1_ps(-448.0f), v);  // NaN in v is returned (second operand)
+  v = _mm256_min_ps(_mm256_set1_ps(448.0f), v);
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 a = _mm256_castsi256_ps(mag);
+  // normal E4M3: RNE to 3 mantissa bits
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(0x7FFFF)), lsb),
+                                           _mm256_set1_epi32(static_cast<int>(0xFFF00000u)));
+  // NaN: keep as is (rounding could carry a NaN payload into the exponent field only for infinities,
+  // which clamping has removed)
+  const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  __m256 normal = _mm256_blendv_ps(_mm256_castsi256_ps(rounded), a, is_nan);
+  // subnormal E4M3: RNE to a multiple of 2^-9
+  const __m256 magic = _mm256_set1_ps(16384.0f);
+  const __m256 sub = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+  const __m256 is_sub = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  const __m256 q = _mm256_blendv_ps(normal, sub, is_sub);
+  return _mm256_or_ps(q, _mm256_castsi256_ps(sign));
+}
+
+static void quantize_f32(const float* x, float scale, float* out, int64_t n) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, quantize_e4m3_ps(_mm256_loadu_ps(x + i), s));
+  for (; i < n; ++i) out[i] = quantize_e4m3_scalar(x[i], scale);
+}
+
+static void quantize_bf16(const uint16_t* x, float scale, float* out, int64_t n) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    _mm256_storeu_ps(out + i, quantize_e4m3_ps(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)), s));
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof(f));
+    out[i] = quantize_e4m3_scalar(f, scale);
+  }
+}
+
 #else  // portable scalar path: 256-entry lookup table, four partial sums
 
 static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
@@ -132,6 +206,20 @@ static void dequant_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_
                          const float* lut) {
   for (int64_t r = row_begin; r < row_end; ++r)
     for (int64_t i = 0; i < in; ++i) dst[(r - row_begin) * in + i] = lut[w[r * in + i]];
+}
+
+
+static void quantize_f32(const float* x, float scale, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = quantize_e4m3_scalar(x[i], scale);
+}
+
+static void quantize_bf16(const uint16_t* x, float scale, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof(f));
+    out[i] = quantize_e4m3_scalar(f, scale);
+  }
 }
 
 #endif

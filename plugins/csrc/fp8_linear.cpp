@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_features.h"
@@ -50,8 +51,7 @@ namespace {
 namespace {
 
 constexpr int64_t kMaxDirectTokens = 16;
-constexpr int64_t kTileRows = 64;
-constexpr float kFp8Max = 448.0f;
+constexpr int64_t kTileRows = 256;
 
 struct Fp8Lut {
   float value[256];
@@ -107,18 +107,25 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 }
 
 // x_q[t, i] = float(fp8_e4m3(clamp(float(x[t, i]) / input_scale, -448, 448))), bit-exact with torch's
-// `(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)` (c10's round-to-nearest-even conversion).
+// `(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)` (see quantize_e4m3_scalar in fp8_kernels.h).
 template <typename scalar_t>
 void quantize_activations(const at::Tensor& x, float input_scale, float* xq) {
   const int64_t num_tokens = x.size(0), in = x.size(1);
   const scalar_t* src = x.data_ptr<scalar_t>();
-  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 16384 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t i = 0; i < in; ++i) {
-        float v = static_cast<float>(src[t * in + i]) / input_scale;
-        v = std::min(std::max(v, -kFp8Max), kFp8Max);  // NaN propagates, as torch.clamp
-        xq[t * in + i] = static_cast<float>(c10::Float8_e4m3fn(v));
-      }
+  const bool vec = kiln::cpu_has_avx2_fma_f16c();
+  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
+    const int64_t n = (t1 - t0) * in;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+#if defined(__x86_64__)
+      if (vec) return avx2::quantize_f32(src + t0 * in, input_scale, xq + t0 * in, n);
+#endif
+      generic::quantize_f32(src + t0 * in, input_scale, xq + t0 * in, n);
+    } else {
+      const uint16_t* bits = reinterpret_cast<const uint16_t*>(src + t0 * in);
+#if defined(__x86_64__)
+      if (vec) return avx2::quantize_bf16(bits, input_scale, xq + t0 * in, n);
+#endif
+      generic::quantize_bf16(bits, input_scale, xq + t0 * in, n);
     }
   });
 }

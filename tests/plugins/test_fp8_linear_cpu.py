@@ -39,6 +39,30 @@ def test_quantization_is_bit_exact(num_tokens, dtype):
     assert torch.equal(y, fp8_linear_reference(x, eye, weight_scale, input_scale, None))
 
 
+def e4m3_ties() -> torch.Tensor:
+    """Every value exactly halfway between two neighbouring E4M3 magnitudes (round-to-nearest-even cases)."""
+    codes = torch.arange(0, 0x7E, dtype=torch.uint8)  # finite, below the maximum 448 (0x7E)
+    values = codes.view(torch.float8_e4m3fn).float()
+    nxt = (codes + 1).view(torch.float8_e4m3fn).float()
+    return (values + nxt) / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantization_bit_exact_over_a_sweep_of_float_bit_patterns(dtype):
+    """~1.2M float32 bit patterns from 0 to 512 (every 1021st), both signs, all RNE ties, infinities."""
+    patterns = torch.arange(0, int(torch.tensor(512.0).view(torch.int32)), 1021, dtype=torch.int32).view(torch.float32)
+    special = torch.tensor([float("inf"), -float("inf"), 448.0, 464.0, 2.0 ** -6, 2.0 ** -9, 2.0 ** -10])
+    x = torch.cat([patterns, -patterns, e4m3_ties(), -e4m3_ties(), special])
+    x = torch.cat([x, x.new_zeros(-x.numel() % 64)]).reshape(-1, 64).to(dtype)  # [T, 64]
+    one = torch.tensor(1.0)
+    y = fp8_linear(x, torch.eye(64).to(torch.float8_e4m3fn), one, one, None)
+    expected = quantize_fp8_reference(x, one).float().to(dtype)
+    assert torch.equal(y, expected)
+    # Generation-phase sizes take the vector path's scalar tail too.
+    y_small = fp8_linear(x[:3, :37].contiguous(), torch.eye(37).to(torch.float8_e4m3fn), one, one, None)
+    assert torch.equal(y_small, expected[:3, :37])
+
+
 @pytest.mark.parametrize("num_tokens", [16, 32])
 def test_every_fp8_weight_byte_decodes_exactly(num_tokens):
     """One-hot activations read the weight back: all 254 finite E4M3 encodings decode bit-exactly."""
