@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -95,6 +96,13 @@ def _ninja_module_available() -> bool:
     return True
 
 
+def _build_in_progress(build_dir: Path, stale_after_s: float = 600.0) -> bool:
+    try:
+        return time.time() - (build_dir / "lock").stat().st_mtime < stale_after_s
+    except FileNotFoundError:
+        return False
+
+
 def load_cpu_kernels() -> str:
     """Build (first time only) and load the C++ CPU kernels of ``kilnlm::paged_attention`` and
     ``kilnlm::fp8_linear``; idempotent and thread-safe. Returns the shared library's path.
@@ -114,8 +122,8 @@ def load_cpu_kernels() -> str:
         build_dir = _build_root() / name
         library = build_dir / f"{name}.so"
         # A build in progress in another process holds build_dir/lock: go through torch's loader, which
-        # waits for it, instead of opening a half-written library.
-        if not library.exists() or (build_dir / "lock").exists():
+        # waits for it, instead of opening a half-written library (a lock older than any build is stale).
+        if not library.exists() or _build_in_progress(build_dir):
             library = _compile(name, sources, build_dir)
         else:
             try:

@@ -63,6 +63,35 @@ def bench_fp8_linear(min_time_s: float) -> None:
                   f"{t_fp32 * 1e6:8.1f} {4 * num_weights / t_fp32 / 1e9:6.1f} | {t_bf16 / t_fp8:5.2f}x")
 
 
+def bench_fp8_decode_sweep(min_time_s: float, num_layers: int = 30) -> None:
+    """Generation phase with cold weights: one T=1 pass over SmolLM2's four projections of num_layers
+    distinct layers (fp8 ~106 MB, more than the L3 cache), as one decode step of the engine reads them."""
+    gen = torch.Generator().manual_seed(2)
+    layers = [{name: torch.randn(o, i, generator=gen) for name, (o, i) in SMOLLM2_LINEARS.items()}
+              for _ in range(num_layers)]
+    num_weights = sum(o * i for o, i in SMOLLM2_LINEARS.values()) * num_layers
+    scale = torch.tensor(0.01)
+    fp8 = [{n: (w * 30).clamp(-448, 448).to(torch.float8_e4m3fn) for n, w in layer.items()} for layer in layers]
+    bf16 = [{n: w.to(torch.bfloat16) for n, w in layer.items()} for layer in layers]
+    x = {i: torch.randn(1, i, generator=gen) for _, i in SMOLLM2_LINEARS.values()}
+    x_bf16 = {i: t.to(torch.bfloat16) for i, t in x.items()}
+
+    def sweep_fp8():
+        for layer in fp8:
+            for w in layer.values():
+                torch.ops.kilnlm.fp8_linear(x[w.shape[1]], w, scale, scale, None)
+
+    def sweep(weights, xs):
+        return lambda: [F.linear(xs[w.shape[1]], w) for layer in weights for w in layer.values()]
+
+    print(f"\nfp8_linear generation phase, cold weights: {num_layers} layers x (qkv, o, gate_up, down) at T=1")
+    for label, fn, bytes_per_weight in (("fp8 (kilnlm)", sweep_fp8, 1), ("bf16 F.linear", sweep(bf16, x_bf16), 2),
+                                        ("fp32 F.linear", sweep(layers, x), 4)):
+        t = time_call(fn, min_time_s)
+        print(f"{label:>14}: {t * 1e3:7.2f} ms per step, {bytes_per_weight * num_weights / t / 1e9:6.1f} GB/s, "
+              f"{num_weights / t / 1e9:5.1f} G weights/s")
+
+
 def paged_batch(seqs: list[tuple[int, int]], dtype: torch.dtype, tokens_per_block: int):
     """Arguments of paged_attention for sequences (num_cached, num_new), blocks shuffled in the pool."""
     gen = torch.Generator().manual_seed(1)
@@ -123,6 +152,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
     if args.only in (None, "fp8"):
         bench_fp8_linear(args.min_time_s)
+        bench_fp8_decode_sweep(args.min_time_s)
     if args.only in (None, "attention"):
         bench_paged_attention(getattr(torch, args.dtype), args.min_time_s)
 
