@@ -252,25 +252,51 @@ class Executor:
         batch = self.scheduler.schedule()
         if not batch:
             return
+        logits = self._forward(batch)
+        if logits is None:
+            return
+        next_tokens = self._sample(batch, logits)
+        self._update(batch, next_tokens)  # appends tokens, checks stop conditions, emits responses
+        self._record_iteration(batch, time.perf_counter() - start_s)
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Prepare inputs and run the engine: ``logits [B, vocab] float32``, or None after failing every
+        request of the batch (the engine's error is theirs; the loop goes on)."""
         try:
             inputs = self.input_builder.build(batch, self.kv_manager)
-            logits = self.engine.forward(inputs, self.kv_cache)  # [B, vocab] float32
+            return self.engine.forward(inputs, self.kv_cache)
         except Exception as exc:
             logger.exception("engine forward failed")
             for seq in batch.seqs:
                 self._finish(seq.request, FinishReason.ERROR, f"engine forward failed: {exc!r}")
-            return
+            return None
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict[int, int]:
+        """request id -> next token, for the sequences whose pending tokens were all computed (a non-final
+        context chunk's logits are dropped)."""
         rows = [b for b, seq in enumerate(batch.seqs) if seq.completes_sequence]
-        sampled = [batch.seqs[b].request for b in rows]
-        next_tokens = self.sampler.sample(logits[rows], sampled) if rows else []
-        self._update(batch, dict(zip((r.request_id for r in sampled), next_tokens)))
-        self._last_batch = (batch.num_tokens, len(batch.seqs), time.perf_counter() - start_s)
+        if not rows:
+            return {}
+        requests = [batch.seqs[b].request for b in rows]
+        try:
+            next_tokens = self.sampler.sample(logits[rows], requests)
+        except Exception as exc:
+            logger.exception("sampling failed")
+            for request in requests:
+                self._finish(request, FinishReason.ERROR, f"sampling failed: {exc!r}")
+            return {}
+        return dict(zip((r.request_id for r in requests), next_tokens))
+
+    def _record_iteration(self, batch: ScheduledBatch, iteration_s: float) -> None:
+        self._last_batch = (batch.num_tokens, len(batch.seqs), iteration_s)
         self._num_iterations += 1
         self._num_preemptions += len(batch.preempted)
 
     def _update(self, batch: ScheduledBatch, next_tokens: dict[int, int]) -> None:
         for seq in batch.seqs:
             request = seq.request
+            if request.finished:  # failed in sampling
+                continue
             try:
                 request.num_computed_tokens += seq.num_new_tokens
                 self.kv_manager.cache_computed_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
@@ -313,7 +339,7 @@ class Executor:
         if request.finished:
             return
         detokenizer = self._detokenizers.pop(request.request_id, None)
-        if reason is not FinishReason.STOP and detokenizer is not None:
+        if reason not in (FinishReason.STOP, FinishReason.ERROR) and detokenizer is not None:
             request.output_text += detokenizer.flush()
         self.scheduler.remove(request)
         request.status = RequestStatus.FINISHED
@@ -322,6 +348,7 @@ class Executor:
         self._requests.pop(request.request_id, None)
         text = request.output_text[request.num_text_sent :]
         request.num_text_sent = len(request.output_text)
+        self._publish_stats()  # a client that saw its final response sees the blocks back in stats()
         self._emit(request, Response(request.request_id, new_token_ids or [], text, True, reason,
                                      request.num_prompt_tokens, request.num_generated_tokens, error))
 

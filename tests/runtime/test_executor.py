@@ -220,3 +220,24 @@ def test_shutdown_cancels_outstanding_requests(make_executor):
     assert list(stream)[-1].finish_reason is FinishReason.CANCELLED
     with pytest.raises(RequestError, match="shut down"):
         executor.submit([5])
+
+
+def test_failure_in_one_request_fails_only_that_request(tokenizer, make_build_config):
+    class FaultyTokenizer(Tokenizer):
+        """Raises when asked to decode token 905 (request A reaches it; request B never does)."""
+
+        def decode(self, token_ids, skip_special_tokens=True):
+            if 905 in token_ids:
+                raise ValueError("injected decode failure")
+            return super().decode(token_ids, skip_special_tokens)
+
+    faulty = FaultyTokenizer(tokenizer.backend, tokenizer.config, tokenizer.chat_template)
+    with Executor(CountingEngine(make_build_config()), faulty) as executor:
+        a = executor.submit([900], SamplingParams(max_tokens=10))
+        b = executor.submit([100], SamplingParams(max_tokens=10))
+        a_last = list(executor.stream(a, timeout_s=30))[-1]
+        b_tokens = [t for r in executor.stream(b, timeout_s=30) for t in r.token_ids]
+        stats = executor.stats()
+    assert a_last.finish_reason is FinishReason.ERROR and "injected decode failure" in a_last.error
+    assert b_tokens == list(range(101, 111))
+    assert stats.num_free_blocks == stats.num_total_blocks

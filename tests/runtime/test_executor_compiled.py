@@ -80,9 +80,12 @@ def test_tiny_engine_in_flight_greedy_equals_transformers(tiny_engine_dir, tiny_
 @pytest.mark.e2e
 def test_smollm2_fp32_in_flight_greedy_equals_transformers(smollm2_engine_fp32_dir, smollm2_hf_dir):
     # A small pool (64 blocks) instead of the default: the SmolLM2 fp32 KV cache is 45 KiB per token.
-    from kilnlm.runtime.engine import Engine
+    from kilnlm.runtime.abi import kv_cache_shape
+    from kilnlm.runtime.manifest import read_manifest
 
-    bytes_per_block = Engine.load(smollm2_engine_fp32_dir).kv_cache_bytes_per_block()
+    manifest = read_manifest(smollm2_engine_fp32_dir)
+    m = manifest.model
+    bytes_per_block = 4 * torch.Size(kv_cache_shape(m.num_layers, 1, manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim)).numel()
     config = ExecutorConfig(kv_cache_bytes=64 * bytes_per_block, max_batch_size=4, max_num_tokens=48)
     check_engine(smollm2_engine_fp32_dir, smollm2_hf_dir, config, chat=True)
 
