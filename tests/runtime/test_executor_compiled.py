@@ -6,7 +6,6 @@ the first ones decode, and the long prompt's context phase is chunked (``max_num
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
