@@ -242,7 +242,7 @@ class LiveRequest:
     last_token_s: float | None = None
     text_parts: list[str] = dataclasses.field(default_factory=list)  # non-streamed: the whole answer
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    cancelled: bool = False  # the client cancelled; Triton already completed the request
+    cancelled: bool = False  # the client cancelled; the request is closed, the sender unused
 
 
 class TritonPythonModel:
@@ -252,8 +252,9 @@ class TritonPythonModel:
     moves the executor's responses into ``self._outbox``; one dispatcher thread owns every response
     sender. Only the dispatcher talks to senders (send, is_cancelled): concurrent use of senders from
     several threads crashed tritonserver 2.51's python backend, as does touching a sender after its
-    final response, or after ``is_cancelled()`` returned True (the backend then completes the
-    request itself), so none of that happens here.
+    final response. When ``is_cancelled()`` turns True the request is cancelled in the executor and
+    closed with one empty final flag (without it Triton never releases the request and the model
+    cannot unload), and its sender is not used again.
     """
 
     def initialize(self, args):
@@ -377,7 +378,7 @@ class TritonPythonModel:
             else:
                 self._metrics.itl.observe(now_s - state.last_token_s)
             state.last_token_s = now_s
-        if state.cancelled:  # Triton completed the request; wait for the executor's final response
+        if state.cancelled:  # closed already; wait for the executor's final ("cancelled") response
             if r.finished:
                 del live[key]
                 self._metrics.count_finished("cancelled")
@@ -407,12 +408,18 @@ class TritonPythonModel:
     def _poll_cancellation(self, live: dict) -> None:
         for request_id, state in live.items():
             if not state.cancelled and state.sender.is_cancelled():
-                state.cancelled = True  # the sender must not be used again
+                state.cancelled = True
                 self._executor.cancel(request_id)
+                try:
+                    state.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                except Exception as exc:
+                    pb_utils.Logger.log_info(f"kilnlm: closing cancelled request {request_id}: {exc!r}")
 
     def finalize(self):
+        pb_utils.Logger.log_info("kilnlm: finalize: shutting the executor down")
         self._executor.shutdown()  # unfinished requests end as "cancelled"; the readers drain
         for reader in list(self._readers):
             reader.join(timeout=5.0)
         self._outbox.put(("stop", None, None))
         self._dispatcher.join(timeout=5.0)
+        pb_utils.Logger.log_info("kilnlm: finalize: done")
