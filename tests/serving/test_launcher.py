@@ -123,3 +123,12 @@ def test_sigterm_is_forwarded_and_the_launcher_exits_0(tmp_path):
         if launcher_process.poll() is None:
             launcher_process.kill()
             launcher_process.wait()
+
+
+def test_tritonserver_failure_status_is_passed_through(tmp_path):
+    binary = _fake_install(tmp_path / "triton", "echo 'failed to load all models' >&2; exit 3\n")
+    (tmp_path / "engine").mkdir()
+    result = subprocess.run([sys.executable, str(LAUNCHER_PATH), "--engine", str(tmp_path / "engine"),
+                             "--tritonserver", str(binary)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3
+    assert "failed to load all models" in result.stderr

@@ -291,7 +291,13 @@ def test_bad_request_over_grpc_and_infer(triton_server):
     client = httpclient.InferenceServerClient(triton_server.http_url.removeprefix("http://"))
     with pytest.raises(InferenceServerException, match="top_p"):
         client.infer("kilnlm_sync", _inputs(httpclient, text_input="Hello", top_p=0.0))
+    not_utf8 = httpclient.InferInput("text_input", [1], "BYTES")
+    not_utf8.set_data_from_numpy(np.array([b"caf\xe9"], dtype=np.object_))
+    with pytest.raises(InferenceServerException, match="UTF-8"):
+        client.infer("kilnlm_sync", [not_utf8])
     assert client.is_model_ready("kilnlm")
+    result = client.infer("kilnlm_sync", _inputs(httpclient, text_input="Hello", max_tokens=2))
+    assert result.as_numpy("sequence_length")[0] >= 1
 
 
 def test_stop_words_end_generation_before_the_stop_string(triton_server, smollm2_executor):
@@ -309,6 +315,21 @@ def test_stop_words_end_generation_before_the_stop_string(triton_server, smollm2
     streamed = grpc_stream(triton_server, text_input=prompt, max_tokens=MAX_TOKENS, stream=True,
                            stop_words=[stop])
     assert "".join(text for text, _, _ in streamed) == expected
+
+
+def test_bad_words_are_never_generated(triton_server, smollm2_executor):
+    prompt = PROMPTS[0]
+    tokenizer = smollm2_executor.tokenizer
+    first_token = reference(smollm2_executor, prompt).token_ids[0]
+    word = tokenizer.decode([first_token])
+    if tokenizer.encode(word, add_special_tokens=False) != [first_token]:
+        pytest.skip(f"the first greedy token {first_token} ({word!r}) does not round-trip through the tokenizer")
+    expected = reference(smollm2_executor, prompt, bad_words=[[first_token]])
+    status, [answer] = http_generate(triton_server, text_input=prompt, max_tokens=MAX_TOKENS,
+                                     exclude_input_in_output=True, bad_words=[word], pad_id=0)
+    assert status == 200, answer
+    assert first_token not in answer["output_ids"]
+    assert answer["text_output"] == expected.text
 
 
 def test_latency_histograms_and_token_counter(triton_server):

@@ -74,7 +74,7 @@ def _add_launcher_python_path() -> None:
 _add_launcher_python_path()
 
 import numpy as np  # noqa: E402  (after the path set-up above)
-import triton_python_backend_utils as pb_utils
+import triton_python_backend_utils as pb_utils  # noqa: E402
 
 STATS_INTERVAL_S = 0.1  # how often the gauges are refreshed from executor.stats()
 CANCEL_POLL_INTERVAL_S = 0.05  # how often live requests are checked for client cancellation
@@ -101,7 +101,10 @@ def _values(request, name: str) -> list | None:
     if tensor is None:
         return None
     values = tensor.as_numpy().reshape(-1).tolist()
-    return [v.decode("utf-8") if isinstance(v, bytes) else v for v in values]
+    try:
+        return [v.decode("utf-8") if isinstance(v, bytes) else v for v in values]
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"'{name}' is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 def _scalar(request, name: str, default):
@@ -147,12 +150,6 @@ def parse_request(request, default_max_tokens: int) -> ParsedRequest:
     )
 
 
-def _stat(stats, name: str, default=0):
-    if isinstance(stats, dict):
-        return stats.get(name, default)
-    return getattr(stats, name, default)
-
-
 def _convert(text: str, annotation: str):
     """Convert a config.pbtxt parameter string to a dataclass field's type (its annotation string,
     e.g. ``"int | None"``); "" or "none" means None."""
@@ -169,7 +166,8 @@ def _convert(text: str, annotation: str):
 
 
 class Metrics:
-    """The model's custom Prometheus metrics (one set per model instance)."""
+    """The model's custom Prometheus metrics (one set per model instance; used by the dispatcher
+    thread only)."""
 
     def __init__(self, model_name: str):
         labels = {"model": model_name}
@@ -202,21 +200,20 @@ class Metrics:
         self.ttft = self._families["ttft"].Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self.itl = self._families["itl"].Metric(labels=labels, buckets=LATENCY_BUCKETS_S)
         self._finished: dict[str, object] = {}
-        self._lock = threading.Lock()
 
     def count_finished(self, reason: str) -> None:
-        with self._lock:
-            if reason not in self._finished:
-                self._finished[reason] = self._families["finished"].Metric(
-                    labels={**self._labels, "finish_reason": reason})
-            self._finished[reason].increment(1)
+        if reason not in self._finished:
+            self._finished[reason] = self._families["finished"].Metric(
+                labels={**self._labels, "finish_reason": reason})
+        self._finished[reason].increment(1)
 
     def update_stats(self, stats) -> None:
-        self.free_blocks.set(float(_stat(stats, "num_free_blocks")))
-        self.total_blocks.set(float(_stat(stats, "num_total_blocks")))
-        self.cached_blocks.set(float(_stat(stats, "num_cached_blocks")))
-        self.active_requests.set(float(_stat(stats, "num_active_requests")))
-        self.queued_requests.set(float(_stat(stats, "num_queued")))
+        """``stats``: the executor's IterationStats."""
+        self.free_blocks.set(float(stats.num_free_blocks))
+        self.total_blocks.set(float(stats.num_total_blocks))
+        self.cached_blocks.set(float(stats.num_cached_blocks))
+        self.active_requests.set(float(stats.num_active_requests))
+        self.queued_requests.set(float(stats.num_queued))
 
 
 def _response(text: str, token_ids: list[int], finish_reason: str):
