@@ -7,16 +7,30 @@
 
 namespace kiln {
 
+// The environment variable KILNLM_CPU_ISA (read once per process) caps the paths used, e.g. to test the
+// portable ones on a machine that has more: "generic" (scalar only) or "avx2" (no AVX-512 paths).
+inline bool cpu_isa_capped_at(const char* level) {
+  const char* cap = std::getenv("KILNLM_CPU_ISA");
+  return cap != nullptr && std::strcmp(cap, level) == 0;
+}
+
 // AVX2 + FMA + F16C (Intel Haswell / AMD Zen and later): the vectorized path of every kernel.
-// Setting the environment variable KILNLM_CPU_ISA=generic (read once per process) forces the portable
-// scalar path, e.g. to test it on a machine that has AVX2.
 inline bool cpu_has_avx2_fma_f16c() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool has = [] {
-    const char* forced = std::getenv("KILNLM_CPU_ISA");
-    if (forced != nullptr && std::strcmp(forced, "generic") == 0) return false;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
+#if defined(__x86_64__)
+  static const bool has = !cpu_isa_capped_at("generic") && __builtin_cpu_supports("avx2") &&
+                          __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// AVX-512 with BF16 dot products (AMD Zen 4+, Intel Sapphire Rapids+): the context-phase FP8 GEMM.
+inline bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__)
+  static const bool has = cpu_has_avx2_fma_f16c() && !cpu_isa_capped_at("avx2") &&
+                          __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
   return has;
 #else
   return false;

@@ -139,6 +139,31 @@ static void dequant_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_
 }
 
 
+// Rows [row_begin, row_end) as bfloat16 bits into dst [rows, dst_stride] (exact: every E4M3 value is a
+// normal bfloat16). Columns in..dst_stride are left untouched.
+static void dequant_rows_bf16(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, uint16_t* dst,
+                              int64_t dst_stride, const float* lut) {
+  const __m256 two8 = _mm256_set1_ps(256.0f);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint8_t* src = w + r * in;
+    uint16_t* out = dst + (r - row_begin) * dst_stride;
+    int64_t i = 0;
+    for (; i + 16 <= in; i += 16) {
+      const __m256i h = fp8x16_to_half_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), two8)), 16);
+      const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), two8)), 16);
+      // packus interleaves the 128-bit lanes: [lo0-3 hi0-3 lo4-7 hi4-7] -> reorder the 64-bit quarters
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+    }
+    for (; i < in; ++i) {
+      uint32_t bits;
+      __builtin_memcpy(&bits, &lut[src[i]], sizeof(bits));
+      out[i] = static_cast<uint16_t>(bits >> 16);
+    }
+  }
+}
+
 static inline __m256 quantize_e4m3_ps(__m256 x, __m256 scale) {
   __m256 v = _mm256_div_ps(x, scale);
   v = _mm256_max_ps(_mm256_set1_ps(-448.0f), v);  // NaN in v is returned (second operand)
@@ -225,6 +250,17 @@ static void quantize_bf16(const uint16_t* x, float scale, float* out, int64_t n)
     __builtin_memcpy(&f, &bits, sizeof(f));
     out[i] = quantize_e4m3_scalar(f, scale);
   }
+}
+
+
+static void dequant_rows_bf16(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, uint16_t* dst,
+                              int64_t dst_stride, const float* lut) {
+  for (int64_t r = row_begin; r < row_end; ++r)
+    for (int64_t i = 0; i < in; ++i) {
+      uint32_t bits;
+      __builtin_memcpy(&bits, &lut[w[r * in + i]], sizeof(bits));
+      dst[(r - row_begin) * dst_stride + i] = static_cast<uint16_t>(bits >> 16);
+    }
 }
 
 #endif

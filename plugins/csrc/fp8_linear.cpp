@@ -4,10 +4,11 @@
 //   y [T, out] = (x_q @ weight.T) * (input_scale * weight_scale) + bias, accumulated in float32
 //
 // The weight [out, in] float8_e4m3fn is read directly as bytes, never dequantized as a whole:
-// - T <= kMaxDirectTokens (generation phase): a fused dequantize-and-FMA GEMV over output rows, each byte
-//   read once per call (memory bound: ~1 byte per weight);
-// - larger T (context phase): tiles of kTileRows output rows are dequantized into a thread-local float
-//   buffer and multiplied with at::mm.
+// - few tokens (generation phase): a fused dequantize-and-FMA GEMV over output rows, each byte read
+//   once per call (memory bound: ~1 byte per weight);
+// - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local
+//   buffer and multiplied: as exact bfloat16 with AVX512-BF16 dot products (fp8_bf16_gemm.h) where the
+//   CPU has them, else as float32 with at::mm.
 // Both parallelize over output rows with at::parallel_for.
 
 #include <ATen/ATen.h>
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -46,12 +48,24 @@ namespace {
 }  // namespace
 }  // namespace avx2
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+namespace avx512bf16 {
+namespace {
+#include "fp8_bf16_gemm.h"
+}  // namespace
+}  // namespace avx512bf16
+#pragma GCC pop_options
 #endif
 
 namespace {
 
-constexpr int64_t kMaxDirectTokens = 16;
-constexpr int64_t kTileRows = 256;
+// Up to this many tokens the fused GEMV beats dequantize-then-GEMM (measured on SmolLM2's shapes,
+// scripts/bench_plugins.py): the bf16 GEMM is ~4x the float32 one, so it takes over sooner.
+constexpr int64_t kMaxDirectTokensF32Gemm = 16;
+constexpr int64_t kMaxDirectTokensBf16Gemm = 4;
+constexpr int64_t kTileRows = 64;
 
 struct Fp8Lut {
   float value[256];
@@ -159,15 +173,46 @@ void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float*
   });
 }
 
-// Context phase (many tokens): dequantize kTileRows output rows at a time into a thread-local float tile
-// and multiply it with at::mm (never a dequantized copy of the whole weight).
+// bfloat16 bits of a float holding an E4M3 value (exact: such floats have at most 4 significant bits).
+inline uint16_t exact_bf16_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+bool use_bf16_gemm() { return kiln::cpu_has_avx512_bf16(); }
+
+// Context phase (many tokens): dequantize kTileRows output rows at a time into a thread-local tile
+// (never a dequantized copy of the whole weight) and multiply: with AVX512-BF16, tiles and activations
+// as (exact) bfloat16 through bf16_gemm_nt; otherwise float32 tiles through at::mm.
 template <typename scalar_t>
 void run_tiled(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, float scale,
                const float* bias, scalar_t* out) {
   const float* lut = fp8_lut().value;
   const DequantFn dequant = dequant_fn();
-  const at::Tensor x_q = at::from_blob(const_cast<float*>(xq), {num_tokens, in}, at::kFloat);
   const int64_t num_tiles = (out_features + kTileRows - 1) / kTileRows;
+#if defined(__x86_64__)
+  if (use_bf16_gemm()) {
+    const int64_t k_pad = (in + 31) / 32 * 32, tokens_pad = (num_tokens + 3) / 4 * 4;
+    std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad]
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t i = 0; i < in; ++i) xb[t * k_pad + i] = exact_bf16_bits(xq[t * in + i]);
+    at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+      std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad]
+      std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));
+      for (int64_t tile = tile0; tile < tile1; ++tile) {
+        const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
+        const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
+        avx2::dequant_rows_bf16(w, in, r0, r1, wb.data(), k_pad, lut);  // padding columns stay 0
+        std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
+        avx512bf16::bf16_gemm_nt(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
+        epilogue<scalar_t>(acc.data(), kTileRows, num_tokens, r0, r1, scale, bias, out, out_features);
+      }
+    });
+    return;
+  }
+#endif
+  const at::Tensor x_q = at::from_blob(const_cast<float*>(xq), {num_tokens, in}, at::kFloat);
   at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
     std::vector<float> w_tile(static_cast<size_t>(kTileRows * in));
     at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
@@ -200,19 +245,20 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(weight.data_ptr());
 
+  const int64_t max_direct = use_bf16_gemm() ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm;
   // x_q: [T, in] float32 holding exact E4M3 values.
   std::vector<float> xq_buf(static_cast<size_t>(num_tokens * in));
   float* xq = xq_buf.data();
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::fp8_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         quantize_activations<float>(x, s_in, xq);
-        if (num_tokens <= kMaxDirectTokens) run_direct<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
+        if (num_tokens <= max_direct) run_direct<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
         else run_tiled<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         quantize_activations<at::BFloat16>(x, s_in, xq);
         at::BFloat16* y = out.data_ptr<at::BFloat16>();
-        if (num_tokens <= kMaxDirectTokens) run_direct<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
+        if (num_tokens <= max_direct) run_direct<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
         else run_tiled<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
       }));
   return out;

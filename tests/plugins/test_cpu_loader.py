@@ -27,7 +27,7 @@ def test_idempotent_and_thread_safe(cpu_kernels):
 
 
 def test_second_process_loads_the_cached_build_fast(cpu_kernels):
-    script = ("import time; t = time.perf_counter(); from kilnlm.plugins import load_cpu_kernels; "
+    script = ("import time; from kilnlm.plugins import load_cpu_kernels; t = time.perf_counter(); "
               "path = load_cpu_kernels(); print(path); print(time.perf_counter() - t)")
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -35,8 +35,8 @@ def test_second_process_loads_the_cached_build_fast(cpu_kernels):
     assert result.returncode == 0, result.stderr
     path, load_s = result.stdout.split()
     assert path == cpu_kernels
-    # No compiler run: the import of kilnlm.plugins (torch is already imported by it) plus dlopen.
-    assert float(load_s) < 3.0, f"loading the cached kernels took {load_s} s"
+    # No compiler or ninja run: hashing the sources and a dlopen (milliseconds; generous for a busy CI).
+    assert float(load_s) < 1.0, f"loading the cached kernels took {load_s} s"
     assert wall_s < 30
 
 

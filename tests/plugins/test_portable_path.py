@@ -1,5 +1,6 @@
-"""The portable scalar kernels (used on CPUs without AVX2/FMA/F16C), forced with KILNLM_CPU_ISA=generic
-in a subprocess (the ISA choice is made once per process), against the references."""
+"""The kernels' portable paths against the references, forced in a subprocess (the ISA choice is made
+once per process) with KILNLM_CPU_ISA: "generic" (scalar, for CPUs without AVX2/FMA/F16C) and "avx2"
+(no AVX-512: the context-phase FP8 GEMM through float32 at::mm)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ print("ok")
 """
 
 
-def test_generic_isa_path_matches_reference():
-    env = dict(os.environ, KILNLM_CPU_ISA="generic")
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_capped_isa_paths_match_reference(isa):
+    env = dict(os.environ, KILNLM_CPU_ISA=isa)
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")

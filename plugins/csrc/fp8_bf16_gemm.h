@@ -1,0 +1,32 @@
+// Context-phase FP8 GEMM on CPUs with AVX512-BF16 (AMD Zen 4+, Intel Sapphire Rapids+), compiled once by
+// fp8_linear.cpp under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")` and chosen at run
+// time. Included inside a namespace after every system / torch header (see fp8_kernels.h for why).
+//
+// Exactness: every E4M3 value (weights and quantized activations) is exactly a normal bfloat16, and a
+// product of two bfloat16 is exact in float32, so VDPBF16PS (pairwise products accumulated in float32)
+// computes the same float32-accumulated GEMM as the float32 path, only in another summation order --
+// at twice the multiply throughput of float32 FMAs per instruction.
+
+// c[t, r] = sum_k xb[t, k] * wb[r, k] for t < num_tokens (a multiple of 4), r < num_rows (a multiple of
+// 4); xb: [num_tokens, k_pad] bf16 bits, wb: [num_rows, k_pad] bf16 bits, k_pad a multiple of 32 (zero
+// padded); c: [num_tokens, c_stride] float32.
+static void bf16_gemm_nt(const uint16_t* xb, int64_t num_tokens, const uint16_t* wb, int64_t num_rows, int64_t k_pad,
+                         float* c, int64_t c_stride) {
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += 4) {
+    for (int64_t r0 = 0; r0 < num_rows; r0 += 4) {
+      __m512 acc[4][4];
+      for (int t = 0; t < 4; ++t)
+        for (int r = 0; r < 4; ++r) acc[t][r] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < k_pad; k += 32) {
+        __m512i xv[4];
+        for (int t = 0; t < 4; ++t) xv[t] = _mm512_loadu_si512(xb + (t0 + t) * k_pad + k);
+        for (int r = 0; r < 4; ++r) {
+          const __m512i wv = _mm512_loadu_si512(wb + (r0 + r) * k_pad + k);
+          for (int t = 0; t < 4; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)xv[t], (__m512bh)wv);
+        }
+      }
+      for (int t = 0; t < 4; ++t)
+        for (int r = 0; r < 4; ++r) c[(t0 + t) * c_stride + r0 + r] = _mm512_reduce_add_ps(acc[t][r]);
+    }
+  }
+}
