@@ -100,3 +100,19 @@ def test_smollm2_stop_string_and_chat_answer(smollm2_engine_fp32_dir):
         stopped = executor.generate(prompt, SamplingParams(max_tokens=48, stop=["Paris"]))
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.text == full.text[: full.text.index("Paris")]
+
+
+def test_generate_cli_on_the_tiny_engine(tiny_engine_dir, tiny_llama_dir, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kilnlm.cli.main import main
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompt = "In-flight batching means"
+    ids = hf_tokenizer(prompt).input_ids
+    expected = hf_tokenizer.decode(hf_greedy(model, ids, 10), skip_special_tokens=True)
+    assert main(["generate", "--engine", str(tiny_engine_dir), "--max-tokens", "10", prompt]) == 0
+    out = capsys.readouterr().out
+    # The CLI stops at EOS where transformers (min_new_tokens) does not: compare up to the CLI's length.
+    assert out.endswith("\n") and expected.startswith(out[:-1]) and out[:-1]
