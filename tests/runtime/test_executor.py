@@ -30,6 +30,7 @@ class CountingEngine:
         self.fail_on: int | None = None
         self.num_forwards = 0
         self.max_seen_tokens = 0
+        self.num_computed_tokens = 0  # over all forwards
 
     def kv_cache_bytes_per_block(self) -> int:
         return 64
@@ -40,6 +41,7 @@ class CountingEngine:
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         self.num_forwards += 1
         self.max_seen_tokens = max(self.max_seen_tokens, inputs.num_tokens)
+        self.num_computed_tokens += inputs.num_tokens
         if self.fail_on is not None and bool((inputs.input_ids == self.fail_on).any()):
             raise RuntimeError("injected engine failure")
         last = inputs.input_ids[inputs.logits_indices]
@@ -241,3 +243,15 @@ def test_failure_in_one_request_fails_only_that_request(tokenizer, make_build_co
     assert a_last.finish_reason is FinishReason.ERROR and "injected decode failure" in a_last.error
     assert b_tokens == list(range(101, 111))
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_prefix_caching_skips_computing_cached_prompt_blocks(make_executor, enable_prefix_caching):
+    executor, engine = make_executor(ExecutorConfig(enable_prefix_caching=enable_prefix_caching), tokens_per_block=4)
+    prompt = list(range(1000, 1042))  # 42 tokens: 10 full blocks of 4
+    executor.generate(prompt, SamplingParams(max_tokens=3))
+    assert engine.num_computed_tokens == 42 + 2  # the context, then 2 generation steps
+    second = executor.generate(prompt[:40] + [7, 8, 9], SamplingParams(max_tokens=3))
+    assert second.token_ids == [10, 11, 12]
+    # With caching only the tokens after the 10 shared blocks are computed (43 - 40 = 3).
+    assert engine.num_computed_tokens - 44 == (3 if enable_prefix_caching else 43) + 2
