@@ -270,6 +270,30 @@ def test_cancelled_grpc_stream_frees_its_blocks(triton_server, never_end_id):
     assert status == 200, answer
 
 
+def test_dropped_http_generate_stream_is_cancelled(triton_server, never_end_id):
+    import http.client
+
+    wait_for_idle(triton_server)
+    num_cancelled_before = triton_server.metric("kilnlm_requests_finished_total", finish_reason="cancelled")
+    host, port = triton_server.http_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=STREAM_TIMEOUT_S)
+    body = {"text_input": PROMPTS[7], "max_tokens": 1000, "stream": True, "end_id": never_end_id}
+    connection.request("POST", "/v2/models/kilnlm/generate_stream", body=json.dumps(body))
+    reply = connection.getresponse()
+    num_events = 0
+    while num_events < 4:
+        if reply.fp.readline().startswith(b"data:"):
+            num_events += 1
+    connection.sock.shutdown(2)  # the client goes away mid-stream
+    connection.close()
+    wait_for_idle(triton_server)  # well before the 1000 tokens it asked for
+    deadline_s = time.monotonic() + 10
+    while triton_server.metric("kilnlm_requests_finished_total", finish_reason="cancelled") \
+            < num_cancelled_before + 1:
+        assert time.monotonic() < deadline_s, "the dropped request was not counted as cancelled"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("body, message", [
     ({"text_input": ""}, "text_input"),
     ({"text_input": "Hello", "max_tokens": -1}, "max_tokens"),
