@@ -5,7 +5,23 @@
 // only (see fp8_kernels.h for why). KILN_AVX2 (0 or 1) selects the code path. `AttnWork` is defined by
 // the including file, outside the ISA namespaces.
 
+// KV elements are float (float32 pool) or uint16_t (bfloat16 bits); kv_f32() reads one as float32
+// (exact: bf16 bits are a float's upper half).
+static inline float kv_f32(float v) { return v; }
+static inline float kv_f32(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 #if KILN_AVX2
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
 
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -14,25 +30,27 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-static inline float dot_f32(const float* a, const float* b, int64_t n) {
+template <typename kv_t>
+static inline float dot(const float* a, const kv_t* b, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), s1);
   }
-  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
   float r = hsum8(_mm256_add_ps(s0, s1));
-  for (; i < n; ++i) r += a[i] * b[i];
+  for (; i < n; ++i) r += a[i] * kv_f32(b[i]);
   return r;
 }
 
 // y += alpha * x
-static inline void axpy_f32(float alpha, const float* x, float* y, int64_t n) {
+template <typename kv_t>
+static inline void axpy(float alpha, const kv_t* x, float* y, int64_t n) {
   const __m256 a = _mm256_set1_ps(alpha);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, load8(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * kv_f32(x[i]);
 }
 
 static inline void scale_f32(float alpha, float* y, int64_t n) {
@@ -41,22 +59,6 @@ static inline void scale_f32(float alpha, float* y, int64_t n) {
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] *= alpha;
 }
-
-// bfloat16 bits -> float32 (exact: the bf16 bits are the float's upper half)
-static inline void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
-  }
-  for (; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof(f));
-    dst[i] = f;
-  }
-}
-
 
 // exp(x) for x <= 0 (scores minus their running max), Cephes-style: 2^n * P(r), r = x - n ln2,
 // degree-5 polynomial; relative error ~2e-7 (about a float32 ulp). Inputs below -87 give ~0.
@@ -78,9 +80,10 @@ static inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// s[o] = dot(q, k_o) for the n rows k_o = k + o * row_stride (D floats each). Eight rows at a time with
-// eight independent accumulators reduced together (no horizontal sum per score).
-static inline void block_scores(const float* q, const float* k, int64_t row_stride, int64_t n, int64_t D, float* s) {
+// s[o] = dot(q, k_o) for the n rows k_o = k + o * row_stride (D elements each). Eight rows at a time
+// with eight independent accumulators reduced together (no horizontal sum per score).
+template <typename kv_t>
+static inline void block_scores(const float* q, const kv_t* k, int64_t row_stride, int64_t n, int64_t D, float* s) {
   int64_t o = 0;
   if (D % 8 == 0) {
     for (; o + 8 <= n; o += 8) {
@@ -88,7 +91,7 @@ static inline void block_scores(const float* q, const float* k, int64_t row_stri
       for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (o + r) * row_stride + d), acc[r]);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, load8(k + (o + r) * row_stride + d), acc[r]);
       }
       const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
       const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -96,10 +99,10 @@ static inline void block_scores(const float* q, const float* k, int64_t row_stri
       _mm256_storeu_ps(s + o, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
     }
   }
-  for (; o < n; ++o) s[o] = dot_f32(q, k + o * row_stride, D);
+  for (; o < n; ++o) s[o] = dot(q, k + o * row_stride, D);
 }
 
-// s[o] = exp(s[o] - m) for o < n; returns their sum. s has room for n rounded up to 8.
+// s[o] = exp(s[o] - m) for o < n; returns their sum.
 static inline float block_exp(float* s, float m, int64_t n) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256 sum = _mm256_setzero_ps();
@@ -118,57 +121,46 @@ static inline float block_exp(float* s, float m, int64_t n) {
 }
 
 // acc[0:D] += sum_o p[o] * v_o, 64 columns of acc held in registers across the rows.
-static inline void block_pv(const float* p, const float* v, int64_t row_stride, int64_t n, int64_t D, float* acc) {
+template <typename kv_t>
+static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, int64_t n, int64_t D, float* acc) {
   int64_t d0 = 0;
   for (; d0 + 64 <= D; d0 += 64) {
     __m256 a[8];
     for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
     for (int64_t o = 0; o < n; ++o) {
       const __m256 pv = _mm256_set1_ps(p[o]);
-      const float* row = v + o * row_stride + d0;
-      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 8 * c), a[c]);
+      const kv_t* row = v + o * row_stride + d0;
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pv, load8(row + 8 * c), a[c]);
     }
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
   }
   if (d0 < D)
-    for (int64_t o = 0; o < n; ++o) axpy_f32(p[o], v + o * row_stride + d0, acc + d0, D - d0);
+    for (int64_t o = 0; o < n; ++o) axpy(p[o], v + o * row_stride + d0, acc + d0, D - d0);
 }
 
 #else  // portable scalar path
 
-static inline float dot_f32(const float* a, const float* b, int64_t n) {
+template <typename kv_t>
+static inline float dot(const float* a, const kv_t* b, int64_t n) {
   float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    s0 += a[i] * b[i];
-    s1 += a[i + 1] * b[i + 1];
-    s2 += a[i + 2] * b[i + 2];
-    s3 += a[i + 3] * b[i + 3];
+    s0 += a[i] * kv_f32(b[i]);
+    s1 += a[i + 1] * kv_f32(b[i + 1]);
+    s2 += a[i + 2] * kv_f32(b[i + 2]);
+    s3 += a[i + 3] * kv_f32(b[i + 3]);
   }
-  for (; i < n; ++i) s0 += a[i] * b[i];
+  for (; i < n; ++i) s0 += a[i] * kv_f32(b[i]);
   return (s0 + s1) + (s2 + s3);
-}
-
-static inline void axpy_f32(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
 static inline void scale_f32(float alpha, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
 }
 
-static inline void bf16_to_f32(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof(f));
-    dst[i] = f;
-  }
-}
-
-
-static inline void block_scores(const float* q, const float* k, int64_t row_stride, int64_t n, int64_t D, float* s) {
-  for (int64_t o = 0; o < n; ++o) s[o] = dot_f32(q, k + o * row_stride, D);
+template <typename kv_t>
+static inline void block_scores(const float* q, const kv_t* k, int64_t row_stride, int64_t n, int64_t D, float* s) {
+  for (int64_t o = 0; o < n; ++o) s[o] = dot(q, k + o * row_stride, D);
 }
 
 static inline float block_exp(float* s, float m, int64_t n) {
@@ -180,8 +172,10 @@ static inline float block_exp(float* s, float m, int64_t n) {
   return total;
 }
 
-static inline void block_pv(const float* p, const float* v, int64_t row_stride, int64_t n, int64_t D, float* acc) {
-  for (int64_t o = 0; o < n; ++o) axpy_f32(p[o], v + o * row_stride, acc, D);
+template <typename kv_t>
+static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, int64_t n, int64_t D, float* acc) {
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[o] * kv_f32(v[o * row_stride + d]);
 }
 
 #endif
@@ -191,84 +185,89 @@ static inline void block_pv(const float* p, const float* v, int64_t row_stride, 
 // Flash-style online softmax over the KV blocks (Milakov & Gimelshein 2018, "Online normalizer
 // calculation for softmax"; Dao et al. 2022, FlashAttention): per query vector a running max m, running
 // sum l and unnormalized output acc; no [T, T] score matrix is ever built. Each KV block is visited once
-// per item, for all the item's heads, while its rows are in cache.
+// per item, for all the item's heads, while its rows are in cache; K/V are read in the pool's dtype.
 //
 //   KV position p of the sequence:   block_table[p / tokens_per_block], offset p % tokens_per_block
 //   query token qi sits at position  first_q_pos + qi and sees KV positions 0..first_q_pos + qi
 //
-// scratch: at least attn_scratch_floats(M, D, tokens_per_block, num_kv_heads) floats.
-static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int64_t num_kv_heads) {
-  return M * (D + 2) + tpb + 8 + 2 * tpb * num_kv_heads * D;
+// scratch: at least attn_scratch_floats(M, D, tokens_per_block, kv_row_stride) floats.
+static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int64_t kv_row_stride) {
+  return M * (D + 2) + tpb + 2 * tpb * kv_row_stride;
 }
 
-static void attend(const AttnWork& w, float* scratch) {
-  const int64_t D = w.head_dim, tpb = w.tokens_per_block;
+// Query vectors per item from which a bf16 block is converted to float32 once rather than read as bf16
+// by every query vector (the generation phase reads each row about once: converting would only add a
+// store and a load).
+constexpr int64_t kConvertBlockMinQueries = 8;
+
+// The online-softmax update of every query vector of the item with one KV block of num_block_tokens
+// tokens starting at KV position base_pos; k_block / v_block: the block's first pool row (all KV heads).
+template <typename kv_t>
+static inline void attend_block(const AttnWork& w, const kv_t* k_block, const kv_t* v_block, int64_t row_stride,
+                                int64_t base_pos, int64_t num_block_tokens, float* m, float* l, float* acc, float* s) {
+  const int64_t D = w.head_dim, num_heads_item = w.head_end - w.head_begin;
+  for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
+    const int64_t q_pos = w.first_q_pos + qi;
+    int64_t num_valid = q_pos - base_pos + 1;  // causal: KV positions <= q_pos
+    if (num_valid <= 0) continue;
+    if (num_valid > num_block_tokens) num_valid = num_block_tokens;
+    for (int64_t h = 0; h < num_heads_item; ++h) {
+      const int64_t i = qi * num_heads_item + h;
+      const int64_t kv_head = (w.head_begin + h) / w.group;
+      const float* qv = w.q + qi * w.q_tok_stride + h * D;
+      block_scores(qv, k_block + kv_head * D, row_stride, num_valid, D, s);
+      float block_max = -__builtin_inff();
+      for (int64_t o = 0; o < num_valid; ++o) block_max = s[o] > block_max ? s[o] : block_max;
+      const float m_new = block_max > m[i] ? block_max : m[i];
+      float* a = acc + i * D;
+      if (m_new != m[i]) {
+        const float alpha = __builtin_expf(m[i] - m_new);  // 0 on the first block (m = -inf)
+        l[i] *= alpha;
+        scale_f32(alpha, a, D);
+        m[i] = m_new;
+      }
+      l[i] += block_exp(s, m_new, num_valid);  // s now holds the probabilities
+      block_pv(s, v_block + kv_head * D, row_stride, num_valid, D, a);
+    }
+  }
+}
+
+template <typename kv_t>
+static void attend_typed(const AttnWork& w, float* scratch) {
+  const int64_t D = w.head_dim, tpb = w.tokens_per_block, row_stride = w.kv_row_stride;
   const int64_t num_heads_item = w.head_end - w.head_begin;
-  const int64_t kv_head_begin = w.head_begin / w.group, kv_head_end = (w.head_end - 1) / w.group + 1;
-  const int64_t num_kv_item = kv_head_end - kv_head_begin;
   const int64_t M = w.num_q_tokens * num_heads_item;  // query vectors in this item
   float* m = scratch;                                  // [M] running max
   float* l = m + M;                                    // [M] running sum of exp
   float* acc = l + M;                                  // [M, D] unnormalized output
-  float* s = acc + M * D;                              // [tpb + 8] scores, then probabilities, of one block
-  float* kbuf = s + tpb + 8;                           // [tpb, num_kv_item * D] K block as float (bf16 pool)
-  float* vbuf = kbuf + tpb * num_kv_item * D;          // [tpb, num_kv_item * D] V block as float (bf16 pool)
+  float* s = acc + M * D;                              // [tpb] scores, then probabilities, of one block
+  float* k_f32 = s + tpb;                              // [tpb, row_stride] a bf16 block as float32
+  float* v_f32 = k_f32 + tpb * row_stride;
   for (int64_t i = 0; i < M; ++i) {
     m[i] = -__builtin_inff();
     l[i] = 0.f;
   }
   for (int64_t i = 0; i < M * D; ++i) acc[i] = 0.f;
+  const bool convert = sizeof(kv_t) != sizeof(float) && M >= kConvertBlockMinQueries;
 
+  const kv_t* k_pool = static_cast<const kv_t*>(w.k_base);
+  const kv_t* v_pool = static_cast<const kv_t*>(w.v_base);
   const int64_t last_pos = w.first_q_pos + w.num_q_tokens - 1;
   const int64_t num_kv_blocks = last_pos / tpb + 1;
   for (int64_t j = 0; j < num_kv_blocks; ++j) {
     const int64_t base_pos = j * tpb;
     const int64_t num_block_tokens = (last_pos + 1 - base_pos) < tpb ? (last_pos + 1 - base_pos) : tpb;
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;  // pool row of offset 0
-    // k_block + g_local * D is KV head (kv_head_begin + g_local) of the block's first token.
-    const float* k_block;
-    const float* v_block;
-    int64_t row_stride;
-    if (w.kv_bf16) {
-      const int64_t offset = first_row * w.kv_row_stride + kv_head_begin * D;
-      const uint16_t* k16 = static_cast<const uint16_t*>(w.k_base) + offset;
-      const uint16_t* v16 = static_cast<const uint16_t*>(w.v_base) + offset;
-      row_stride = num_kv_item * D;
-      for (int64_t o = 0; o < num_block_tokens; ++o) {
-        bf16_to_f32(k16 + o * w.kv_row_stride, kbuf + o * row_stride, row_stride);
-        bf16_to_f32(v16 + o * w.kv_row_stride, vbuf + o * row_stride, row_stride);
+    const kv_t* k_block = k_pool + first_row * row_stride;
+    const kv_t* v_block = v_pool + first_row * row_stride;
+    if (convert) {
+      for (int64_t e = 0; e < num_block_tokens * row_stride; ++e) {
+        k_f32[e] = kv_f32(k_block[e]);
+        v_f32[e] = kv_f32(v_block[e]);
       }
-      k_block = kbuf;
-      v_block = vbuf;
+      attend_block<float>(w, k_f32, v_f32, row_stride, base_pos, num_block_tokens, m, l, acc, s);
     } else {
-      const int64_t offset = first_row * w.kv_row_stride + kv_head_begin * D;
-      k_block = static_cast<const float*>(w.k_base) + offset;
-      v_block = static_cast<const float*>(w.v_base) + offset;
-      row_stride = w.kv_row_stride;
-    }
-    for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
-      const int64_t q_pos = w.first_q_pos + qi;
-      int64_t num_valid = q_pos - base_pos + 1;  // causal: KV positions <= q_pos
-      if (num_valid <= 0) continue;
-      if (num_valid > num_block_tokens) num_valid = num_block_tokens;
-      for (int64_t h = 0; h < num_heads_item; ++h) {
-        const int64_t i = qi * num_heads_item + h;
-        const int64_t g_local = (w.head_begin + h) / w.group - kv_head_begin;
-        const float* qv = w.q + qi * w.q_tok_stride + h * D;
-        block_scores(qv, k_block + g_local * D, row_stride, num_valid, D, s);
-        float block_max = -__builtin_inff();
-        for (int64_t o = 0; o < num_valid; ++o) block_max = s[o] > block_max ? s[o] : block_max;
-        const float m_new = block_max > m[i] ? block_max : m[i];
-        float* a = acc + i * D;
-        if (m_new != m[i]) {
-          const float alpha = __builtin_expf(m[i] - m_new);  // 0 on the first block (m = -inf)
-          l[i] *= alpha;
-          scale_f32(alpha, a, D);
-          m[i] = m_new;
-        }
-        l[i] += block_exp(s, m_new, num_valid);  // s now holds the probabilities
-        block_pv(s, v_block + g_local * D, row_stride, num_valid, D, a);
-      }
+      attend_block<kv_t>(w, k_block, v_block, row_stride, base_pos, num_block_tokens, m, l, acc, s);
     }
   }
   for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
@@ -279,4 +278,11 @@ static void attend(const AttnWork& w, float* scratch) {
       for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv_l;
     }
   }
+}
+
+static void attend(const AttnWork& w, float* scratch) {
+  if (w.kv_bf16)
+    attend_typed<uint16_t>(w, scratch);
+  else
+    attend_typed<float>(w, scratch);
 }

@@ -173,11 +173,11 @@ void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float*
   });
 }
 
-// bfloat16 bits of a float holding an E4M3 value (exact: such floats have at most 4 significant bits).
-inline uint16_t exact_bf16_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return static_cast<uint16_t>(bits >> 16);
+// bfloat16 bits of floats holding E4M3 values (exact: such floats have at most 4 significant bits).
+void exact_bf16_row(const float* src, int64_t n, uint16_t* dst) {
+  std::vector<uint32_t> bits(static_cast<size_t>(n));
+  std::memcpy(bits.data(), src, static_cast<size_t>(n) * sizeof(float));
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(bits[i] >> 16);
 }
 
 bool use_bf16_gemm() { return kiln::cpu_has_avx512_bf16(); }
@@ -195,8 +195,9 @@ void run_tiled(const uint8_t* w, int64_t in, int64_t out_features, const float* 
   if (use_bf16_gemm()) {
     const int64_t k_pad = (in + 31) / 32 * 32, tokens_pad = (num_tokens + 3) / 4 * 4;
     std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad]
-    for (int64_t t = 0; t < num_tokens; ++t)
-      for (int64_t i = 0; i < in; ++i) xb[t * k_pad + i] = exact_bf16_bits(xq[t * in + i]);
+    at::parallel_for(0, num_tokens, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) exact_bf16_row(xq + t * in, in, xb.data() + t * k_pad);
+    });
     at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
       std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad]
       std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));

@@ -281,7 +281,7 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
   for (const AttnWork& w : work) max_m = std::max(max_m, w.num_q_tokens * (w.head_end - w.head_begin));
   // Sized by the generic kernel's formula (both ISA variants use the same layout).
   const size_t scratch_floats =
-      static_cast<size_t>(generic::attn_scratch_floats(max_m, d.head_dim, d.tokens_per_block, d.num_kv_heads));
+      static_cast<size_t>(generic::attn_scratch_floats(max_m, d.head_dim, d.tokens_per_block, d.num_kv_heads * d.head_dim));
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(work.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
