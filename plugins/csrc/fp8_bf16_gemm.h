@@ -7,6 +7,23 @@
 // computes the same float32-accumulated GEMM as the float32 path, only in another summation order --
 // at twice the multiply throughput of float32 FMAs per instruction.
 
+// Horizontal sums of 16 accumulators a[n] at once (a transpose-and-add tree instead of 16 separate
+// reductions): out[4 * (n % 4) + n / 4] = sum of a[n]'s 16 lanes.
+static inline void reduce16(const __m512* a, float* out) {
+  __m512 x[8], y[4];
+  for (int m = 0; m < 8; ++m)  // 128-bit lanes: [a2m (l0+l2), a2m (l1+l3), a2m+1 (l0+l2), a2m+1 (l1+l3)]
+    x[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  for (int p = 0; p < 4; ++p)  // lane j holds a 4-float partial of a[4p + j]
+    y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0xDD));
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi)));  // lane j: a[j], a[4+j], ...
+}
+
 // c[t, r] = sum_k xb[t, k] * wb[r, k] for t < num_tokens (a multiple of 4), r < num_rows (a multiple of
 // 4); xb: [num_tokens, k_pad] bf16 bits, wb: [num_rows, k_pad] bf16 bits, k_pad a multiple of 32 (zero
 // padded); c: [num_tokens, c_stride] float32.
@@ -25,8 +42,10 @@ static void bf16_gemm_nt(const uint16_t* xb, int64_t num_tokens, const uint16_t*
           for (int t = 0; t < 4; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)xv[t], (__m512bh)wv);
         }
       }
+      float sums[16];  // sums[4 * r + t] = total of acc[t][r]
+      reduce16(&acc[0][0], sums);
       for (int t = 0; t < 4; ++t)
-        for (int r = 0; r < 4; ++r) c[(t0 + t) * c_stride + r0 + r] = _mm512_reduce_add_ps(acc[t][r]);
+        for (int r = 0; r < 4; ++r) c[(t0 + t) * c_stride + r0 + r] = sums[4 * r + t];
     }
   }
 }
