@@ -135,3 +135,14 @@ def test_bad_inputs_raise_clear_errors(make_packed_batch, mutate, message):
     mutate(batch)
     with pytest.raises(RuntimeError, match=message):
         torch.ops.kilnlm.paged_attention(*batch.args())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,tokens_per_block", [(40, 16), (96, 8), (128, 20)])
+def test_other_head_dims_and_block_sizes(make_packed_batch, dtype, head_dim, tokens_per_block):
+    """Vector tails: head_dim not a multiple of 16 / 64, tokens_per_block not a multiple of 8."""
+    batch = make_packed_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                              tokens_per_block=tokens_per_block, num_blocks=64, dtype=dtype)
+    out, expected, pool_kernel, pool_ref = run_both(batch)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(pool_kernel, pool_ref, **TOLERANCE[dtype])
