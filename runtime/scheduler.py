@@ -98,10 +98,11 @@ class Scheduler:
         self.kv_cache.free(request.request_id)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        """The next iteration's batch: admit what fits in the KV cache, then pack generation tokens and
+        context chunks into the token budget. Empty only when nothing is running."""
         self._admit()
-        token_budget = self.config.max_num_tokens
-        token_budget = self._schedule_generation(batch, token_budget)
+        batch = ScheduledBatch()
+        token_budget = self._schedule_generation(batch, self.config.max_num_tokens)
         self._schedule_context(batch, token_budget)
         return batch
 
