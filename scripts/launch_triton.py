@@ -260,10 +260,20 @@ def free_ports(num_ports: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def kill_leftovers(process_group: int) -> None:
+    """SIGKILL what is left of a stopped tritonserver's process group: python-backend stubs outlive a
+    server that gave up unloading (its exit timeout) and would keep their engine in memory."""
+    try:
+        os.killpg(process_group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
+
+
 def run_foreground(command: list[str], env: dict[str, str]) -> int:
-    """Run tritonserver, forwarding SIGINT/SIGTERM to it. Returns 0 when a forwarded signal stopped
-    it, else its exit status."""
-    proc = subprocess.Popen(command, env=env)
+    """Run tritonserver in its own process group, forwarding SIGINT/SIGTERM to it (once: a terminal's
+    Ctrl-C reaches only this launcher's group). Returns 0 when a forwarded signal stopped it, else its
+    exit status. Its leftover stubs are killed when it has exited."""
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
     stopped_by_signal = False
 
     def forward(signum, _frame):
@@ -278,6 +288,10 @@ def run_foreground(command: list[str], env: dict[str, str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if proc.poll() is None:  # this launcher is going down on an exception: take the server along
+            proc.kill()
+            proc.wait()
+        kill_leftovers(proc.pid)
     return 0 if stopped_by_signal else status
 
 

@@ -99,7 +99,7 @@ def triton_server(smollm2_engine_fp32_dir, launcher, tmp_path_factory):
     with open(log_path, "wb") as log:
         process = subprocess.Popen(launcher.server_command(config, prepared),
                                    env=launcher.server_environment(prepared),
-                                   stdout=log, stderr=subprocess.STDOUT)
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = TritonServer(process, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
                           f"http://127.0.0.1:{metrics_port}/metrics", log_path)
     try:
@@ -121,6 +121,7 @@ def triton_server(smollm2_engine_fp32_dir, launcher, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        launcher.kill_leftovers(process.pid)  # stubs of a server that could not unload in time
 
 
 @pytest.fixture(scope="session")
