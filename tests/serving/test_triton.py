@@ -39,6 +39,7 @@ INPUT_DTYPES = {
     "text_input": np.object_, "max_tokens": np.int32, "stream": np.bool_, "temperature": np.float32,
     "top_k": np.int32, "top_p": np.float32, "seed": np.uint64, "end_id": np.int32, "pad_id": np.int32,
     "stop_words": np.object_, "bad_words": np.object_, "exclude_input_in_output": np.bool_,
+    "apply_chat_template": np.bool_,
 }
 
 
@@ -183,6 +184,21 @@ def test_http_generate_and_generate_stream(triton_server, smollm2_executor):
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == expected.text
     assert events[-1]["finish_reason"] == expected.finish_reason.value
+
+
+def test_apply_chat_template_answers_as_the_instruct_model(triton_server, smollm2_executor):
+    question = "What is the capital of France?"
+    tokenizer = smollm2_executor.tokenizer
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]),
+                                add_special_tokens=False)
+    from kilnlm.runtime.request import SamplingParams
+
+    expected = smollm2_executor.generate(chat_ids, SamplingParams(max_tokens=24), timeout_s=120)
+    status, [answer] = http_generate(triton_server, text_input=question, max_tokens=24, apply_chat_template=True,
+                                     exclude_input_in_output=True)
+    assert status == 200, answer
+    assert answer["text_output"] == expected.text
+    assert "Paris" in answer["text_output"]
 
 
 def test_concurrent_clients_get_the_text_they_get_alone(triton_server):

@@ -10,7 +10,9 @@ Request tensors (names of TensorRT-LLM's ``inflight_batcher_llm`` ensemble; all 
 optional, each of shape [1] except the word lists):
 
 ==========================  ==========================================================================
-``text_input``              the prompt (UTF-8), tokenized as is (no chat template)
+``text_input``              the prompt (UTF-8), tokenized as is unless ``apply_chat_template``
+``apply_chat_template``     kilnlm extension: true wraps ``text_input`` as one user message in the
+                            engine's chat template (default false, as TensorRT-LLM's ensemble)
 ``max_tokens``              number of tokens to generate (default: the ``default_max_tokens`` parameter)
 ``stream``                  true: one response per new piece of text; false: one final response
 ``temperature``             0 = greedy (default); > 0 samples
@@ -90,6 +92,7 @@ class ParsedRequest:
     """What one Triton request asks for, after validation."""
 
     text: str
+    apply_chat_template: bool
     stream: bool
     exclude_input_in_output: bool
     sampling: dict  # keyword arguments for kilnlm.runtime.request.SamplingParams
@@ -143,6 +146,7 @@ def parse_request(request, default_max_tokens: int) -> ParsedRequest:
         sampling["stop"] = stop_words
     return ParsedRequest(
         text=text,
+        apply_chat_template=bool(_scalar(request, "apply_chat_template", False)),
         stream=bool(_scalar(request, "stream", False)),
         exclude_input_in_output=bool(_scalar(request, "exclude_input_in_output", False)),
         sampling=sampling,
@@ -289,7 +293,11 @@ class TritonPythonModel:
                 tokenizer = self._executor.tokenizer
                 bad_words = [tokenizer.encode(w, add_special_tokens=False) for w in parsed.bad_words]
                 params = self._sampling_cls(**parsed.sampling, bad_words=[w for w in bad_words if w])
-                prompt_ids = tokenizer.encode(parsed.text)
+                if parsed.apply_chat_template:
+                    chat = tokenizer.apply_chat_template([{"role": "user", "content": parsed.text}])
+                    prompt_ids = tokenizer.encode(chat, add_special_tokens=False)
+                else:
+                    prompt_ids = tokenizer.encode(parsed.text)
                 request_id = self._executor.submit(list(prompt_ids), params)
             except (BadRequest, self._request_error) as exc:  # the client's to fix: say what
                 self._outbox.put(("refused", sender, _error(str(exc), pb_utils.TritonError.INVALID_ARG)))
