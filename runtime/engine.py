@@ -79,7 +79,10 @@ class Engine:
 
         root = Path(engine_dir)
         manifest = verify_engine(root)
-        plugins.load_cpu_kernels()
+        try:
+            plugins.load_cpu_kernels()
+        except plugins.KernelBuildError as exc:
+            raise EngineError(f"cannot serve {root}: {exc}") from None
         try:
             runner = torch._inductor.aoti_load_package(str(root / manifest.engine_file))
         except RuntimeError as exc:
