@@ -3,7 +3,8 @@
 //
 // Included *inside* a namespace after every system / torch header: includes nothing, uses raw pointers
 // only (see fp8_kernels.h for why). KILN_AVX2 (0 or 1) selects the code path. `AttnWork` is defined by
-// the including file, outside the ISA namespaces.
+// the including file, outside the ISA namespaces. KILN_AVX512 (0 or 1) selects a third, AVX-512 path
+// (compiled under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")`).
 
 // KV elements are float (float32 pool) or uint16_t (bfloat16 bits); kv_f32() reads one as float32
 // (exact: bf16 bits are a float's upper half).
@@ -15,7 +16,135 @@ static inline float kv_f32(uint16_t v) {
   return f;
 }
 
-#if KILN_AVX2
+#if KILN_AVX512
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+
+template <typename kv_t>
+static inline float dot(const float* a, const kv_t* b, int64_t n) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load16(b + i + 16), s1);
+  }
+  for (; i + 16 <= n; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s0);
+  float r = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  for (; i < n; ++i) r += a[i] * kv_f32(b[i]);
+  return r;
+}
+
+template <typename kv_t>
+static inline void axpy(float alpha, const kv_t* x, float* y, int64_t n) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, load16(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * kv_f32(x[i]);
+}
+
+static inline void scale_f32(float alpha, float* y, int64_t n) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_mul_ps(a, _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] *= alpha;
+}
+
+// exp(x) for x <= 0: the AVX2 version's algorithm on 16 lanes.
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Horizontal sums of 16 accumulators at once (transpose-and-add tree): out[o] = sum of a[o]'s lanes.
+static inline void reduce16_rows(const __m512* a, float* out) {
+  __m512 x[8], y[4];
+  for (int m = 0; m < 8; ++m)  // 128-bit lanes: [a2m (l0+l2), a2m (l1+l3), a2m+1 (l0+l2), a2m+1 (l1+l3)]
+    x[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  for (int p = 0; p < 4; ++p)  // lane j: a 4-float partial of a[4p + j]
+    y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0xDD));
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+  // lane j holds the totals of a[j], a[4 + j], a[8 + j], a[12 + j]: reorder to a[0..15]
+  const __m512 z = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, z));
+}
+
+// s[o] = dot(q, k_o) for the n rows k_o = k + o * row_stride, sixteen rows at a time.
+template <typename kv_t>
+static inline void block_scores(const float* q, const kv_t* k, int64_t row_stride, int64_t n, int64_t D, float* s) {
+  int64_t o = 0;
+  if (D % 16 == 0) {
+    for (; o + 16 <= n; o += 16) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(qv, load16(k + (o + r) * row_stride + d), acc[r]);
+      }
+      reduce16_rows(acc, s + o);
+    }
+  }
+  for (; o < n; ++o) s[o] = dot(q, k + o * row_stride, D);
+}
+
+static inline float block_exp(float* s, float m, int64_t n) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t o = 0;
+  for (; o + 16 <= n; o += 16) {
+    const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + o), mv));
+    _mm512_storeu_ps(s + o, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  float total = _mm512_reduce_add_ps(sum);
+  for (; o < n; ++o) {
+    s[o] = __builtin_expf(s[o] - m);
+    total += s[o];
+  }
+  return total;
+}
+
+// acc[0:D] += sum_o p[o] * v_o, 128 columns of acc held in registers across the rows.
+template <typename kv_t>
+static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, int64_t n, int64_t D, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m512 a[4];
+    for (int c = 0; c < 4; ++c) a[c] = _mm512_loadu_ps(acc + d0 + 16 * c);
+    for (int64_t o = 0; o < n; ++o) {
+      const __m512 pv = _mm512_set1_ps(p[o]);
+      const kv_t* row = v + o * row_stride + d0;
+      for (int c = 0; c < 4; ++c) a[c] = _mm512_fmadd_ps(pv, load16(row + 16 * c), a[c]);
+    }
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + d0 + 16 * c, a[c]);
+  }
+  if (d0 < D)
+    for (int64_t o = 0; o < n; ++o) axpy(p[o], v + o * row_stride + d0, acc + d0, D - d0);
+}
+
+#elif KILN_AVX2
 
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t* p) {

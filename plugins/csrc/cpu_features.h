@@ -25,6 +25,18 @@ inline bool cpu_has_avx2_fma_f16c() {
 #endif
 }
 
+// AVX-512 (F, BW, VL, DQ; Intel Skylake-SP / AMD Zen 4 and later): the attention kernels' widest path.
+inline bool cpu_has_avx512() {
+#if defined(__x86_64__)
+  static const bool has = cpu_has_avx2_fma_f16c() && !cpu_isa_capped_at("avx2") &&
+                          __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return has;
+#else
+  return false;
+#endif
+}
+
 // AVX-512 with BF16 dot products (AMD Zen 4+, Intel Sapphire Rapids+): the context-phase FP8 GEMM.
 inline bool cpu_has_avx512_bf16() {
 #if defined(__x86_64__)
