@@ -1,9 +1,9 @@
 """Build (once, cached) and load the C++ CPU kernels of the kilnlm ops.
 
 The sources ship as package data in ``csrc/`` and register with ``TORCH_LIBRARY_IMPL(kilnlm, CPU, m)``
-against the schemas declared in :mod:`kilnlm.plugins.schema`. They are compiled with plain ``-O3``
-(never ``-march=native``: one build runs on any x86-64 machine; vector paths are picked at run time by
-CPU feature detection inside the kernels).
+against the schemas declared in :mod:`kilnlm.plugins.schema`. They are compiled with ``-O3 -fopenmp``
+(threads through at::parallel_for), never ``-march=native``: one build runs on any x86-64 machine and
+picks its vector paths (AVX2, AVX-512, AVX512-BF16) at run time by CPU feature detection.
 
 Caching: the shared library lives in torch's extension cache (``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions/<py>_cpu``) under a name keyed by a hash of the sources, the flags and the
@@ -26,7 +26,10 @@ import torch
 import kilnlm.plugins.schema  # noqa: F401  (declares the op schemas the kernels register against)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-_CFLAGS = ("-O3",)
+# -fopenmp: at::parallel_for is inlined into the kernels and only runs threads when compiled with OpenMP;
+# the library then links libgomp.so.1, which resolves to the one torch already loaded.
+_CFLAGS = ("-O3", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 _LOCK = threading.Lock()
 _LOADED_PATH: list[str] = []  # the loaded library's path, once loaded (one per process)
 
@@ -48,7 +51,7 @@ def _build_key(sources: list[Path]) -> str:
     for path in sources:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(" ".join(_CFLAGS).encode())
+    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()[:16]
 
@@ -78,6 +81,7 @@ def _compile(name: str, sources: list[Path], build_dir: Path) -> Path:
             name=name,
             sources=[str(p) for p in sources if p.suffix == ".cpp"],
             extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
             extra_include_paths=[str(CSRC_DIR)],
             build_directory=str(build_dir),
             is_python_module=False,
