@@ -1,10 +1,10 @@
-// Raw attention kernels, written once and compiled twice by paged_attention.cpp: as a portable scalar
-// version and, under `#pragma GCC target("avx2,fma,f16c")`, as an AVX2 version chosen at run time.
+// Raw attention kernels, written once and compiled three times by paged_attention.cpp: a portable scalar
+// version, an AVX2 version (`#pragma GCC target("avx2,fma,f16c")`) and an AVX-512 version
+// (`#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")`), chosen at run time.
 //
 // Included *inside* a namespace after every system / torch header: includes nothing, uses raw pointers
-// only (see fp8_kernels.h for why). KILN_AVX2 (0 or 1) selects the code path. `AttnWork` is defined by
-// the including file, outside the ISA namespaces. KILN_AVX512 (0 or 1) selects a third, AVX-512 path
-// (compiled under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")`).
+// only (see fp8_kernels.h for why). KILN_AVX512 / KILN_AVX2 (0 or 1) select the code path; `AttnWork` is
+// defined by the including file, outside the ISA namespaces.
 
 // KV elements are float (float32 pool) or uint16_t (bfloat16 bits); kv_f32() reads one as float32
 // (exact: bf16 bits are a float's upper half).
