@@ -96,3 +96,31 @@ def greedy_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos_toke
         num_cached += len(new_ids)
         new_ids = [token]
     return generated
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate of exactly ``max_new_tokens`` tokens: ``min_new_tokens`` masks the EOS
+    logits, which the executor matches by banning the EOS ids as ``bad_words``."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def run_in_flight(executor, prompts: list[list[int]], max_tokens: list[int], timeout_s: float = 300) -> list[list[int]]:
+    """Submit half the requests, wait until the first one is in its generation phase, then submit the rest
+    (joining mid-flight); returns each request's generated token ids. EOS is banned (``bad_words``) so
+    each request generates exactly its ``max_tokens``, as :func:`hf_greedy` does."""
+    from kilnlm.runtime.request import SamplingParams
+
+    half = len(prompts) // 2
+    no_eos = tuple((e,) for e in executor.eos_token_ids)
+    params = [SamplingParams(max_tokens=n, bad_words=no_eos) for n in max_tokens]
+    ids = [executor.submit(p, sp) for p, sp in zip(prompts[:half], params[:half])]
+    first_stream = executor.stream(ids[0], timeout_s=timeout_s)
+    first = [next(first_stream)]
+    ids += [executor.submit(p, sp) for p, sp in zip(prompts[half:], params[half:])]
+    outputs = [[t for r in first + list(first_stream) for t in r.token_ids]]
+    for rid in ids[1:]:
+        outputs.append([t for r in executor.stream(rid, timeout_s=timeout_s) for t in r.token_ids])
+    return outputs

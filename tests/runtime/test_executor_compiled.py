@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from factories import hf_greedy, run_in_flight
+
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.request import FinishReason, SamplingParams
 
@@ -22,30 +24,6 @@ PROMPTS = [
     "and the composition of the atmosphere, as if to a curious ten-year-old who asked at dinner",
 ]
 MAX_TOKENS = [32, 24, 32, 9, 32, 28]
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate of exactly ``max_new_tokens`` tokens: ``min_new_tokens`` masks the EOS
-    logits, which the executor matches by banning the EOS ids as ``bad_words``."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
-
-
-def run_in_flight(executor: Executor, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """Submit half the requests, wait until the first one decodes, then submit the rest."""
-    half = len(prompts) // 2
-    no_eos = tuple((e,) for e in executor.eos_token_ids)
-    params = [SamplingParams(max_tokens=n, bad_words=no_eos) for n in max_tokens]
-    ids = [executor.submit(p, sp) for p, sp in zip(prompts[:half], params[:half])]
-    first_stream = executor.stream(ids[0], timeout_s=300)
-    first = [next(first_stream)]
-    ids += [executor.submit(p, sp) for p, sp in zip(prompts[half:], params[half:])]
-    outputs = [[t for r in first + list(first_stream) for t in r.token_ids]]
-    for rid in ids[1:]:
-        outputs.append([t for r in executor.stream(rid, timeout_s=300) for t in r.token_ids])
-    return outputs
 
 
 def check_engine(engine_dir, hf_dir, config: ExecutorConfig, chat: bool) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from factories import hf_greedy, run_in_flight
+
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.inputs import InputBuilder, InputLimits
 from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
@@ -27,29 +29,6 @@ PROMPTS = [
     "the scheduler's token budget while the other requests keep decoding next to it",
 ]
 MAX_TOKENS = [32, 20, 32, 7, 32, 25]
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate of exactly ``max_new_tokens`` tokens: ``min_new_tokens`` masks the EOS
-    logits, which the executor matches by banning the EOS ids as ``bad_words``."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
-
-
-def run_in_flight(executor: Executor, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """Submit half the requests, let them start decoding, then submit the rest (joining mid-flight)."""
-    half = len(prompts) // 2
-    no_eos = tuple((e,) for e in executor.eos_token_ids)
-    ids = [executor.submit(p, SamplingParams(max_tokens=n, bad_words=no_eos)) for p, n in zip(prompts[:half], max_tokens[:half])]
-    first_stream = executor.stream(ids[0], timeout_s=120)
-    first = [next(first_stream)]  # request 0 is in its generation phase now
-    ids += [executor.submit(p, SamplingParams(max_tokens=n, bad_words=no_eos)) for p, n in zip(prompts[half:], max_tokens[half:])]
-    outputs = [[t for r in first + list(first_stream) for t in r.token_ids]]
-    for rid in ids[1:]:
-        outputs.append([t for r in executor.stream(rid, timeout_s=120) for t in r.token_ids])
-    return outputs
 
 
 @pytest.fixture(scope="module")
