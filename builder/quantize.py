@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from kilnlm.builder.checkpoint import Checkpoint
 from kilnlm.builder.errors import BuildError
@@ -69,8 +70,9 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig) -> dict[str, Fp8Amax]:
 
     def forward_loop(m):
         # Samples go through in groups of 8 (one [8, seq_len] forward): larger GEMMs, same amax.
+        groups = range(0, len(batches), 8)
         with torch.no_grad():
-            for i in range(0, len(batches), 8):
+            for i in tqdm(groups, desc="FP8 calibration", unit="batch", disable=not log.isEnabledFor(logging.INFO)):
                 m(torch.cat(batches[i:i + 8]))
 
     # The default recipe already leaves the LM head (and embeddings) unquantized.
