@@ -72,16 +72,17 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
 _GGUF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
+def _refuse_unsupported(architectures: list[str] | None, model_type: Any, where: Path) -> None:
+    """Raise :class:`BuildError` unless the first of ``architectures`` is one kilnlm builds."""
+    if not architectures or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        found = architectures[0] if architectures else f"model_type {model_type!r}"
+        raise BuildError(f"{where}: architecture {found} is not supported: kilnlm builds {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
 def _check_architecture(config: Any, where: Path) -> None:
     if not getattr(config, "architectures", None) and getattr(config, "model_type", None) in _GGUF_MODEL_TYPES:
         config.architectures = [_GGUF_MODEL_TYPES[config.model_type]]
-    names = list(getattr(config, "architectures", None) or [])
-    if not names or names[0] not in SUPPORTED_ARCHITECTURES:
-        found = names[0] if names else f"model_type {getattr(config, 'model_type', '?')!r}"
-        raise BuildError(
-            f"{where}: architecture {found} is not supported: kilnlm builds "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    _refuse_unsupported(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", "?"), where)
 
 
 def _load_config(path: Path) -> Any:
@@ -94,10 +95,8 @@ def _load_config(path: Path) -> Any:
         raw = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BuildError(f"{config_path} is not valid JSON ({exc}): fix or re-export the checkpoint") from None
-    arch = (raw.get("architectures") or [None])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        found = arch or f"model_type {raw.get('model_type')!r}"
-        raise BuildError(f"{config_path}: architecture {found} is not supported: kilnlm builds {', '.join(SUPPORTED_ARCHITECTURES)}")
+    # Checked on the raw JSON: transformers' AutoConfig itself fails on model types it does not know.
+    _refuse_unsupported(raw.get("architectures"), raw.get("model_type"), config_path)
     try:
         return AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as exc:
