@@ -137,6 +137,15 @@ def wait_for_idle(server, timeout_s: float = 20.0) -> tuple[float, float]:
         time.sleep(0.1)
 
 
+def wait_for_cancelled(server, num_cancelled: int, timeout_s: float = 10.0) -> None:
+    """Poll until ``kilnlm_requests_finished_total{finish_reason="cancelled"}`` reaches ``num_cancelled``;
+    fails on timeout."""
+    deadline_s = time.monotonic() + timeout_s
+    while server.metric("kilnlm_requests_finished_total", finish_reason="cancelled") < num_cancelled:
+        assert time.monotonic() < deadline_s, f"fewer than {num_cancelled} requests counted as cancelled"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def never_end_id(smollm2_executor) -> int:
     """An end_id the model does not produce on these prompts (the last vocabulary id), so a request
@@ -277,11 +286,7 @@ def test_cancelled_grpc_stream_frees_its_blocks(triton_server, never_end_id):
     assert in_flight['kilnlm_kv_cache_free_blocks{model="kilnlm"}'] < \
         in_flight['kilnlm_kv_cache_total_blocks{model="kilnlm"}']
     wait_for_idle(triton_server)  # well before the 1000 tokens it asked for
-    deadline_s = time.monotonic() + 10
-    while triton_server.metric("kilnlm_requests_finished_total", finish_reason="cancelled") \
-            < num_cancelled_before + 1:
-        assert time.monotonic() < deadline_s, "the cancelled request was not counted as cancelled"
-        time.sleep(0.1)
+    wait_for_cancelled(triton_server, num_cancelled_before + 1)
     status, [answer] = http_generate(triton_server, text_input=PROMPTS[0], max_tokens=4)
     assert status == 200, answer
 
@@ -303,11 +308,7 @@ def test_dropped_http_generate_stream_is_cancelled(triton_server, never_end_id):
     connection.sock.shutdown(2)  # the client goes away mid-stream
     connection.close()
     wait_for_idle(triton_server)  # well before the 1000 tokens it asked for
-    deadline_s = time.monotonic() + 10
-    while triton_server.metric("kilnlm_requests_finished_total", finish_reason="cancelled") \
-            < num_cancelled_before + 1:
-        assert time.monotonic() < deadline_s, "the dropped request was not counted as cancelled"
-        time.sleep(0.1)
+    wait_for_cancelled(triton_server, num_cancelled_before + 1)
 
 
 @pytest.mark.parametrize("body, message", [
