@@ -9,8 +9,14 @@ from kilnlm.plugins.cpu import KernelBuildError, load_cpu_kernels
 from kilnlm.plugins.reference import (
     apply_rope_reference,
     fp8_linear_reference,
+    int4_linear_reference,
+    int8_linear_reference,
+    int8_sq_linear_reference,
+    pack_int4,
     paged_attention_reference,
     quantize_fp8_reference,
+    quantize_int8_reference,
+    unpack_int4,
 )
 from kilnlm.plugins.schema import PLUGIN_VERSIONS
 
@@ -20,6 +26,12 @@ __all__ = [
     "PLUGIN_VERSIONS",
     "apply_rope_reference",
     "fp8_linear_reference",
+    "int4_linear_reference",
+    "int8_linear_reference",
+    "int8_sq_linear_reference",
+    "pack_int4",
     "paged_attention_reference",
     "quantize_fp8_reference",
+    "quantize_int8_reference",
+    "unpack_int4",
 ]

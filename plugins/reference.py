@@ -131,3 +131,97 @@ def fp8_linear_reference(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+INT4_MIN, INT4_MAX = -8, 7
+INT8_MIN, INT8_MAX = -128, 127
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack signed 4-bit values two per byte, the layout of ``kilnlm::int4_linear``.
+
+    q: ``[rows, cols]`` integer tensor with values in [-8, 7], cols even. Returns ``[rows, cols // 2]``
+    uint8: column ``2j`` in the low nibble, ``2j + 1`` in the high nibble (two's complement).
+    Raises ValueError for an odd column count or out-of-range values.
+    """
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even number of columns, got {q.shape[-1]}")
+    if q.numel() and (int(q.min()) < INT4_MIN or int(q.max()) > INT4_MAX):
+        raise ValueError("pack_int4 values must lie in [-8, 7]")
+    nibbles = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``[rows, cols // 2] uint8`` -> ``[rows, cols] int8`` in [-8, 7]."""
+    low = (packed & 0xF).to(torch.int8)
+    high = (packed >> 4).to(torch.int8)
+    q = torch.stack((low, high), dim=-1).flatten(-2)
+    return torch.where(q >= 8, q - 16, q)
+
+
+def int4_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    pre_quant_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """Reference of ``kilnlm::int4_linear`` (W4A16, group-wise scales; see the schema).
+
+    x: ``[T, in_features]`` float32 / bfloat16; weight: ``[out_features, in_features // 2]`` uint8 packed
+    int4; weight_scale: ``[out_features, in_features // group_size]`` float32; pre_quant_scale:
+    ``[in_features]`` float32 or None; bias ``[out_features]`` or None. Returns ``[T, out_features]`` in
+    x's dtype, computed in float32 from the dequantized weight.
+    """
+    w = unpack_int4(weight).float() * weight_scale.float().repeat_interleave(group_size, dim=1)
+    xf = x.float() if pre_quant_scale is None else x.float() * pre_quant_scale.float()
+    y = xf @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def int8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Reference of ``kilnlm::int8_linear`` (W8A16 weight-only, per-channel scales).
+
+    x: ``[T, in_features]`` float32 / bfloat16; weight: ``[out_features, in_features]`` int8;
+    weight_scale: ``[out_features]`` float32; bias or None. Returns ``[T, out_features]`` in x's dtype.
+    """
+    y = x.float() @ (weight.float() * weight_scale.float()[:, None]).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quantize_int8_reference(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor INT8 activation quantization: ``clamp(round_half_even(x / input_scale), -128, 127)``,
+    computed in float32. x: any shape, float32 / bfloat16; input_scale: 0-dim float32. Returns int8."""
+    return torch.round(x.float() / input_scale.float()).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def int8_sq_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    pre_quant_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Reference of ``kilnlm::int8_sq_linear`` (SmoothQuant W8A8, Xiao et al. 2023).
+
+    x: ``[T, in_features]`` float32 / bfloat16; weight ``[out_features, in_features]`` int8; weight_scale
+    ``[out_features]`` float32; input_scale 0-dim float32; pre_quant_scale ``[in_features]`` float32 or
+    None; bias or None. The int8 x int8 products are summed exactly (float64 holds every int32 sum here).
+    Returns ``[T, out_features]`` in x's dtype.
+    """
+    xf = x.float() if pre_quant_scale is None else x.float() * pre_quant_scale.float()
+    x_q = quantize_int8_reference(xf, input_scale)
+    acc = x_q.double() @ weight.double().T  # exact integer sums
+    y = acc.float() * (input_scale.float() * weight_scale.float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -25,6 +25,31 @@ block_tables, slot_mapping, scale) -> out``
     Numerics of a Hopper FP8 GEMM: ``x_q = fp8_e4m3(clamp(x / input_scale, -448, 448))`` (round to
     nearest even), ``y = (x_q @ weight.T) * (input_scale * weight_scale) + bias`` accumulated in float32,
     returned in x's dtype.
+
+``int4_linear(x, weight, weight_scale, pre_quant_scale?, bias?, group_size) -> y``   (W4A16: int4_awq, int4_wo)
+    x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features // 2] uint8``: two
+    signed 4-bit values per byte, column ``2j`` in the low nibble and ``2j + 1`` in the high nibble, each
+    a two's-complement integer in [-8, 7]; ``weight_scale [out_features, in_features // group_size]
+    float32`` (one scale per group of ``group_size`` consecutive input columns; ``group_size ==
+    in_features`` is per-channel); ``pre_quant_scale [in_features] float32`` or None (AWQ's
+    activation-aware per-input-channel scale, Lin et al. 2023, ``x * pre_quant_scale`` before the GEMM
+    when the builder could not fold it into the preceding layer); ``bias [out_features]`` or None.
+    ``y = (x * pre_quant_scale) @ (q * weight_scale[:, g(c)]).T + bias``, accumulated in float32,
+    returned in x's dtype. Activations are not quantized.
+
+``int8_linear(x, weight, weight_scale, bias?) -> y``   (W8A16 weight-only: int8_wo)
+    x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features] int8``;
+    ``weight_scale [out_features] float32`` (per output channel); ``bias [out_features]`` or None.
+    ``y = x @ (weight * weight_scale[:, None]).T + bias``, accumulated in float32, returned in x's dtype.
+
+``int8_sq_linear(x, weight, weight_scale, input_scale, pre_quant_scale?, bias?) -> y``   (W8A8: int8_sq)
+    SmoothQuant (Xiao et al. 2023) GEMM. x ``[T, in_features]`` float32 / bfloat16; ``weight
+    [out_features, in_features] int8`` (smoothed, per-channel quantized); ``weight_scale [out_features]
+    float32``; ``input_scale`` 0-dim float32 (per-tensor, calibrated); ``pre_quant_scale [in_features]
+    float32`` or None (the smoothing factor ``1 / s`` when it was not folded into the preceding norm);
+    ``bias`` or None. ``x_q = clamp(round_half_even((x * pre_quant_scale) / input_scale), -128, 127)``
+    as int8, ``y = (x_q @ weight.T)`` accumulated exactly in int32, times ``input_scale *
+    weight_scale[o]``, plus bias, returned in x's dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +58,13 @@ import torch
 
 # Bump a plugin's version whenever its schema or numerics change; engines record the versions they were
 # compiled against and the runtime refuses engines whose plugin versions it does not implement.
-PLUGIN_VERSIONS: dict[str, int] = {"paged_attention": 1, "fp8_linear": 1}
+PLUGIN_VERSIONS: dict[str, int] = {
+    "paged_attention": 1,
+    "fp8_linear": 1,
+    "int4_linear": 1,
+    "int8_linear": 1,
+    "int8_sq_linear": 1,
+}
 
 _LIB = torch.library.Library("kilnlm", "DEF")
 _LIB.define(
@@ -42,6 +73,11 @@ _LIB.define(
     "float scale) -> Tensor"
 )
 _LIB.define("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor? bias) -> Tensor")
+_LIB.define("int4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? pre_quant_scale, Tensor? bias, "
+            "int group_size) -> Tensor")
+_LIB.define("int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
+_LIB.define("int8_sq_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, "
+            "Tensor? pre_quant_scale, Tensor? bias) -> Tensor")
 
 
 @torch.library.register_fake("kilnlm::paged_attention")
@@ -52,4 +88,19 @@ def _paged_attention_fake(q, k, v, kv_cache, layer_idx, positions, inv_freq, cu_
 
 @torch.library.register_fake("kilnlm::fp8_linear")
 def _fp8_linear_fake(x, weight, weight_scale, input_scale, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("kilnlm::int4_linear")
+def _int4_linear_fake(x, weight, weight_scale, pre_quant_scale, bias, group_size):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("kilnlm::int8_linear")
+def _int8_linear_fake(x, weight, weight_scale, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("kilnlm::int8_sq_linear")
+def _int8_sq_linear_fake(x, weight, weight_scale, input_scale, pre_quant_scale, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
