@@ -12,3 +12,9 @@ class EngineError(KilnError):
 
 class RequestError(KilnError):
     """A request the executor refuses (bad sampling parameters, a prompt longer than max_seq_len, ...)."""
+
+
+class CacheError(KilnError):
+    """An engine cache that cannot be used: an unparsable cache URL or reference, a name or key that is not
+    in the cache, an unreachable endpoint or refused credentials, or a cached object whose size or SHA-256
+    does not match its manifest (the message names the object)."""

@@ -86,6 +86,10 @@ class Manifest:
     engine_file: str = "model.pt2"  # relative path of the compiled engine
     format_version: int = FORMAT_VERSION
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # rel path -> {"size", "sha256"}
+    # The engine cache's key (64 hex digits, builder/cache_key.py) and the inputs it digests; None in
+    # engines built before the cache existed (they still parse).
+    cache_key: str | None = None
+    cache_key_inputs: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -102,6 +106,8 @@ class Manifest:
             engine_file=data.get("engine_file", "model.pt2"),
             format_version=int(data["format_version"]),
             files=dict(data.get("files", {})),
+            cache_key=data.get("cache_key"),
+            cache_key_inputs=data.get("cache_key_inputs"),
         )
 
 
