@@ -17,6 +17,9 @@ from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest, read_manifest, veri
 
 TARGET = "cpu"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# manifest build.kv_cache_dtype -> the paged pool's torch dtype ("fp8" / "int8": 8-bit pools with per-layer
+# scales baked into the engine; see kilnlm::paged_attention).
+KV_CACHE_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def _machine_cpu_isas() -> set[str]:
@@ -31,7 +34,7 @@ def verify_engine(engine_dir: str | os.PathLike) -> Manifest:
     (no file missing, none added), plugin versions implemented by this kilnlm, target ``cpu`` and a CPU
     vector ISA this machine has. Returns the manifest; raises :class:`EngineError` naming the offending
     file or field and what to do."""
-    from kilnlm.plugins import PLUGIN_VERSIONS
+    from kilnlm.plugins import PLUGIN_ACCEPTED_VERSIONS, PLUGIN_VERSIONS
 
     root = Path(engine_dir)
     manifest = read_manifest(root)
@@ -41,16 +44,17 @@ def verify_engine(engine_dir: str | os.PathLike) -> Manifest:
         if name not in PLUGIN_VERSIONS:
             raise EngineError(f"{where}: plugin {name!r} (version {version}) is not implemented by this kilnlm "
                               f"(has {', '.join(sorted(PLUGIN_VERSIONS))}): upgrade kilnlm or rebuild the engine with it")
-        if PLUGIN_VERSIONS[name] != version:
+        if version not in PLUGIN_ACCEPTED_VERSIONS.get(name, (PLUGIN_VERSIONS[name],)):
             raise EngineError(f"{where}: plugin {name!r} version {version} does not match this kilnlm's version "
                               f"{PLUGIN_VERSIONS[name]}: rebuild the engine with this kilnlm "
                               f"(built by kilnlm {manifest.toolchain.get('kilnlm', 'unknown')})")
     if manifest.build.target != TARGET:
         raise EngineError(f"{where}: build.target is {manifest.build.target!r} but this runtime runs {TARGET!r} "
                           f"engines: rebuild with the {TARGET} target or serve it on a {manifest.build.target} host")
-    if manifest.build.dtype not in _DTYPES or manifest.build.kv_cache_dtype not in _DTYPES:
+    if manifest.build.dtype not in _DTYPES or manifest.build.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise EngineError(f"{where}: build.dtype {manifest.build.dtype!r} / kv_cache_dtype {manifest.build.kv_cache_dtype!r} "
-                          f"not supported (use {', '.join(_DTYPES)}): rebuild the engine")
+                          f"not supported (dtype: {', '.join(_DTYPES)}; kv_cache_dtype: {', '.join(KV_CACHE_DTYPES)}): "
+                          "rebuild the engine")
     isa = manifest.toolchain.get("cpu_isa", "")
     if isa and isa not in _machine_cpu_isas():
         raise EngineError(f"{where}: toolchain.cpu_isa is {isa!r} but this CPU supports only "
@@ -61,13 +65,15 @@ def verify_engine(engine_dir: str | os.PathLike) -> Manifest:
 class Engine:
     """A loaded engine: one compiled forward over the packed-batch ABI of :mod:`kilnlm.runtime.abi`.
 
-    Attributes: ``manifest``; ``dtype`` (activation and KV-cache dtype); ``tokenizer_dir`` (holds
-    tokenizer.json and tokenizer_config.json / chat_template.jinja)."""
+    Attributes: ``manifest``; ``dtype`` (activation dtype); ``kv_cache_dtype`` (the paged pool's dtype:
+    ``dtype``, or float8_e4m3fn / int8 for an 8-bit KV cache); ``tokenizer_dir`` (holds tokenizer.json and
+    tokenizer_config.json / chat_template.jinja)."""
 
     def __init__(self, engine_dir: Path, manifest: Manifest, runner):
         self.engine_dir = engine_dir
         self.manifest = manifest
-        self.dtype = _DTYPES[manifest.build.kv_cache_dtype]
+        self.dtype = _DTYPES[manifest.build.dtype]
+        self.kv_cache_dtype = KV_CACHE_DTYPES[manifest.build.kv_cache_dtype]
         self.tokenizer_dir = engine_dir / "tokenizer"
         self._runner = runner
 
@@ -92,22 +98,23 @@ class Engine:
         return cls(root, manifest, runner)
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers (K and V)."""
+        """Bytes one KV block takes over all layers (K and V): element size of ``kv_cache_dtype`` (1 byte for
+        an 8-bit KV cache, half of bfloat16's)."""
         m = self.manifest.model
         shape = kv_cache_shape(m.num_layers, 1, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim)
         num_elements = 1
         for d in shape:
             num_elements *= d
-        return num_elements * torch.empty((), dtype=self.dtype).element_size()
+        return num_elements * torch.empty((), dtype=self.kv_cache_dtype).element_size()
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Zeros ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` in the engine's
-        dtype, CPU. Raises :class:`EngineError` for num_blocks < 1."""
+        ``kv_cache_dtype``, CPU. Raises :class:`EngineError` for num_blocks < 1."""
         if num_blocks < 1:
             raise EngineError(f"num_blocks is {num_blocks}: the KV cache needs at least one block")
         m = self.manifest.model
         shape = kv_cache_shape(m.num_layers, num_blocks, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim)
-        return torch.zeros(shape, dtype=self.dtype)
+        return torch.zeros(shape, dtype=self.kv_cache_dtype)
 
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """One engine step over a packed batch; writes the new tokens' K/V into ``kv_cache`` in place.
@@ -123,6 +130,7 @@ class Engine:
         if inputs.block_tables.shape[1] != build.max_blocks_per_seq:
             raise EngineError(f"block_tables has {inputs.block_tables.shape[1]} columns but the engine expects "
                               f"max_blocks_per_seq = {build.max_blocks_per_seq}")
-        if kv_cache.dtype != self.dtype:
-            raise EngineError(f"kv_cache is {kv_cache.dtype} but the engine expects {self.dtype}: use Engine.allocate_kv_cache")
+        if kv_cache.dtype != self.kv_cache_dtype:
+            raise EngineError(f"kv_cache is {kv_cache.dtype} but the engine expects {self.kv_cache_dtype}: "
+                              "use Engine.allocate_kv_cache")
         return self._runner(*inputs.as_args(kv_cache))

@@ -1,0 +1,260 @@
+// kilnlm::int4_linear, CPU kernel (W4A16: int4_awq, int4_wo; schema and numerics: kilnlm/plugins/schema.py).
+//
+//   x [T, in] f32/bf16 --(* pre_quant_scale, float32)--> xs [T, in] float32
+//   y [T, out] = xs @ (q * weight_scale[:, c / group_size]).T + bias, accumulated in float32, x's dtype
+//
+// The packed weight [out, in / 2] uint8 is read directly, never dequantized as a whole:
+// - few tokens (generation phase): a fused unpack-and-FMA GEMV over output rows (int4_kernels.h), each
+//   weight byte read once per call: memory bound at half a byte per weight;
+// - more tokens (context phase): tiles of kTileRows output rows are dequantized (float32, exactly the
+//   reference's q * scale) into a thread-local buffer and multiplied with at::mm, reused by all T rows.
+// Both parallelize over output rows with at::parallel_for.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_features.h"
+
+namespace kiln_int4 {
+namespace generic {
+namespace {
+#define KILN_ISA 0
+#include "int4_kernels.h"
+#undef KILN_ISA
+}  // namespace
+}  // namespace generic
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+namespace {
+#define KILN_ISA 1
+#include "int4_kernels.h"
+#undef KILN_ISA
+}  // namespace
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace avx512 {
+namespace {
+#define KILN_ISA 2
+#include "int4_kernels.h"
+#undef KILN_ISA
+}  // namespace
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+// Up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py, SmolLM2's
+// shapes); kTileRows output rows are dequantized at a time in the context phase.
+constexpr int64_t kMaxDirectTokens = 16;
+constexpr int64_t kTileRows = 64;
+
+using GemvFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
+                        float*, int64_t);
+using DequantFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+
+enum class Isa { kGeneric, kAvx2, kAvx512 };
+
+// The vector paths need whole bytes per group (an even group_size); any other falls back to scalar.
+Isa pick_isa(int64_t group_size) {
+#if defined(__x86_64__)
+  if (group_size % 2 == 0) {
+    if (kiln::cpu_has_avx512()) return Isa::kAvx512;
+    if (kiln::cpu_has_avx2_fma_f16c()) return Isa::kAvx2;
+  }
+#endif
+  return Isa::kGeneric;
+}
+
+GemvFn gemv_fn(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512) return avx512::gemv_rows;
+  if (isa == Isa::kAvx2) return avx2::gemv_rows;
+#endif
+  return generic::gemv_rows;
+}
+
+DequantFn dequant_fn(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512) return avx512::dequant_rows;
+  if (isa == Isa::kAvx2) return avx2::dequant_rows;
+#endif
+  return generic::dequant_rows;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                  const std::optional<at::Tensor>& pre_quant_scale, const std::optional<at::Tensor>& bias,
+                  int64_t group_size) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && weight_scale.device().is_cpu(),
+              "kilnlm::int4_linear (CPU kernel): x, weight and weight_scale must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2, "kilnlm::int4_linear: x must be [num_tokens, in_features], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "kilnlm::int4_linear: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte,
+              "kilnlm::int4_linear: weight must be a 2-D uint8 tensor [out_features, in_features // 2] of packed "
+              "int4 pairs (kilnlm.plugins.pack_int4), got ", weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "kilnlm::int4_linear: weight must be contiguous (call .contiguous() when building)");
+  const int64_t in = x.size(1), out_features = weight.size(0);
+  TORCH_CHECK(in % 2 == 0, "kilnlm::int4_linear: in_features must be even (two int4 values per byte), got ", in);
+  TORCH_CHECK(weight.size(1) * 2 == in, "kilnlm::int4_linear: x has ", in, " features but the packed weight holds ",
+              weight.size(1) * 2, " (", weight.size(1), " bytes per row)");
+  TORCH_CHECK(group_size > 0 && in % group_size == 0, "kilnlm::int4_linear: group_size ", group_size,
+              " must be positive and divide in_features ", in, " (use a divisor, or group_size == in_features for "
+              "per-channel scales)");
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.dim() == 2 &&
+                  weight_scale.size(0) == out_features && weight_scale.size(1) == in / group_size,
+              "kilnlm::int4_linear: weight_scale must be float32 [out_features=", out_features,
+              ", in_features / group_size=", in / group_size, "], got ", weight_scale.scalar_type(), " ",
+              weight_scale.sizes());
+  if (pre_quant_scale.has_value()) {
+    TORCH_CHECK(pre_quant_scale->dim() == 1 && pre_quant_scale->size(0) == in && pre_quant_scale->device().is_cpu(),
+                "kilnlm::int4_linear: pre_quant_scale must be [in_features=", in, "], got ", pre_quant_scale->sizes());
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->device().is_cpu(),
+                "kilnlm::int4_linear: bias must be [out_features=", out_features, "], got ", bias->sizes());
+  }
+}
+
+// xs [T, in] float32 = x * pre_quant_scale, in natural order or block-permuted (see int4_kernels.h).
+template <typename scalar_t>
+void prepare_activations(const at::Tensor& x, const float* pqs, int64_t group_size, bool permute, float* xs) {
+  const int64_t num_tokens = x.size(0), in = x.size(1);
+  const int64_t num_blocks = permute ? group_size / 32 : 0;
+  const scalar_t* src = x.data_ptr<scalar_t>();
+  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
+    std::vector<float> row(static_cast<size_t>(in));
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = 0; c < in; ++c) {
+        const float v = static_cast<float>(src[t * in + c]);
+        row[c] = pqs != nullptr ? v * pqs[c] : v;
+      }
+      float* dst = xs + t * in;
+      for (int64_t c0 = 0; c0 < in; c0 += group_size) {
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          const int64_t c = c0 + 32 * b;
+          for (int64_t i = 0; i < 16; ++i) {
+            dst[c + i] = row[c + 2 * i];
+            dst[c + 16 + i] = row[c + 2 * i + 1];
+          }
+        }
+        for (int64_t c = c0 + 32 * num_blocks; c < c0 + group_size; ++c) dst[c] = row[c];
+      }
+    }
+  });
+}
+
+// out[t, o] = acc[t, o - col_begin] (+ bias[o]) in out's dtype.
+template <typename scalar_t>
+void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end,
+              const float* bias, scalar_t* out, int64_t out_stride) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t o = col_begin; o < col_end; ++o) {
+      float y = acc[t * acc_stride + (o - col_begin)];
+      if (bias != nullptr) y = y + bias[o];
+      out[t * out_stride + o] = static_cast<scalar_t>(y);
+    }
+  }
+}
+
+struct Problem {
+  const uint8_t* w;       // [out, in / 2] packed int4
+  const float* scales;    // [out, in / group_size]
+  int64_t in, out_features, group_size, num_tokens;
+  const float* xs;        // [T, in] float32, pre_quant_scale applied
+  const float* bias;      // [out] or nullptr
+};
+
+// Generation phase (few tokens): fused unpack-and-FMA GEMV, each weight byte read once per call.
+template <typename scalar_t>
+void run_direct(const Problem& p, Isa isa, scalar_t* out) {
+  const GemvFn gemv = gemv_fn(isa);
+  std::vector<float> acc(static_cast<size_t>(p.num_tokens * p.out_features));
+  float* acc_ptr = acc.data();
+  // ~16 KiB of packed weights per task at least, so that small layers do not pay for threading.
+  const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(p.in, 1));
+  at::parallel_for(0, p.out_features, grain, [&](int64_t r0, int64_t r1) {
+    gemv(p.w, p.in, p.scales, p.group_size, r0, r1, p.xs, p.num_tokens, p.in, acc_ptr, p.out_features);
+    epilogue<scalar_t>(acc_ptr + r0, p.out_features, p.num_tokens, r0, r1, p.bias, out, p.out_features);
+  });
+}
+
+// Context phase (many tokens): dequantize kTileRows rows at a time into a thread-local float32 tile
+// (never the whole weight) and multiply it with all T rows through at::mm.
+template <typename scalar_t>
+void run_tiled(const Problem& p, Isa isa, scalar_t* out) {
+  const DequantFn dequant = dequant_fn(isa);
+  const int64_t num_tiles = (p.out_features + kTileRows - 1) / kTileRows;
+  const at::Tensor xs = at::from_blob(const_cast<float*>(p.xs), {p.num_tokens, p.in}, at::kFloat);
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+    std::vector<float> w_tile(static_cast<size_t>(kTileRows * p.in));  // [kTileRows, in]
+    at::Tensor acc = at::empty({p.num_tokens, kTileRows}, at::kFloat);
+    for (int64_t tile = tile0; tile < tile1; ++tile) {
+      const int64_t r0 = tile * kTileRows, r1 = std::min(p.out_features, r0 + kTileRows);
+      dequant(p.w, p.in, p.scales, p.group_size, r0, r1, w_tile.data());
+      const at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, p.in}, at::kFloat);
+      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
+      at::mm_out(acc_view, xs, w_f.t());  // [T, rows]
+      epilogue<scalar_t>(acc_view.data_ptr<float>(), acc_view.stride(0), p.num_tokens, r0, r1, p.bias, out,
+                         p.out_features);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& weight_scale_in,
+                           const std::optional<at::Tensor>& pre_quant_scale_in, const std::optional<at::Tensor>& bias_in,
+                           int64_t group_size) {
+  check_inputs(x_in, weight, weight_scale_in, pre_quant_scale_in, bias_in, group_size);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t num_tokens = x.size(0), in = x.size(1), out_features = weight.size(0);
+  at::Tensor out = at::empty({num_tokens, out_features}, x.options());
+  if (num_tokens == 0 || out_features == 0) return out;
+
+  const at::Tensor weight_scale = weight_scale_in.contiguous();
+  at::Tensor bias, pqs;
+  if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
+  if (pre_quant_scale_in.has_value()) pqs = pre_quant_scale_in->to(at::kFloat).contiguous();
+
+  const Isa isa = pick_isa(group_size);
+  const bool direct = num_tokens <= kMaxDirectTokens;
+  // The GEMV's vector paths read x block-permuted; at::mm and the scalar path read it in natural order.
+  const bool permute = direct && isa != Isa::kGeneric;
+  std::vector<float> xs(static_cast<size_t>(num_tokens * in));
+  const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight_scale.data_ptr<float>(), in,
+                        out_features, group_size, num_tokens, xs.data(),
+                        bias.defined() ? bias.data_ptr<float>() : nullptr};
+  const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
+  AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int4_linear",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        prepare_activations<float>(x, pqs_ptr, group_size, permute, xs.data());
+        if (direct) run_direct<float>(problem, isa, out.data_ptr<float>());
+        else run_tiled<float>(problem, isa, out.data_ptr<float>());
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, permute, xs.data());
+        if (direct) run_direct<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
+        else run_tiled<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
+      }));
+  return out;
+}
+
+}  // namespace kiln_int4
+
+TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("int4_linear", &kiln_int4::int4_linear_cpu); }

@@ -1,0 +1,197 @@
+"""The C++ int4_linear kernel (W4A16) against exact float64 arithmetic on the reference's dequantized
+weight and against ``int4_linear_reference``: generation-phase GEMV (T <= 16) and context-phase tiled
+path (T > 16), SmolLM2-shaped and odd small layers, group sizes 32 / 64 / 128 / per-channel / odd,
+pre_quant_scale and bias, every nibble value, every ISA path, and inside an AOTInductor package.
+
+Tolerances: float32 outputs must lie within 2e-6 x sum_c |x_c * w_c| of the float64 dot product of the
+same float32 operands (the kernel only sums in another order: with in_features <= 1536 that is a few
+float32 ulps of the accumulated magnitude). bfloat16 outputs are one rounding of such a float32 result:
+within half a bfloat16 ulp (at most 2^-8 relative) of the exact value, plus the float32 bound.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kilnlm.plugins.reference import int4_linear_reference, pack_int4, unpack_int4
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+int4_linear = torch.ops.kilnlm.int4_linear
+
+
+def make_layer(out_features: int, in_features: int, group_size: int, *, with_pqs: bool, with_bias: bool, seed: int):
+    """Random packed weight (every nibble value), AWQ-like scales, optional pre_quant_scale and bias."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (out_features, in_features), generator=gen)
+    scales = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02 + 1e-3
+    pqs = torch.rand(in_features, generator=gen) * 1.5 + 0.25 if with_pqs else None
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    return pack_int4(q), scales, pqs, bias
+
+
+def exact_and_magnitude(x, weight, scales, pqs, bias, group_size):
+    """float64 result of the float32 operands the kernel sees, and sum |x_c w_c| per output."""
+    w = (unpack_int4(weight).float() * scales.repeat_interleave(group_size, dim=1)).double()  # f32-rounded q*s
+    xs = (x.float() if pqs is None else x.float() * pqs).double()
+    exact = xs @ w.T
+    if bias is not None:
+        exact = exact + bias.double()
+    return exact, xs.abs() @ w.abs().T
+
+
+def assert_matches(y, x, weight, scales, pqs, bias, group_size):
+    exact, magnitude = exact_and_magnitude(x, weight, scales, pqs, bias, group_size)
+    assert y.dtype == x.dtype and y.shape == exact.shape
+    bound = 2e-6 * magnitude + 1e-7
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * exact.abs()
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), f"max error {float(err.max()):.3g}, max excess {float((err - bound).max()):.3g}"
+
+
+SHAPES = [  # (out_features, in_features, group_size)
+    (1728, 576, 64),    # SmolLM2 q/k/v-ish, AWQ group 64
+    (3072, 576, 32),    # SmolLM2 gate_up
+    (576, 1536, 128),   # SmolLM2 down
+    (576, 1536, 1536),  # per-channel (group_size == in_features)
+    (40, 200, 40),      # groups with a 8-column tail after a 32-column block, 40 rows
+    (7, 6, 6),          # smaller than one vector block
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("num_tokens", [1, 3, 17, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "pqs+bias"])
+def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
+    out_features, in_features, group_size = shape
+    weight, scales, pqs, bias = make_layer(out_features, in_features, group_size, with_pqs=extras, with_bias=extras,
+                                           seed=num_tokens + out_features)
+    x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
+    y = int4_linear(x, weight, scales, pqs, bias, group_size)
+    assert_matches(y, x, weight, scales, pqs, bias, group_size)
+    # and the reference oracle itself (float32 both ways; bf16 may differ by one output rounding)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(y, int4_linear_reference(x, weight, scales, pqs, bias, group_size), **tol)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 16, 17, 40])
+def test_every_nibble_decodes_exactly(num_tokens):
+    """One-hot activations read the weight back: q * scale for all 16 values in both nibble positions."""
+    in_features = 64
+    q = torch.arange(16).repeat(24, in_features // 16) - 8  # [24, 64]
+    q = torch.stack([row.roll(i) for i, row in enumerate(q)])
+    scales = torch.full((24, 2), 0.5)
+    x = torch.eye(in_features)[:num_tokens]
+    y = int4_linear(x, pack_int4(q), scales, None, None, 32)  # [T, 24] = (q * 0.5).T rows
+    assert torch.equal(y, (q.float() * 0.5).T[:num_tokens])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 20])
+def test_odd_group_size_takes_the_scalar_path(num_tokens):
+    """group_size 3 splits bytes between groups: only the portable path handles it, still correctly."""
+    weight, scales, pqs, bias = make_layer(10, 12, 3, with_pqs=True, with_bias=True, seed=5)
+    x = torch.randn(num_tokens, 12)
+    assert_matches(int4_linear(x, weight, scales, pqs, bias, 3), x, weight, scales, pqs, bias, 3)
+
+
+def test_non_contiguous_x_and_bf16_bias():
+    weight, scales, _, _ = make_layer(64, 128, 32, with_pqs=False, with_bias=False, seed=2)
+    x = torch.randn(128, 5).T  # [5, 128], not contiguous
+    bias = torch.randn(64).to(torch.bfloat16)
+    y = int4_linear(x, weight, scales, None, bias, 32)
+    assert_matches(y, x, weight, scales, None, bias.float(), 32)
+
+
+def test_empty_batch():
+    weight, scales, _, _ = make_layer(8, 32, 32, with_pqs=False, with_bias=False, seed=0)
+    assert int4_linear(torch.zeros(0, 32), weight, scales, None, None, 32).shape == (0, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(x=torch.zeros(2, 64, dtype=torch.float64)), "x must be float32 or bfloat16"),
+        (dict(weight=torch.zeros(8, 32, dtype=torch.int8)), "weight must be a 2-D uint8 tensor"),
+        (dict(x=torch.zeros(2, 62)), "x has 62 features but the packed weight holds 64"),
+        (dict(group_size=48), "group_size 48 must be positive and divide in_features 64"),
+        (dict(group_size=0), "group_size 0 must be positive"),
+        (dict(weight_scale=torch.ones(8, 3)), "weight_scale must be float32 \\[out_features=8, in_features / group_size=2\\]"),
+        (dict(weight_scale=torch.ones(8, 2, dtype=torch.float16)), "weight_scale must be float32"),
+        (dict(pre_quant_scale=torch.ones(63)), "pre_quant_scale must be \\[in_features=64\\]"),
+        (dict(bias=torch.zeros(7)), "bias must be \\[out_features=8\\]"),
+        (dict(weight=torch.zeros(32, 8, dtype=torch.uint8).T), "weight must be contiguous"),
+    ],
+    ids=["x-dtype", "weight-dtype", "in-features", "group-divides", "group-zero", "scale-shape", "scale-dtype",
+         "pqs-shape", "bias-shape", "weight-contiguous"],
+)
+def test_bad_inputs_raise_clear_errors(kwargs, message):
+    args = dict(x=torch.zeros(2, 64), weight=torch.zeros(8, 32, dtype=torch.uint8), weight_scale=torch.ones(8, 2),
+                pre_quant_scale=None, bias=None, group_size=32)
+    args.update(kwargs)
+    with pytest.raises(RuntimeError, match=message):
+        int4_linear(*args.values())
+
+
+ISA_SCRIPT = r"""
+import torch
+from kilnlm.plugins import load_cpu_kernels, pack_int4, int4_linear_reference
+load_cpu_kernels()
+gen = torch.Generator().manual_seed(0)
+for out_features, in_features, group_size in ((72, 200, 40), (96, 576, 64), (16, 128, 128)):
+    q = torch.randint(-8, 8, (out_features, in_features), generator=gen)
+    s = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02
+    pqs, bias = torch.rand(in_features, generator=gen) + 0.5, torch.randn(out_features, generator=gen)
+    for num_tokens in (1, 2, 5, 40):
+        x = torch.randn(num_tokens, in_features, generator=gen)
+        y = torch.ops.kilnlm.int4_linear(x, pack_int4(q), s, pqs, bias, group_size)
+        torch.testing.assert_close(y, int4_linear_reference(x, pack_int4(q), s, pqs, bias, group_size),
+                                   atol=1e-4, rtol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_capped_isa_paths_match_reference(isa):
+    """The scalar and AVX2 paths (forced with KILNLM_CPU_ISA in a fresh process; the default run above
+    takes the widest path the CPU has, AVX-512 on CI)."""
+    env = dict(os.environ, KILNLM_CPU_ISA=isa)
+    result = subprocess.run([sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+class ToyInt4Mlp(torch.nn.Module):
+    """x -> int4 up projection (pre_quant_scale, bias) -> SiLU -> int4 down projection, weights as buffers."""
+
+    def __init__(self):
+        super().__init__()
+        up = make_layer(96, 64, 32, with_pqs=True, with_bias=True, seed=11)
+        down = make_layer(64, 96, 96, with_pqs=False, with_bias=False, seed=12)
+        for name, tensor in zip(("w_up", "s_up", "pqs_up", "b_up"), up):
+            self.register_buffer(name, tensor)
+        self.register_buffer("w_down", down[0])
+        self.register_buffer("s_down", down[1])
+
+    def forward(self, x):
+        h = torch.ops.kilnlm.int4_linear(x, self.w_up, self.s_up, self.pqs_up, self.b_up, 32)
+        return torch.ops.kilnlm.int4_linear(torch.nn.functional.silu(h), self.w_down, self.s_down, None, None, 96)
+
+
+def test_compiles_with_aot_inductor(tmp_path):
+    model = ToyInt4Mlp().eval()
+    example = (torch.randn(5, 64),)
+    with torch.no_grad():
+        exported = torch.export.export(model, example, dynamic_shapes=({0: torch.export.Dim("num_tokens", max=512)},))
+        package_path = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "int4.pt2"))
+    compiled = torch._inductor.aoti_load_package(package_path)
+    for num_tokens in (5, 1, 33):  # the export example, a generation step, a context chunk
+        x = torch.randn(num_tokens, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
