@@ -15,14 +15,16 @@ from kilnlm.plugins.reference import (
     pack_int4,
     paged_attention_reference,
     quantize_fp8_reference,
+    quantize_kv_reference,
     quantize_int8_reference,
     unpack_int4,
 )
-from kilnlm.plugins.schema import PLUGIN_VERSIONS
+from kilnlm.plugins.schema import PLUGIN_ACCEPTED_VERSIONS, PLUGIN_VERSIONS
 
 __all__ = [
     "KernelBuildError",
     "load_cpu_kernels",
+    "PLUGIN_ACCEPTED_VERSIONS",
     "PLUGIN_VERSIONS",
     "apply_rope_reference",
     "fp8_linear_reference",
@@ -32,6 +34,7 @@ __all__ = [
     "pack_int4",
     "paged_attention_reference",
     "quantize_fp8_reference",
+    "quantize_kv_reference",
     "quantize_int8_reference",
     "unpack_int4",
 ]

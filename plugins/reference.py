@@ -48,6 +48,7 @@ def paged_attention_reference(
     block_tables: torch.Tensor,
     slot_mapping: torch.Tensor,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of ``kilnlm::paged_attention`` (see :mod:`kilnlm.plugins.schema` for the contract).
 
@@ -63,6 +64,9 @@ def paged_attention_reference(
     position p of sequence b lives in physical block ``block_tables[b, p // tokens_per_block]`` at offset
     ``p % tokens_per_block``. The attention reads K/V back from the pool (after the write), so the new
     tokens' keys are seen in the pool's dtype, as the kernels see them.
+
+    8-bit pool: kv_cache float8_e4m3fn or int8 with ``kv_scale [2] float32`` (k_scale, v_scale); K/V are
+    written as :func:`quantize_kv_reference` and read back as ``stored.float() * scale``.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -76,8 +80,14 @@ def paged_attention_reference(
     layer = kv_cache[layer_idx]  # [2, num_blocks, tpb, Hkv, D], a view
     slots = slot_mapping.to(torch.int64)
     blocks, offsets = slots // tokens_per_block, slots % tokens_per_block
-    layer[0, blocks, offsets] = k_rot.to(kv_cache.dtype)
-    layer[1, blocks, offsets] = v.to(kv_cache.dtype)
+    if kv_scale is None:
+        layer[0, blocks, offsets] = k_rot.to(kv_cache.dtype)
+        layer[1, blocks, offsets] = v.to(kv_cache.dtype)
+        k_read_scale = v_read_scale = 1.0
+    else:
+        k_read_scale, v_read_scale = kv_scale[0].float(), kv_scale[1].float()
+        layer[0, blocks, offsets] = quantize_kv_reference(k_rot, k_read_scale, kv_cache.dtype)
+        layer[1, blocks, offsets] = quantize_kv_reference(v, v_read_scale, kv_cache.dtype)
 
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     num_seqs = seq_lens_kv.shape[0]
@@ -89,8 +99,8 @@ def paged_attention_reference(
         kv_len = int(seq_lens_kv[b])
         pos = torch.arange(kv_len)
         phys = block_tables[b].to(torch.int64)[pos // tokens_per_block]
-        keys = layer[0, phys, pos % tokens_per_block].float()  # [L, Hkv, D]
-        values = layer[1, phys, pos % tokens_per_block].float()
+        keys = layer[0, phys, pos % tokens_per_block].float() * k_read_scale  # [L, Hkv, D]
+        values = layer[1, phys, pos % tokens_per_block].float() * v_read_scale
         keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]
         values = values.repeat_interleave(group, dim=1)
         qs = q_rot[start:end]  # [n, H, D]
@@ -101,6 +111,18 @@ def paged_attention_reference(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hnl,lhd->nhd", probs, values)
     return out.to(q.dtype)
+
+
+def quantize_kv_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One 8-bit KV-cache tensor as stored: x (any shape, float32 / bfloat16) divided by the per-tensor
+    ``scale`` (0-dim float32) in float32, then ``dtype`` float8_e4m3fn (saturate at ±448, round to nearest
+    even) or int8 (round half to even, clamp to [-128, 127]). Read back as ``stored.float() * scale``."""
+    y = x.float() / scale.float()
+    if dtype == torch.float8_e4m3fn:
+        return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    if dtype == torch.int8:
+        return y.round().clamp(-128, 127).to(torch.int8)
+    raise ValueError(f"8-bit KV cache dtype must be float8_e4m3fn or int8, got {dtype}")
 
 
 def quantize_fp8_reference(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:

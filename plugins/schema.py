@@ -5,7 +5,7 @@ the plain-torch reference (``reference.py``, the numerical oracle), the CPU kern
 Ops (namespace ``kilnlm``):
 
 ``paged_attention(q, k, v, kv_cache!, layer_idx, positions, inv_freq, cu_seqlens_q, seq_lens_kv,
-block_tables, slot_mapping, scale) -> out``
+block_tables, slot_mapping, scale, kv_scale=None) -> out``
     q ``[T, num_heads, head_dim]``, k / v ``[T, num_kv_heads, head_dim]`` -- this step's projections,
     *before* RoPE, activation dtype (float32 or bfloat16); ``kv_cache`` the runtime's paged pool
     ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` (same dtype), mutated in
@@ -18,6 +18,11 @@ block_tables, slot_mapping, scale) -> out``
     attention of each sequence's new query tokens over that sequence's KV ``[0, seq_lens_kv[b])`` (query
     row i of sequence b sits at KV position ``seq_lens_kv[b] - num_new_b + i``; GQA: query head h reads
     KV head ``h // (num_heads // num_kv_heads)``). Returns ``out [T, num_heads, head_dim]``, q's dtype.
+    8-bit KV cache (version 2): ``kv_cache`` float8_e4m3fn or int8 with ``kv_scale [2] float32`` = (k_scale,
+    v_scale), this layer's calibrated per-tensor scales; K/V are stored as ``quantize(x / scale)`` (FP8:
+    saturate at ±448, round to nearest even; int8: round half to even, clamp to [-128, 127]) and read as
+    ``stored * scale``. ``kv_scale`` None (the default, and version 1's 12-argument form): the pool is
+    in q's dtype.
 
 ``fp8_linear(x, weight, weight_scale, input_scale, bias?) -> y``
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features] float8_e4m3fn``;
@@ -59,18 +64,25 @@ import torch
 # Bump a plugin's version whenever its schema or numerics change; engines record the versions they were
 # compiled against and the runtime refuses engines whose plugin versions it does not implement.
 PLUGIN_VERSIONS: dict[str, int] = {
-    "paged_attention": 1,
+    "paged_attention": 2,  # 2: optional trailing kv_scale (8-bit KV pools); 1's 12-argument calls unchanged
     "fp8_linear": 1,
     "int4_linear": 1,
     "int8_linear": 1,
     "int8_sq_linear": 1,
 }
 
+# Versions of a plugin that this kilnlm still runs (older engines whose calls the current kernels serve
+# unchanged). paged_attention 1 -> 2 only added a trailing optional argument with a default.
+PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
+    **{name: (version,) for name, version in PLUGIN_VERSIONS.items()},
+    "paged_attention": (1, 2),
+}
+
 _LIB = torch.library.Library("kilnlm", "DEF")
 _LIB.define(
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer_idx, Tensor positions, "
     "Tensor inv_freq, Tensor cu_seqlens_q, Tensor seq_lens_kv, Tensor block_tables, Tensor slot_mapping, "
-    "float scale) -> Tensor"
+    "float scale, Tensor? kv_scale=None) -> Tensor"
 )
 _LIB.define("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor? bias) -> Tensor")
 _LIB.define("int4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? pre_quant_scale, Tensor? bias, "
@@ -82,7 +94,7 @@ _LIB.define("int8_sq_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor
 
 @torch.library.register_fake("kilnlm::paged_attention")
 def _paged_attention_fake(q, k, v, kv_cache, layer_idx, positions, inv_freq, cu_seqlens_q, seq_lens_kv,
-                          block_tables, slot_mapping, scale):
+                          block_tables, slot_mapping, scale, kv_scale=None):
     return torch.empty_like(q)
 
 

@@ -6,14 +6,32 @@
 // only (see fp8_kernels.h for why). KILN_AVX512 / KILN_AVX2 (0 or 1) select the code path; `AttnWork` is
 // defined by the including file, outside the ISA namespaces.
 
-// KV elements are float (float32 pool) or uint16_t (bfloat16 bits); kv_f32() reads one as float32
-// (exact: bf16 bits are a float's upper half).
+// KV elements are float (float32 pool), uint16_t (bfloat16 bits), uint8_t (float8_e4m3fn bits) or int8_t
+// (int8 pool); kv_f32() reads one as float32 (exact: bf16 bits are a float's upper half).
+//
+// 8-bit pools hold quantized values (stored = x / scale, see paged_attention.cpp); the kernels read the
+// stored value, never the scale: the caller folds k_scale into the query and v_scale into the output.
+// An FP8 element reads as 2^-8 times its E4M3 value (the byte placed into IEEE half bits, exactly as the
+// AVX2 / AVX-512 loads convert it with F16C; see fp8_kernels.h), so its caller folds 256 * scale.
+// E4M3FN NaN encodings (0x7F / 0xFF) never occur: the writer saturates at +-448.
 static inline float kv_f32(float v) { return v; }
 static inline float kv_f32(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
   __builtin_memcpy(&f, &bits, sizeof(f));
   return f;
+}
+static inline float kv_f32(int8_t v) { return static_cast<float>(v); }
+static inline float kv_f32(uint8_t v) {  // 2^-8 * E4M3 value, exact
+  const uint32_t exponent = (v >> 3) & 0xFu, mantissa = v & 0x7u;
+  float f;
+  if (exponent == 0) {
+    f = static_cast<float>(mantissa) * 7.62939453125e-06f;  // subnormal: m / 8 * 2^-6 * 2^-8 = m * 2^-17
+  } else {
+    const uint32_t bits = ((exponent + 112u) << 23) | (mantissa << 20);  // 2^(e - 7 - 8) * (1 + m / 8)
+    __builtin_memcpy(&f, &bits, sizeof(f));
+  }
+  return (v & 0x80u) ? -f : f;
 }
 
 #if KILN_AVX512
@@ -22,6 +40,14 @@ static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {
   const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+static inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m512 load16(const uint8_t* p) {  // FP8 bytes -> half bits (2^-8 * value) -> float32
+  __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  u = _mm256_srai_epi16(_mm256_slli_epi16(u, 8), 1);  // s s eeee mmm 0000000
+  return _mm512_cvtph_ps(_mm256_and_si256(u, _mm256_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
 template <typename kv_t>
@@ -144,12 +170,28 @@ static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, i
     for (int64_t o = 0; o < n; ++o) axpy(p[o], v + o * row_stride + d0, acc + d0, D - d0);
 }
 
+// dst[0:n] = kv_f32(src[0:n]), sixteen at a time.
+template <typename kv_t>
+static inline void to_f32(const kv_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+  for (; i < n; ++i) dst[i] = kv_f32(src[i]);
+}
+
 #elif KILN_AVX2
 
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t* p) {
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+static inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m256 load8(const uint8_t* p) {  // FP8 bytes -> half bits (2^-8 * value) -> float32
+  __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  u = _mm_srai_epi16(_mm_slli_epi16(u, 8), 1);  // s s eeee mmm 0000000
+  return _mm256_cvtph_ps(_mm_and_si128(u, _mm_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
 static inline float hsum8(__m256 v) {
@@ -267,7 +309,20 @@ static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, i
     for (int64_t o = 0; o < n; ++o) axpy(p[o], v + o * row_stride + d0, acc + d0, D - d0);
 }
 
+// dst[0:n] = kv_f32(src[0:n]), eight at a time.
+template <typename kv_t>
+static inline void to_f32(const kv_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  for (; i < n; ++i) dst[i] = kv_f32(src[i]);
+}
+
 #else  // portable scalar path
+
+template <typename kv_t>
+static inline void to_f32(const kv_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = kv_f32(src[i]);
+}
 
 template <typename kv_t>
 static inline float dot(const float* a, const kv_t* b, int64_t n) {
@@ -390,9 +445,14 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     const kv_t* k_block = k_pool + first_row * row_stride;
     const kv_t* v_block = v_pool + first_row * row_stride;
     if (convert) {
-      for (int64_t e = 0; e < num_block_tokens * row_stride; ++e) {
-        k_f32[e] = kv_f32(k_block[e]);
-        v_f32[e] = kv_f32(v_block[e]);
+      if constexpr (sizeof(kv_t) == 1) {  // 8-bit pools: vector conversion (the scalar FP8 decode branches)
+        to_f32(k_block, k_f32, num_block_tokens * row_stride);
+        to_f32(v_block, v_f32, num_block_tokens * row_stride);
+      } else {
+        for (int64_t e = 0; e < num_block_tokens * row_stride; ++e) {
+          k_f32[e] = kv_f32(k_block[e]);
+          v_f32[e] = kv_f32(v_block[e]);
+        }
       }
       attend_block<float>(w, k_f32, v_f32, row_stride, base_pos, num_block_tokens, m, l, acc, s);
     } else {
@@ -402,7 +462,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
     for (int64_t h = 0; h < num_heads_item; ++h) {
       const int64_t i = qi * num_heads_item + h;
-      const float inv_l = 1.0f / l[i];
+      const float inv_l = w.out_scale / l[i];  // out_scale: 1, or the 8-bit pool's folded v_scale
       float* dst = w.out + qi * w.out_tok_stride + h * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv_l;
     }
@@ -410,8 +470,10 @@ static void attend_typed(const AttnWork& w, float* scratch) {
 }
 
 static void attend(const AttnWork& w, float* scratch) {
-  if (w.kv_bf16)
-    attend_typed<uint16_t>(w, scratch);
-  else
-    attend_typed<float>(w, scratch);
+  switch (w.kv_type) {
+    case KvType::kBFloat16: attend_typed<uint16_t>(w, scratch); break;
+    case KvType::kFp8E4M3: attend_typed<uint8_t>(w, scratch); break;
+    case KvType::kInt8: attend_typed<int8_t>(w, scratch); break;
+    default: attend_typed<float>(w, scratch); break;
+  }
 }

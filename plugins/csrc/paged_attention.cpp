@@ -7,11 +7,19 @@
 //      causal by KV position, GQA (query head h reads KV head h / (num_heads / num_kv_heads)).
 // Step 2 is split into work items (sequence, KV head or single query head, chunk of query tokens) that
 // threads take dynamically, largest first; each item runs the online-softmax kernel of
-// attention_kernels.h. Activations / KV in float32 or bfloat16, computed in float32.
+// attention_kernels.h. Activations in float32 or bfloat16, computed in float32.
+//
+// KV pool: the activation dtype, or 8 bits (float8_e4m3fn / int8) with the layer's per-tensor scales
+// kv_scale = [k_scale, v_scale]: written as quantize(x / scale) (FP8: saturate at +-448, round to nearest
+// even; int8: round half to even, clamp to [-128, 127]), read as stored * scale. The read never multiplies
+// per element: scores use q * k_scale against the stored K, and the output is scaled by v_scale once
+// (softmax weights are linear in V), so the 8-bit kernels differ from the 16-bit ones only in their loads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Optional.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__)
@@ -22,11 +30,15 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_features.h"
 
 namespace kiln_attn {
+
+// The pool's element type as the kernels read it (see kv_f32 in attention_kernels.h).
+enum class KvType { kFloat32, kBFloat16, kFp8E4M3, kInt8 };
 
 // One unit of attention work (see attend() in attention_kernels.h). Pointers are raw and typed by the
 // pool dtype at run time so that the ISA-specific kernels stay free of torch types.
@@ -38,7 +50,8 @@ struct AttnWork {
   const void* k_base;       // kv_cache[layer, 0], pool dtype
   const void* v_base;       // kv_cache[layer, 1]
   int64_t kv_row_stride;    // elements between consecutive pool rows (num_kv_heads * head_dim)
-  bool kv_bf16;
+  KvType kv_type;
+  float out_scale;          // the output's factor: 1 for 16/32-bit pools, the folded v_scale for 8-bit pools
   const int32_t* block_table;  // this sequence's row of block_tables
   int64_t tokens_per_block;
   int64_t head_dim;
@@ -119,15 +132,26 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
 Dims check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
                   int64_t layer_idx, const at::Tensor& positions, const at::Tensor& inv_freq,
                   const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_kv, const at::Tensor& block_tables,
-                  const at::Tensor& slot_mapping) {
+                  const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& kv_scale) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "kilnlm::paged_attention: q must be float32 or bfloat16, got ", dtype);
   check_tensor(q, "q [T, num_heads, head_dim]", dtype, 3);
   check_tensor(k, "k [T, num_kv_heads, head_dim] (same dtype as q)", dtype, 3);
   check_tensor(v, "v [T, num_kv_heads, head_dim] (same dtype as q)", dtype, 3);
-  check_tensor(kv_cache, "kv_cache [num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim] (same dtype as q)",
-               dtype, 6);
+  if (kv_scale.has_value()) {
+    const auto kv_dtype = kv_cache.scalar_type();
+    TORCH_CHECK(kv_dtype == at::kFloat8_e4m3fn || kv_dtype == at::kChar, "kilnlm::paged_attention: kv_scale is "
+                "given, so kv_cache must be an 8-bit pool (float8_e4m3fn or int8), got ", kv_dtype,
+                " (pass kv_scale=None for a pool in q's dtype)");
+    check_tensor(kv_cache, "kv_cache [num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]", kv_dtype, 6);
+    check_tensor(*kv_scale, "kv_scale [2] (k_scale, v_scale)", at::kFloat, 1);
+    TORCH_CHECK(kv_scale->size(0) == 2, "kilnlm::paged_attention: kv_scale must be [2] (k_scale, v_scale), got shape ",
+                kv_scale->sizes());
+  } else {
+    check_tensor(kv_cache, "kv_cache [num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim] (same dtype "
+                 "as q; an 8-bit pool needs kv_scale)", dtype, 6);
+  }
   check_tensor(positions, "positions [T]", at::kLong, 1);
   check_tensor(inv_freq, "inv_freq [head_dim / 2]", at::kFloat, 1);
   check_tensor(cu_seqlens_q, "cu_seqlens_q [B + 1]", at::kInt, 1);
@@ -198,11 +222,32 @@ void check_indices(const Dims& d, const int32_t* cu, const int32_t* kv_lens, con
   }
 }
 
-// Step 1: RoPE on q (into q_rot, float32, times scale) and k; write rotated k and v into the pool.
-template <typename scalar_t>
+// One KV element as stored in a cache_t pool; `scale` is the 8-bit pools' per-tensor scale (unused for
+// a pool in the activation dtype). Matches torch: `(x / scale).clamp(-448, 448).to(float8_e4m3fn)` and
+// `(x / scale).round().clamp(-128, 127).to(int8)` (std::nearbyint: round half to even by default).
+template <typename cache_t>
+inline cache_t to_cache(float x, float scale);
+template <>
+inline float to_cache<float>(float x, float) { return x; }
+template <>
+inline at::BFloat16 to_cache<at::BFloat16>(float x, float) { return static_cast<at::BFloat16>(x); }
+template <>
+inline at::Float8_e4m3fn to_cache<at::Float8_e4m3fn>(float x, float scale) {
+  const float v = x / scale;
+  return at::Float8_e4m3fn(v < -448.0f ? -448.0f : (v > 448.0f ? 448.0f : v));
+}
+template <>
+inline int8_t to_cache<int8_t>(float x, float scale) {
+  const float v = std::nearbyint(x / scale);
+  return static_cast<int8_t>(v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v));
+}
+
+// Step 1: RoPE on q (into q_rot, float32, times scale) and k; write rotated k and v into the pool
+// (8-bit pools: quantized with k_scale / v_scale).
+template <typename scalar_t, typename cache_t>
 void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       scalar_t* k_pool, scalar_t* v_pool, const int64_t* positions, const float* inv_freq,
-                       const int64_t* slots, float scale, float* q_rot) {
+                       cache_t* k_pool, cache_t* v_pool, const int64_t* positions, const float* inv_freq,
+                       const int64_t* slots, float scale, float k_scale, float v_scale, float* q_rot) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, half = D / 2;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kp = k.data_ptr<scalar_t>();
@@ -229,17 +274,21 @@ void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
           dst[j + half] = (x2 * cos_v[j] + x1 * sin_v[j]) * scale;
         }
       }
-      scalar_t* k_dst = k_pool + slots[t] * Hkv * D;
-      scalar_t* v_dst = v_pool + slots[t] * Hkv * D;
+      cache_t* k_dst = k_pool + slots[t] * Hkv * D;
+      cache_t* v_dst = v_pool + slots[t] * Hkv * D;
       for (int64_t h = 0; h < Hkv; ++h) {
         const scalar_t* src = kp + t * k_stride + h * D;
         for (int64_t j = 0; j < half; ++j) {
           const float x1 = static_cast<float>(src[j]), x2 = static_cast<float>(src[j + half]);
-          k_dst[h * D + j] = static_cast<scalar_t>(x1 * cos_v[j] + (-x2) * sin_v[j]);
-          k_dst[h * D + j + half] = static_cast<scalar_t>(x2 * cos_v[j] + x1 * sin_v[j]);
+          k_dst[h * D + j] = to_cache<cache_t>(x1 * cos_v[j] + (-x2) * sin_v[j], k_scale);
+          k_dst[h * D + j + half] = to_cache<cache_t>(x2 * cos_v[j] + x1 * sin_v[j], k_scale);
         }
         const scalar_t* vsrc = vp + t * v_stride + h * D;
-        for (int64_t j = 0; j < D; ++j) v_dst[h * D + j] = vsrc[j];
+        if constexpr (std::is_same_v<cache_t, scalar_t>) {
+          for (int64_t j = 0; j < D; ++j) v_dst[h * D + j] = vsrc[j];
+        } else {
+          for (int64_t j = 0; j < D; ++j) v_dst[h * D + j] = to_cache<cache_t>(static_cast<float>(vsrc[j]), v_scale);
+        }
       }
     }
   });
@@ -249,7 +298,8 @@ void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
 // enough chunks to keep the threads busy (each KV row is then read once, whole); otherwise items are
 // split per KV head, and in a small generation-phase batch per query head (re-reading KV rows, from cache).
 std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables,
-                                const float* q_rot, float* out, const void* k_layer, const void* v_layer, bool kv_bf16) {
+                                const float* q_rot, float* out, const void* k_layer, const void* v_layer, KvType kv_type,
+                                float out_scale) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) num_chunks += (cu[b + 1] - cu[b] + kQueryChunkTokens - 1) / kQueryChunkTokens;
@@ -274,7 +324,8 @@ std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t*
         w.k_base = k_layer;
         w.v_base = v_layer;
         w.kv_row_stride = Hkv * D;
-        w.kv_bf16 = kv_bf16;
+        w.kv_type = kv_type;
+        w.out_scale = out_scale;
         w.block_table = tables + b * d.max_blocks_per_seq;
         w.tokens_per_block = d.tokens_per_block;
         w.head_dim = D;
@@ -312,15 +363,32 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
   });
 }
 
+// Steps 1 and 2 for activations scalar_t and a cache_t pool. q_scale multiplies the rotated queries
+// (softmax scale, times the folded k_scale for 8-bit pools); out_scale the outputs.
+template <typename scalar_t, typename cache_t>
+void rope_write_attend(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& kv_cache, int64_t layer_idx, const int64_t* pos, const float* inv_freq,
+                       const int32_t* cu, const int32_t* kv_lens, const int32_t* tables, const int64_t* slots,
+                       float q_scale, float k_scale, float v_scale, float out_scale, KvType kv_type, float* q_rot,
+                       float* out_f32) {
+  const int64_t layer_elems = 2 * d.num_blocks * d.tokens_per_block * d.num_kv_heads * d.head_dim;
+  const int64_t kv_elems = layer_elems / 2;
+  cache_t* k_pool = static_cast<cache_t*>(kv_cache.data_ptr()) + layer_idx * layer_elems;
+  rope_and_write_kv<scalar_t, cache_t>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq, slots, q_scale, k_scale,
+                                       v_scale, q_rot);
+  run_work(make_work(d, cu, kv_lens, tables, q_rot, out_f32, k_pool, k_pool + kv_elems, kv_type, out_scale), d);
+}
+
 }  // namespace
 
 at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& kv_cache, int64_t layer_idx, const at::Tensor& positions_in,
                                const at::Tensor& inv_freq_in, const at::Tensor& cu_seqlens_q_in,
                                const at::Tensor& seq_lens_kv_in, const at::Tensor& block_tables_in,
-                               const at::Tensor& slot_mapping_in, double scale) {
+                               const at::Tensor& slot_mapping_in, double scale,
+                               const c10::optional<at::Tensor>& kv_scale) {
   const Dims d = check_shapes(q_in, k_in, v_in, kv_cache, layer_idx, positions_in, inv_freq_in, cu_seqlens_q_in,
-                              seq_lens_kv_in, block_tables_in, slot_mapping_in);
+                              seq_lens_kv_in, block_tables_in, slot_mapping_in, kv_scale);
   // Token rows may be strided (q, k, v split from a fused projection); heads and head_dim must be dense.
   auto dense_rows = [](const at::Tensor& t) {
     return (t.stride(2) == 1 && t.stride(1) == t.size(2)) ? t : t.contiguous();
@@ -342,23 +410,42 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
   at::Tensor q_rot = at::empty({d.num_tokens, d.num_heads, d.head_dim}, q.options().dtype(at::kFloat));
   at::Tensor out_f32 = is_bf16 ? at::empty({d.num_tokens, d.num_heads, d.head_dim}, q.options().dtype(at::kFloat)) : out;
 
-  const int64_t layer_elems = 2 * d.num_blocks * d.tokens_per_block * d.num_kv_heads * d.head_dim;
-  const int64_t kv_elems = layer_elems / 2;
-  AT_DISPATCH_SWITCH(q.scalar_type(), "kilnlm::paged_attention",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        float* k_pool = kv_cache.data_ptr<float>() + layer_idx * layer_elems;
-        rope_and_write_kv<float>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq.data_ptr<float>(), slots,
-                                 static_cast<float>(scale), q_rot.data_ptr<float>());
-        run_work(make_work(d, cu, kv_lens, tables, q_rot.data_ptr<float>(), out_f32.data_ptr<float>(), k_pool,
-                           k_pool + kv_elems, false), d);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        at::BFloat16* k_pool = kv_cache.data_ptr<at::BFloat16>() + layer_idx * layer_elems;
-        rope_and_write_kv<at::BFloat16>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq.data_ptr<float>(), slots,
-                                        static_cast<float>(scale), q_rot.data_ptr<float>());
-        run_work(make_work(d, cu, kv_lens, tables, q_rot.data_ptr<float>(), out_f32.data_ptr<float>(), k_pool,
-                           k_pool + kv_elems, true), d);
-      }));
+  // 8-bit pools: the scales (validated finite and positive), and their folded forms (FP8 reads as
+  // 2^-8 * value, see attention_kernels.h).
+  float k_scale = 1.0f, v_scale = 1.0f, fold = 1.0f;
+  KvType kv_type = is_bf16 ? KvType::kBFloat16 : KvType::kFloat32;
+  if (kv_scale.has_value()) {
+    const at::Tensor scales = kv_scale->contiguous();
+    k_scale = scales.data_ptr<float>()[0];
+    v_scale = scales.data_ptr<float>()[1];
+    TORCH_CHECK(std::isfinite(k_scale) && std::isfinite(v_scale) && k_scale > 0.f && v_scale > 0.f,
+                "kilnlm::paged_attention: kv_scale must be finite and positive, got [", k_scale, ", ", v_scale,
+                "]: recalibrate the KV cache (rebuild the engine)");
+    const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+    kv_type = fp8 ? KvType::kFp8E4M3 : KvType::kInt8;
+    fold = fp8 ? 256.0f : 1.0f;
+  }
+  const float q_scale = static_cast<float>(scale) * (kv_scale.has_value() ? fold * k_scale : 1.0f);
+  const float out_scale = kv_scale.has_value() ? fold * v_scale : 1.0f;
+  float* q_rot_p = q_rot.data_ptr<float>();
+  float* out_p = out_f32.data_ptr<float>();
+  const float* inv_freq_p = inv_freq.data_ptr<float>();
+  auto run = [&](auto activation_tag, auto cache_tag) {
+    using scalar_t = decltype(activation_tag);
+    using cache_t = decltype(cache_tag);
+    rope_write_attend<scalar_t, cache_t>(d, q, k, v, kv_cache, layer_idx, pos, inv_freq_p, cu, kv_lens, tables, slots,
+                                         q_scale, k_scale, v_scale, out_scale, kv_type, q_rot_p, out_p);
+  };
+  switch (kv_type) {
+    case KvType::kFloat32: run(float{}, float{}); break;
+    case KvType::kBFloat16: run(at::BFloat16{}, at::BFloat16{}); break;
+    case KvType::kFp8E4M3:
+      if (is_bf16) run(at::BFloat16{}, at::Float8_e4m3fn{}); else run(float{}, at::Float8_e4m3fn{});
+      break;
+    case KvType::kInt8:
+      if (is_bf16) run(at::BFloat16{}, int8_t{}); else run(float{}, int8_t{});
+      break;
+  }
   if (is_bf16) out.copy_(out_f32);
   return out;
 }

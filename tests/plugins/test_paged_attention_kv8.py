@@ -1,0 +1,175 @@
+"""The C++ paged-attention kernel with an 8-bit KV pool (float8_e4m3fn / int8 with per-layer
+``kv_scale = [k_scale, v_scale]``) against the plain-torch reference.
+
+What is compared: the stored bytes of the written slots (kernel vs reference quantization of the same
+rotated keys and values) and the attention output. Tolerances: a stored element may differ by one
+quantization step where RoPE's float32 cos/sin (libm vs torch) differ by an ulp right at a rounding
+boundary (allowed for at most 0.5% of the written elements); outputs atol/rtol 2e-5 in float32 (the
+kernel folds the scales: scores ``(q * k_scale) . stored_k`` instead of ``q . (stored_k * k_scale)``, a
+float32 rounding difference; measured max 8e-7) and 1e-2 in bfloat16 (as the 16-bit pool tests).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kilnlm.plugins.reference import paged_attention_reference, quantize_kv_reference
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+KV_DTYPES = [torch.float8_e4m3fn, torch.int8]
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+OUT_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+# (num_cached, num_new): context chunks (first, after cached KV, longer than a 16-token query chunk),
+# generation tokens (one at a block boundary): the kernel's context (AVX-512, block conversion) and
+# generation (AVX2, direct 8-bit loads) paths in one batch.
+MIXED = [(0, 20), (37, 1), (20, 13), (5, 40), (63, 1), (31, 1)]
+
+
+def quantized_batch(make_packed_batch, seqs, kv_dtype, act_dtype, **kwargs):
+    """A packed batch whose pool holds quantized random K/V, with scales that fit its new K/V (RoPE keeps
+    a key's norm per pair of dimensions, so max |k| * sqrt(2) bounds the rotated keys)."""
+    batch = make_packed_batch(seqs, dtype=torch.float32, **kwargs)
+    k_amax = float(batch.k.abs().max()) * 2**0.5
+    v_amax = float(batch.v.abs().max())
+    kv_scale = torch.tensor([k_amax / QMAX[kv_dtype], v_amax / QMAX[kv_dtype]], dtype=torch.float32)
+    pool = batch.kv_cache
+    batch.kv_cache = torch.empty(pool.shape, dtype=kv_dtype)
+    batch.kv_cache[:, 0] = quantize_kv_reference(pool[:, 0], kv_scale[0], kv_dtype)
+    batch.kv_cache[:, 1] = quantize_kv_reference(pool[:, 1], kv_scale[1], kv_dtype)
+    batch.q, batch.k, batch.v = batch.q.to(act_dtype), batch.k.to(act_dtype), batch.v.to(act_dtype)
+    return batch, kv_scale
+
+
+def run_both(batch, kv_scale):
+    pool_kernel, pool_ref = batch.kv_cache.clone(), batch.kv_cache.clone()
+    out = torch.ops.kilnlm.paged_attention(*batch.args(pool_kernel), kv_scale)
+    expected = paged_attention_reference(*batch.args(pool_ref), kv_scale)
+    return out, expected, pool_kernel, pool_ref
+
+
+def assert_pools_match(pool_kernel, pool_ref, kv_dtype):
+    """Equal except for rare one-step rounding-boundary differences (see the module docstring)."""
+    a, b = pool_kernel.view(torch.int8) if kv_dtype == torch.int8 else pool_kernel, pool_ref
+    if kv_dtype == torch.float8_e4m3fn:
+        # Adjacent E4M3 values of one sign have adjacent byte codes.
+        a, b = pool_kernel.view(torch.uint8).to(torch.int16), pool_ref.view(torch.uint8).to(torch.int16)
+    else:
+        a, b = a.to(torch.int16), b.to(torch.int16)
+    diff = (a - b).abs()
+    assert int(diff.max()) <= 1, f"pool elements differ by up to {int(diff.max())} quantization steps"
+    assert int((diff != 0).sum()) <= max(4, diff.numel() // 200)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp8", "int8"])
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3], ids=["mha", "gqa3"])
+def test_mixed_batch_matches_reference(make_packed_batch, kv_dtype, act_dtype, group):
+    batch, kv_scale = quantized_batch(make_packed_batch, MIXED, kv_dtype, act_dtype, num_heads=3 * group,
+                                      num_kv_heads=3, head_dim=64, tokens_per_block=16)
+    out, expected, pool_kernel, pool_ref = run_both(batch, kv_scale)
+    assert out.dtype == act_dtype and out.shape == batch.q.shape
+    assert pool_kernel.dtype == kv_dtype
+    assert_pools_match(pool_kernel, pool_ref, kv_dtype)
+    torch.testing.assert_close(out, expected, **OUT_TOLERANCE[act_dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp8", "int8"])
+@pytest.mark.parametrize("seqs", [[(100 + 13 * b, 1) for b in range(12)], [(0, 100)]], ids=["decode-batch", "context"])
+def test_generation_and_context_batches(make_packed_batch, kv_dtype, seqs):
+    batch, kv_scale = quantized_batch(make_packed_batch, seqs, kv_dtype, torch.bfloat16, num_heads=9, num_kv_heads=3,
+                                      num_blocks=160, tokens_per_block=32)
+    out, expected, pool_kernel, pool_ref = run_both(batch, kv_scale)
+    assert_pools_match(pool_kernel, pool_ref, kv_dtype)
+    torch.testing.assert_close(out, expected, **OUT_TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("head_dim", [40, 72], ids=["d40", "d72"])
+def test_vector_tails(make_packed_batch, head_dim):
+    """head_dim not a multiple of the 16-float vector: the scalar FP8 decode runs the tails."""
+    batch, kv_scale = quantized_batch(make_packed_batch, [(0, 19), (29, 1), (5, 3)], torch.float8_e4m3fn,
+                                      torch.float32, num_heads=4, num_kv_heads=2, head_dim=head_dim)
+    out, expected, pool_kernel, pool_ref = run_both(batch, kv_scale)
+    assert_pools_match(pool_kernel, pool_ref, torch.float8_e4m3fn)
+    torch.testing.assert_close(out, expected, **OUT_TOLERANCE[torch.float32])
+
+
+def test_saturation_and_rounding_rules(make_packed_batch):
+    """Values beyond the calibrated range saturate (FP8 at ±448, int8 at [-128, 127]); int8 rounds half to
+    even. A single token at position 0 (RoPE is the identity there) makes the written values exact."""
+    for kv_dtype, expected_v in [(torch.float8_e4m3fn, [448.0, -448.0, 2.5, 0.0]),
+                                 (torch.int8, [127.0, -128.0, 2.0, 0.0])]:
+        batch = make_packed_batch([(0, 1)], num_heads=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+        batch.kv_cache = torch.zeros(batch.kv_cache.shape, dtype=kv_dtype)
+        batch.v = torch.tensor([[[1000.0, -1000.0, 2.5, 0.0]]])
+        pool = batch.kv_cache
+        torch.ops.kilnlm.paged_attention(*batch.args(pool), torch.tensor([1.0, 1.0]))
+        tpb = pool.shape[3]
+        slot = int(batch.slot_mapping[0])
+        stored = pool[batch.layer_idx, 1, slot // tpb, slot % tpb, 0].float()
+        assert stored.tolist() == expected_v, (kv_dtype, stored)
+
+
+def test_sixteen_bit_pool_results_unchanged_by_the_new_argument(make_packed_batch):
+    """kv_scale=None (and the 12-argument form older engines call) is the 16/32-bit pool, bit-identical."""
+    batch = make_packed_batch(MIXED, dtype=torch.bfloat16)
+    pool_a, pool_b = batch.kv_cache.clone(), batch.kv_cache.clone()
+    out_a = torch.ops.kilnlm.paged_attention(*batch.args(pool_a))
+    out_b = torch.ops.kilnlm.paged_attention(*batch.args(pool_b), None)
+    assert torch.equal(out_a, out_b) and torch.equal(pool_a, pool_b)
+
+
+def test_bad_combinations_are_refused(make_packed_batch):
+    batch = make_packed_batch([(0, 3)], dtype=torch.bfloat16)
+    fp8_pool = torch.zeros(batch.kv_cache.shape, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="8-bit pool needs kv_scale"):
+        torch.ops.kilnlm.paged_attention(*batch.args(fp8_pool))
+    with pytest.raises(RuntimeError, match="must be an 8-bit pool"):
+        torch.ops.kilnlm.paged_attention(*batch.args(), torch.tensor([1.0, 1.0]))
+    with pytest.raises(RuntimeError, match=r"kv_scale must be \[2\]"):
+        torch.ops.kilnlm.paged_attention(*batch.args(fp8_pool), torch.tensor([1.0, 1.0, 1.0]))
+    with pytest.raises(RuntimeError, match="finite and positive"):
+        torch.ops.kilnlm.paged_attention(*batch.args(fp8_pool), torch.tensor([0.0, 1.0]))
+
+
+PORTABLE_SCRIPT = r"""
+import torch
+from kilnlm.plugins import load_cpu_kernels, paged_attention_reference, quantize_kv_reference
+load_cpu_kernels()
+gen = torch.Generator().manual_seed(0)
+H, Hkv, D, tpb = 6, 2, 64, 16
+for kv_dtype, qmax in ((torch.float8_e4m3fn, 448.0), (torch.int8, 127.0)):
+    kv_scale = torch.tensor([4.0 / qmax, 3.0 / qmax])
+    pool = torch.randn(1, 2, 12, tpb, Hkv, D, generator=gen)
+    pool = torch.stack([quantize_kv_reference(pool[:, 0], kv_scale[0], kv_dtype),
+                        quantize_kv_reference(pool[:, 1], kv_scale[1], kv_dtype)], dim=1)
+    q, k, v = (torch.randn(21, h, D, generator=gen) for h in (H, Hkv, Hkv))
+    positions = torch.cat([torch.arange(0, 20), torch.tensor([33])])
+    block_tables = torch.tensor([[5, 2, 0], [7, 1, 9]], dtype=torch.int32)
+    slots = [int(block_tables[0, p // tpb]) * tpb + p % tpb for p in range(20)] + [9 * tpb + 1]
+    args = (0, positions, 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)),
+            torch.tensor([0, 20, 21], dtype=torch.int32), torch.tensor([20, 34], dtype=torch.int32),
+            block_tables, torch.tensor(slots), D ** -0.5, kv_scale)
+    pool_ref = pool.clone()
+    out = torch.ops.kilnlm.paged_attention(q, k, v, pool, *args)
+    expected = paged_attention_reference(q, k, v, pool_ref, *args)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert (pool.view(torch.int8).int() - pool_ref.view(torch.int8).int()).abs().max() <= 1
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_capped_isa_paths_match_reference(isa):
+    """The scalar (generic) and AVX2-only 8-bit paths, forced with KILNLM_CPU_ISA in a subprocess."""
+    env = dict(os.environ, KILNLM_CPU_ISA=isa)
+    result = subprocess.run([sys.executable, "-c", PORTABLE_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
