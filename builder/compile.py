@@ -2,7 +2,7 @@
 ``.pt2`` package (the CPU target's compiled engine).
 
 Dynamic dimensions: T (packed tokens, 1..max_num_tokens), B (sequences, 1..max_batch_size; ``cu_seqlens_q``
-is B+1) and num_blocks (the KV pool's size, chosen by the runtime). ``max_blocks_per_seq`` =
+is B+1), N (logits rows, 1..max_num_tokens) and num_blocks (the KV pool's size, chosen by the runtime). ``max_blocks_per_seq`` =
 ceil(max_seq_len / tokens_per_block) is fixed. Weights are frozen into the package as constants.
 """
 
@@ -40,7 +40,8 @@ class CompileOptions:
 
 
 def example_inputs(model: ModelConfig, build: BuildConfig, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """A small valid packed batch (2 sequences, 3 + 2 tokens, 4 KV blocks) for tracing; all on CPU."""
+    """A small valid packed batch (2 sequences, 3 + 2 tokens, logits of 3 rows, 4 KV blocks) for tracing;
+    all on CPU."""
     max_blocks = build.max_blocks_per_seq
     tpb = build.tokens_per_block
     num_tokens = [3, 2] if build.max_num_tokens >= 5 else [2, 1]
@@ -57,16 +58,20 @@ def example_inputs(model: ModelConfig, build: BuildConfig, dtype: torch.dtype) -
         seq_lens_kv=torch.tensor(num_tokens, dtype=torch.int32),
         block_tables=block_tables,
         slot_mapping=slots.to(torch.int64),
-        logits_indices=(cu[1:] - 1).to(torch.int64),
+        # every other row: a num_logits (3) unlike both num_seqs (2) and num_tokens (5)
+        logits_indices=torch.arange(0, sum(num_tokens), 2, dtype=torch.int64),
     )
     kv_cache = torch.zeros(kv_cache_shape(model.num_layers, 4, tpb, model.num_kv_heads, model.head_dim), dtype=dtype)
     return inputs.as_args(kv_cache)
 
 
 def dynamic_shapes(build: BuildConfig) -> tuple:
-    """Per-argument dynamic dims, in ABI order."""
+    """Per-argument dynamic dims, in ABI order. ``num_logits`` (rows of ``logits_indices``) is its own dim,
+    1..max_num_tokens, not tied to ``num_seqs``: the executor asks for one row per sequence, perplexity
+    evaluation for every packed row (TensorRT-LLM's gather_context_logits)."""
     num_tokens = Dim("num_tokens", min=1, max=build.max_num_tokens)
     num_seqs = Dim("num_seqs", min=1, max=build.max_batch_size)
+    num_logits = Dim("num_logits", min=1, max=build.max_num_tokens)
     num_blocks = Dim("num_blocks", min=1, max=2**31 - 1)
     return (
         {0: num_tokens},  # input_ids
@@ -75,7 +80,7 @@ def dynamic_shapes(build: BuildConfig) -> tuple:
         {0: num_seqs},  # seq_lens_kv
         {0: num_seqs},  # block_tables (max_blocks_per_seq fixed)
         {0: num_tokens},  # slot_mapping
-        {0: num_seqs},  # logits_indices
+        {0: num_logits},  # logits_indices
         {2: num_blocks},  # kv_cache
     )
 

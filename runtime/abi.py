@@ -16,18 +16,19 @@ alike -- into one flat batch without padding and calls the engine once::
   entries past a sequence's last block are never read (the runtime fills them with 0);
 - ``slot_mapping``   ``[T] int64``   -- where each new token's K/V is written in the pool:
   ``slot = block_id * tokens_per_block + offset_in_block``;
-- ``logits_indices`` ``[B] int64``   -- the packed rows whose logits come back (usually each sequence's
-  last new token);
+- ``logits_indices`` ``[N] int64``   -- the N packed rows whose logits come back, 1 <= N <= max_num_tokens,
+  in any order (the executor asks for each sequence's last new token, N = B; perplexity evaluation asks
+  for every scored row of a context chunk, N up to T -- TensorRT-LLM's gather_context_logits);
 - ``kv_cache``       ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``, the
   engine's activation dtype (float32 or bfloat16) -- the paged KV pool, allocated and owned by the
   runtime, mutated in place by the attention plugin (index 0 of dim 1 holds K, index 1 holds V);
-- returns ``logits [B, vocab_size] float32``.
+- returns ``logits [N, vocab_size] float32`` (row i is the logits of packed row ``logits_indices[i]``).
 
 Positions are absolute, so a query token at position p attends to KV positions ``0..p`` of its own
 sequence (causal). RoPE is applied inside the attention plugin from ``positions``.
 
-The dynamic dimensions are T (1..max_num_tokens), B (1..max_batch_size) and num_blocks; every other
-dimension is fixed at build time. The argument order below is the order of the compiled forward.
+The dynamic dimensions are T (1..max_num_tokens), B (1..max_batch_size), N (1..max_num_tokens) and
+num_blocks; every other dimension is fixed at build time. The argument order below is the order of the compiled forward.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class EngineInputs:
     seq_lens_kv: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
     slot_mapping: torch.Tensor  # [T] int64
-    logits_indices: torch.Tensor  # [B] int64
+    logits_indices: torch.Tensor  # [N] int64
 
     def as_args(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The positional arguments of the compiled forward, ``kv_cache`` last."""
@@ -74,6 +75,10 @@ class EngineInputs:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens_kv.shape[0])
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_indices.shape[0])
 
 
 def kv_cache_shape(

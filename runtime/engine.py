@@ -118,8 +118,8 @@ class Engine:
 
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """One engine step over a packed batch; writes the new tokens' K/V into ``kv_cache`` in place.
-        Returns ``logits [B, vocab_size] float32``, CPU. Raises :class:`EngineError` when the batch
-        exceeds the engine's build limits."""
+        Returns ``logits [N, vocab_size] float32``, CPU (N = ``len(inputs.logits_indices)``). Raises
+        :class:`EngineError` when the batch exceeds the engine's build limits."""
         build = self.manifest.build
         if not 1 <= inputs.num_tokens <= build.max_num_tokens:
             raise EngineError(f"batch has {inputs.num_tokens} tokens but the engine takes 1..{build.max_num_tokens} "
@@ -127,6 +127,9 @@ class Engine:
         if not 1 <= inputs.num_seqs <= build.max_batch_size:
             raise EngineError(f"batch has {inputs.num_seqs} sequences but the engine takes 1..{build.max_batch_size} "
                               "(max_batch_size): schedule fewer sequences or rebuild with a larger --max-batch-size")
+        if not 1 <= inputs.num_logits <= build.max_num_tokens:
+            raise EngineError(f"batch asks for {inputs.num_logits} logits rows but the engine returns 1..{build.max_num_tokens} "
+                              "(max_num_tokens): ask for fewer rows per step")
         if inputs.block_tables.shape[1] != build.max_blocks_per_seq:
             raise EngineError(f"block_tables has {inputs.block_tables.shape[1]} columns but the engine expects "
                               f"max_blocks_per_seq = {build.max_blocks_per_seq}")
