@@ -1,0 +1,48 @@
+"""``kilnlm eval``: perplexity of a text file through an engine (JSON on stdout).
+
+The method (strided sliding windows through the engine's paged KV cache) is described in
+:mod:`kilnlm.runtime.perplexity`. Use held-out text, never the calibration text (``kilnlm build``
+calibrates on the standard library's ``pydoc_data.topics`` by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    from kilnlm.runtime.perplexity import DEFAULT_CHUNK_TOKENS, DEFAULT_CONTEXT_LEN
+
+    p = subparsers.add_parser(name, help=help_text, description=help_text + ". Prints one JSON object: "
+                              "perplexity, tokens (scored), seconds (of engine forwards), mean_nll (nats/token), ...")
+    p.add_argument("--engine", required=True, type=Path, help="engine directory written by `kilnlm build`")
+    p.add_argument("--text", required=True, type=Path,
+                   help="UTF-8 text file to evaluate (held-out text, not the calibration text)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="evaluate only the text's first N tokens (default: all of it)")
+    p.add_argument("--context-len", type=int, default=None,
+                   help=f"tokens per window (default: {DEFAULT_CONTEXT_LEN} or the engine's max_seq_len if smaller)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="tokens between window starts, 1..context-len - 1; each scored token sees at least "
+                        "context-len - stride tokens of context (default: context-len / 2)")
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help=f"tokens per engine forward, capped at max_num_tokens (default: {DEFAULT_CHUNK_TOKENS})")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kilnlm.runtime.errors import RequestError
+    from kilnlm.runtime.perplexity import PerplexityConfig, evaluate_text_file
+
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise RequestError(f"--max-tokens is {args.max_tokens}: perplexity needs at least 2 tokens")
+    config = PerplexityConfig(context_len=args.context_len, stride=args.stride, max_tokens=args.max_tokens,
+                              chunk_tokens=args.chunk_tokens)
+    result = evaluate_text_file(args.engine, args.text, config)
+    record = {"engine": str(args.engine), "text": str(args.text), **result.as_dict()}
+    sys.stdout.write(json.dumps(record) + "\n")
+    return 0
