@@ -24,21 +24,40 @@ Never imports kilnlm.builder or transformers (serving-only installs resolve cach
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import re
+import shutil
+import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
 
+from kilnlm.runtime.cache_store import ObjectInfo, ObjectStore
 from kilnlm.runtime.errors import CacheError
-from kilnlm.runtime.manifest import Manifest
+from kilnlm.runtime.manifest import MANIFEST_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, read_manifest, verify_files
+
+log = logging.getLogger(__name__)
+
+ENGINES = "engines"
+NAMES = "names"
+LATEST = "latest"
+CHUNK_BYTES = 8 << 20  # streaming read size when hashing objects
+_KEY = re.compile(r"^[0-9a-f]{64}$")
+_KEY_PREFIX = re.compile(r"^[0-9a-f]{8,63}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass
 class CacheEntry:
     """One complete (manifest-bearing) engine in a cache.
 
-    ``names``: the ``name:version`` pointers that reference ``key`` (``latest`` excluded);
+    ``names``: the ``name:version`` pointers that reference ``key`` (``latest`` excluded), sorted;
     ``size_bytes``: total size of the engine's files; ``created``: when the manifest was stored
-    (ISO 8601, UTC); ``qformat`` / ``target``: from the manifest's build config."""
+    (ISO 8601, UTC, e.g. ``2026-11-22T08:00:00Z``); ``qformat`` / ``target``: from the manifest's build
+    config."""
 
     key: str
     names: list[str]
@@ -48,6 +67,64 @@ class CacheEntry:
     target: str
     manifest: Manifest
 
+    def to_dict(self) -> dict:
+        """JSON-ready summary (without the manifest's file list)."""
+        return {"key": self.key, "names": self.names, "size_bytes": self.size_bytes, "created": self.created,
+                "qformat": self.qformat, "target": self.target,
+                "source_checkpoint_digest": self.manifest.source_checkpoint_digest}
+
+
+@dataclass
+class _Ref:
+    """A parsed reference inside a cache: a key (or key prefix), or a name and version."""
+
+    key: str | None = None
+    name: str | None = None
+    version: str | None = None
+
+
+def _utc_iso(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_name(name: str, what: str = "name") -> None:
+    if not _NAME.match(name or ""):
+        raise CacheError(f"engine {what} {name!r} is not valid: use letters, digits, '.', '_' and '-' "
+                         "(starting with a letter or digit, at most 128 characters)")
+
+
+def _parse_ref(ref: str) -> _Ref:
+    """``<key>`` | ``sha256:<key>`` | ``<key prefix of 8+ hex digits>`` | ``name:version`` | ``name``."""
+    ref = ref.strip()
+    if ref.startswith("sha256:") and _KEY.match(ref[7:]):
+        return _Ref(key=ref[7:])
+    if _KEY.match(ref):
+        return _Ref(key=ref)
+    if ":" in ref:
+        name, version = ref.split(":", 1)
+        _check_name(name)
+        _check_name(version, "version")
+        return _Ref(name=name, version=version)
+    _check_name(ref, "reference")
+    return _Ref(name=ref, version=LATEST)
+
+
+def split_name_version(text: str) -> tuple[str, str | None]:
+    """``'NAME'`` -> ``('NAME', None)``; ``'NAME:VERSION'`` -> ``('NAME', 'VERSION')``. Raises
+    :class:`CacheError` for invalid characters or the reserved version ``latest``."""
+    name, sep, version = text.strip().partition(":")
+    _check_name(name)
+    if not sep:
+        return name, None
+    _check_name(version, "version")
+    if version == LATEST:
+        raise CacheError(f"{name}:latest is maintained by kilnlm (it follows the last tag): give a version, e.g. {name}:1")
+    return name, version
+
 
 def split_cache_ref(ref: str) -> tuple[str, str]:
     """Split a full cache reference into (cache URL, reference inside the cache).
@@ -55,63 +132,398 @@ def split_cache_ref(ref: str) -> tuple[str, str]:
     ``'s3://bucket/prefix/smollm2:3'`` -> ``('s3://bucket/prefix', 'smollm2:3')``;
     ``'/dir/cache/<key>'`` -> ``('/dir/cache', '<key>')``. Raises :class:`CacheError` for a reference
     without a cache part or whose last part is not a key, ``name`` or ``name:version``."""
-    raise NotImplementedError
+    text = str(ref).strip().rstrip("/")
+    cache, sep, inner = text.rpartition("/")
+    if not sep or not inner or not cache or cache.endswith(":/") or cache.endswith(":"):
+        raise CacheError(f"cache reference {ref!r} is not <cache>/<name>[:<version>] or <cache>/<key>: "
+                         "write e.g. s3://bucket/prefix/smollm2:3 or /path/to/cache/smollm2")
+    _parse_ref(inner)
+    return cache, inner
 
 
 class EngineCache:
     """An engine cache at ``url`` (local directory, ``file://`` URL or ``s3://bucket/prefix``).
 
-    References (``ref``) are a key (64 hex digits, or a unique prefix of at least 8), ``name:version``,
-    or ``name`` (= ``name:latest``). Every method raises :class:`CacheError` with a one-line message for
-    unknown references, unreachable endpoints and refused credentials."""
+    References (``ref``) are a key (64 hex digits, optionally ``sha256:``-prefixed, or a unique prefix of
+    at least 8), ``name:version``, or ``name`` (= ``name:latest``). Every method raises
+    :class:`CacheError` with a one-line message for unknown references, unreachable endpoints and refused
+    credentials. Construction checks that the bucket is reachable (one request)."""
 
     def __init__(self, url: str | os.PathLike):
-        raise NotImplementedError
+        self.store = ObjectStore(url)
+        self.url = self.store.url
+        self.store.check()
+
+    # -- object names -----------------------------------------------------------------------------------
+    @staticmethod
+    def _manifest_path(key: str) -> str:
+        return f"{ENGINES}/{key}/{MANIFEST_NAME}"
+
+    @staticmethod
+    def _blob_path(key: str, sha256: str) -> str:
+        return f"{ENGINES}/{key}/blobs/{sha256}"
+
+    @staticmethod
+    def _pointer_path(name: str, version: str) -> str:
+        return f"{NAMES}/{name}/{version}.json"
+
+    # -- reading entries --------------------------------------------------------------------------------
+    def _read_manifest(self, key: str) -> tuple[Manifest, bytes, ObjectInfo] | None:
+        """The stored manifest of ``key`` (parsed, raw bytes, object info), or None if there is none."""
+        path = self._manifest_path(key)
+        raw = self.store.read_bytes(path)
+        if raw is None:
+            return None
+        info = self.store.info(path)
+        where = self.store.describe(path)
+        try:
+            data = json.loads(raw)
+            if data.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
+                raise CacheError(f"{where}: engine format version {data.get('format_version')!r} is not supported by "
+                                 f"this kilnlm: upgrade kilnlm or remove the entry (kilnlm cache rm {key})")
+            manifest = Manifest.from_dict(data)
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CacheError(f"{where} is not a valid manifest ({type(exc).__name__}): the entry is corrupt; "
+                             f"remove it (kilnlm cache rm {key}) and push the engine again") from None
+        if key not in (manifest.cache_key, _sha256(raw)):
+            raise CacheError(f"{where} records cache key {manifest.cache_key!r}, not {key}: the entry was modified; "
+                             f"remove it (kilnlm cache rm {key}) and push the engine again")
+        return manifest, raw, info
+
+    def _pointers(self) -> list[tuple[str, str, dict]]:
+        """Every (name, version, pointer) in the cache, ``latest`` included."""
+        out = []
+        for obj in self.store.list_files(NAMES):
+            parts = obj.path.split("/")
+            if len(parts) != 3 or not parts[2].endswith(".json") or parts[2].startswith("."):
+                continue
+            raw = self.store.read_bytes(obj.path)
+            try:
+                pointer = json.loads(raw) if raw is not None else None
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                log.warning("ignoring unreadable name pointer %s", self.store.describe(obj.path))
+                continue
+            if isinstance(pointer, dict) and isinstance(pointer.get("key"), str):
+                out.append((parts[1], parts[2][: -len(".json")], pointer))
+        return out
+
+    def _entry(self, key: str, stored: tuple[Manifest, bytes, ObjectInfo], names: list[str]) -> CacheEntry:
+        manifest, _, info = stored
+        return CacheEntry(key=key, names=sorted(names), size_bytes=sum(int(f["size"]) for f in manifest.files.values()),
+                          created=_utc_iso(info.modified) if info else "", qformat=manifest.build.qformat,
+                          target=manifest.build.target, manifest=manifest)
+
+    def _names_of(self, key: str, pointers: list[tuple[str, str, dict]]) -> list[str]:
+        return [f"{name}:{version}" for name, version, p in pointers if p["key"] == key and version != LATEST]
+
+    def _resolve(self, ref: str) -> tuple[str, str | None]:
+        """(key, the manifest SHA-256 a name pointer recorded or None)."""
+        parsed = _parse_ref(ref)
+        if parsed.key:
+            if self.store.info(self._manifest_path(parsed.key)) is None:
+                raise CacheError(f"no engine with key {parsed.key} in cache {self.url}: "
+                                 f"`kilnlm cache ls --cache {self.url}` lists what it holds")
+            return parsed.key, None
+        if _KEY_PREFIX.match(ref.strip()):
+            matches = [k for k in self.store.list_children(ENGINES)
+                       if k.startswith(ref.strip()) and self.store.info(self._manifest_path(k)) is not None]
+            if len(matches) > 1:
+                raise CacheError(f"key prefix {ref!r} matches {len(matches)} engines in cache {self.url}: give more digits")
+            if matches:
+                return matches[0], None
+        raw = self.store.read_bytes(self._pointer_path(parsed.name, parsed.version))
+        if raw is None:
+            raise CacheError(f"{parsed.name}:{parsed.version} is not in cache {self.url}: "
+                             f"`kilnlm cache ls --cache {self.url}` lists what it holds")
+        try:
+            pointer = json.loads(raw)
+            key = pointer["key"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise CacheError(f"{self.store.describe(self._pointer_path(parsed.name, parsed.version))} is not a valid "
+                             f"name pointer: tag the version again (kilnlm cache tag KEY {parsed.name}:{parsed.version})") from None
+        if not isinstance(key, str) or not _KEY.match(key) or self.store.info(self._manifest_path(key)) is None:
+            raise CacheError(f"{parsed.name}:{parsed.version} points to key {key!r}, which is not (or no longer) in cache "
+                             f"{self.url}: tag another key or push the engine again")
+        return key, pointer.get("manifest_sha256")
 
     def resolve(self, ref: str) -> str:
         """The key ``ref`` names. Raises :class:`CacheError` if no complete entry matches."""
-        raise NotImplementedError
+        return self._resolve(ref)[0]
 
     def lookup(self, key: str) -> CacheEntry | None:
         """The complete entry stored under ``key``, or None (absent, or a publish that never finished)."""
-        raise NotImplementedError
+        if not _KEY.match(key):
+            raise CacheError(f"{key!r} is not a cache key (64 hex digits)")
+        stored = self._read_manifest(key)
+        if stored is None:
+            return None
+        return self._entry(key, stored, self._names_of(key, self._pointers()))
+
+    def entries(self) -> list[CacheEntry]:
+        """Every complete entry, newest first. An entry whose manifest this kilnlm cannot read is skipped
+        with a logged warning."""
+        pointers = self._pointers()
+        out = []
+        for key in self.store.list_children(ENGINES):
+            if not _KEY.match(key):
+                continue
+            try:
+                stored = self._read_manifest(key)
+            except CacheError as exc:
+                log.warning("skipping %s", exc)
+                continue
+            if stored is not None:
+                out.append(self._entry(key, stored, self._names_of(key, pointers)))
+        return sorted(out, key=lambda e: (e.created, e.key), reverse=True)
+
+    # -- fetch / verify ---------------------------------------------------------------------------------
+    def _stored_manifest(self, ref: str) -> tuple[str, Manifest, bytes, ObjectInfo]:
+        key, expected_sha = self._resolve(ref)
+        stored = self._read_manifest(key)
+        if stored is None:
+            raise CacheError(f"the entry of {ref} (key {key}) disappeared from cache {self.url} while reading it: retry")
+        manifest, raw, info = stored
+        if expected_sha and _sha256(raw) != expected_sha:
+            raise CacheError(f"{self.store.describe(self._manifest_path(key))} does not match the SHA-256 that {ref} "
+                             "recorded: the manifest was modified; it was not used (push the engine again)")
+        for rel in manifest.files:
+            pure = PurePosixPath(rel)
+            if pure.is_absolute() or ".." in pure.parts or rel == MANIFEST_NAME:
+                raise CacheError(f"{self.store.describe(self._manifest_path(key))} lists file {rel!r} outside the engine "
+                                 "directory: the entry is corrupt; remove it")
+        return key, manifest, raw, info
+
+    def _copy_object(self, key: str, rel: str, meta: dict, dest) -> None:
+        """Stream one blob (into ``dest``, a binary file, or nowhere when None) and check its size and
+        SHA-256 against ``meta``; raises :class:`CacheError` naming the object."""
+        path = self._blob_path(key, meta["sha256"])
+        digest, size = hashlib.sha256(), 0
+        with self.store.open_read(path) as f:
+            while chunk := f.read(CHUNK_BYTES):
+                digest.update(chunk)
+                size += len(chunk)
+                if dest is not None:
+                    dest.write(chunk)
+        where = f"cache object {self.store.describe(path)} (engine file {rel})"
+        if size != int(meta["size"]):
+            raise CacheError(f"{where} is {size:,} bytes but the manifest records {int(meta['size']):,}: it is truncated "
+                             "or was modified and was not used; push the engine again or remove the entry")
+        if digest.hexdigest() != meta["sha256"]:
+            raise CacheError(f"{where} does not match its SHA-256 in the manifest: it was modified or corrupted and was "
+                             "not used; push the engine again or remove the entry")
 
     def fetch(self, ref: str, output: Path, overwrite: bool = False) -> Manifest:
         """Download the engine ``ref`` names into the directory ``output``: every file is written to a
         temporary directory beside ``output`` while its size and SHA-256 are checked against the
-        manifest, then the directory is renamed into place. Returns the manifest. Raises
-        :class:`CacheError` naming the object that does not match (nothing is left at ``output``), or if
-        ``output`` exists, is not empty and ``overwrite`` is False."""
-        raise NotImplementedError
-
-    def publish(self, engine_dir: Path, name: str | None = None, version: str | None = None) -> CacheEntry:
-        """Store the engine directory ``engine_dir`` (checked against its manifest first) under its
-        manifest's ``cache_key`` (or, for engines without one, the SHA-256 of its manifest), then tag
-        ``name:version`` if ``name`` is given (``version`` None = the next integer version). If the key
-        is already stored, nothing is uploaded. Returns the stored entry."""
-        raise NotImplementedError
-
-    def tag(self, key: str, name: str, version: str | None = None) -> str:
-        """Point ``name:version`` (None = next integer version) and ``name:latest`` at ``key``; returns
-        the version. Raises :class:`CacheError` if ``key`` is not a complete entry."""
-        raise NotImplementedError
-
-    def entries(self) -> list[CacheEntry]:
-        """Every complete entry, newest first."""
-        raise NotImplementedError
+        manifest (whose own SHA-256 is checked first against the name pointer, when ``ref`` is a name),
+        then the directory is renamed into place. Returns the manifest. Raises :class:`CacheError` naming
+        the object that does not match (nothing is left at ``output``), or if ``output`` exists, is not
+        empty and ``overwrite`` is False."""
+        output = Path(output)
+        if output.exists() and not output.is_dir():
+            raise CacheError(f"--output {output} is a file: pass a directory path")
+        if output.is_dir() and any(output.iterdir()) and not overwrite:
+            raise CacheError(f"--output {output} exists and is not empty: pass --overwrite or choose another directory")
+        key, manifest, raw, _ = self._stored_manifest(ref)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = output.parent / f".{output.name}.fetch-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            for rel, meta in sorted(manifest.files.items()):
+                dest = tmp / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with open(dest, "wb") as f:
+                    self._copy_object(key, rel, meta, f)
+            (tmp / MANIFEST_NAME).write_bytes(raw)
+            read_manifest(tmp)  # format version and structure, as the runtime will read it
+            _move_into_place(tmp, output)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("fetched %s (key %s) into %s", ref, key, output)
+        return manifest
 
     def verify(self, ref: str) -> CacheEntry:
         """Re-read every stored object of ``ref`` and check its size and SHA-256 against the manifest.
         Returns the entry; raises :class:`CacheError` naming the first object that does not match."""
-        raise NotImplementedError
+        key, manifest, raw, info = self._stored_manifest(ref)
+        for rel, meta in sorted(manifest.files.items()):
+            self._copy_object(key, rel, meta, None)
+        return self._entry(key, (manifest, raw, info), self._names_of(key, self._pointers()))
+
+    # -- writing ----------------------------------------------------------------------------------------
+    def publish(self, engine_dir: Path, name: str | None = None, version: str | None = None) -> CacheEntry:
+        """Store the engine directory ``engine_dir`` (checked against its manifest first) under its
+        manifest's ``cache_key`` (or, for engines without one, the SHA-256 of its manifest), then tag
+        ``name:version`` if ``name`` is given (``version`` None = the next integer version). If the key
+        is already stored, nothing is uploaded. Returns the stored entry.
+
+        Order: every file as a content-addressed blob, then the manifest, created only if absent. A
+        publish killed before the manifest leaves blobs no reader looks at (:meth:`gc` removes them);
+        of two concurrent publishers of one key, the first manifest stored wins and the other
+        publisher's blobs become orphans."""
+        engine_dir = Path(engine_dir)
+        if name is not None:
+            _check_name(name)
+        if version is not None:
+            _check_name(version, "version")
+        manifest = read_manifest(engine_dir)
+        verify_files(engine_dir, manifest)
+        raw = (engine_dir / MANIFEST_NAME).read_bytes()
+        key = manifest.cache_key or _sha256(raw)
+        if not _KEY.match(key):
+            raise CacheError(f"{engine_dir / MANIFEST_NAME}: cache_key {key!r} is not 64 hex digits: rebuild the engine")
+        if self.store.info(self._manifest_path(key)) is None:
+            for rel, meta in sorted(manifest.files.items(), key=lambda item: (item[1]["size"], item[0])):
+                blob = self._blob_path(key, meta["sha256"])
+                existing = self.store.info(blob)
+                if existing is None or existing.size_bytes != int(meta["size"]):
+                    self.store.upload_file(engine_dir / rel, blob)
+            if self.store.write_bytes(self._manifest_path(key), raw, exclusive=True):
+                log.info("published %s as %s in %s", engine_dir, key, self.url)
+            else:
+                log.info("key %s was published concurrently by another builder; keeping that entry", key)
+        else:
+            log.info("key %s is already in %s; nothing uploaded", key, self.url)
+        if name is not None:
+            self.tag(key, name, version)
+        entry = self.lookup(key)
+        if entry is None:
+            raise CacheError(f"key {key} vanished from cache {self.url} right after publishing (removed concurrently?): publish again")
+        return entry
+
+    def tag(self, key: str, name: str, version: str | None = None) -> str:
+        """Point ``name:version`` (None = the next integer version) and ``name:latest`` at ``key`` (a
+        key or unique key prefix); returns the version. Raises :class:`CacheError` if ``key`` is not a
+        complete entry or ``version`` is ``latest``."""
+        _check_name(name)
+        if version is not None:
+            _check_name(version, "version")
+            if version == LATEST:
+                raise CacheError(f"{name}:latest is maintained by kilnlm (it follows the last tag): give a version, e.g. {name}:1")
+        parsed = _parse_ref(key)
+        if parsed.key is None and not _KEY_PREFIX.match(key.strip()):
+            raise CacheError(f"{key!r} is not a cache key: `kilnlm cache ls` shows the keys")
+        key = self.resolve(key)
+        stored = self._read_manifest(key)
+        if stored is None:
+            raise CacheError(f"no engine with key {key} in cache {self.url}")
+        pointer = {"key": key, "created": _utc_iso(datetime.now(timezone.utc)), "manifest_sha256": _sha256(stored[1])}
+        if version is not None:
+            self.store.write_bytes(self._pointer_path(name, version), _json(pointer))
+        else:
+            version = self._create_next_version(name, pointer)
+        self.store.write_bytes(self._pointer_path(name, LATEST), _json({**pointer, "version": version}))
+        return version
+
+    def _create_next_version(self, name: str, pointer: dict) -> str:
+        """Create ``names/<name>/<n>.json`` for the next free integer n (exclusive create, so concurrent
+        taggers get distinct versions)."""
+        numbers = [int(child[:-5]) for child in self.store.list_children(f"{NAMES}/{name}")
+                   if child.endswith(".json") and child[:-5].isdigit()]
+        number = max(numbers, default=0) + 1
+        for _ in range(1000):
+            if self.store.write_bytes(self._pointer_path(name, str(number)), _json(pointer), exclusive=True):
+                return str(number)
+            number += 1
+        raise CacheError(f"could not find a free version for {name} in cache {self.url}: give one explicitly (NAME:VERSION)")
 
     def remove(self, ref: str) -> None:
-        """Remove ``ref``: a ``name:version`` removes that pointer (``name:latest`` moves to the newest
-        remaining version); a key removes the entry and every name that points to it."""
-        raise NotImplementedError
+        """Remove ``ref``: ``name:version`` removes that pointer (``name:latest`` removes the version it
+        points to; latest then moves to the newest remaining version); a key removes the entry and every
+        name that points to it. A bare ``name`` is refused (say which version, or use the key)."""
+        parsed = _parse_ref(ref)
+        if parsed.key is None and not _KEY_PREFIX.match(ref.strip()) and ":" not in ref:
+            raise CacheError(f"`rm {ref}` is ambiguous: remove one version ({ref}:<version>, {ref}:latest) or the key")
+        if parsed.name is not None and ":" in ref:
+            raw = self.store.read_bytes(self._pointer_path(parsed.name, parsed.version))
+            if raw is None:
+                raise CacheError(f"{parsed.name}:{parsed.version} is not in cache {self.url}")
+            version = parsed.version
+            if version == LATEST:
+                version = json.loads(raw).get("version") or LATEST
+            self.store.remove(self._pointer_path(parsed.name, version))
+            self._repair_latest(parsed.name)
+            return
+        key = self.resolve(ref)
+        touched = set()
+        for name, version, pointer in self._pointers():
+            if pointer["key"] == key:
+                self.store.remove(self._pointer_path(name, version))
+                touched.add(name)
+        for name in touched:
+            self._repair_latest(name)
+        self.store.remove(self._manifest_path(key))  # first: readers stop trusting the entry
+        self.store.remove_tree(f"{ENGINES}/{key}")
+
+    def _repair_latest(self, name: str) -> None:
+        """Point ``name:latest`` at the most recently tagged remaining version, or remove it."""
+        versions = [(p.get("created", ""), version, p) for n, version, p in self._pointers() if n == name and version != LATEST]
+        latest = self.store.read_bytes(self._pointer_path(name, LATEST))
+        current = json.loads(latest).get("version") if latest else None
+        if not versions:
+            self.store.remove(self._pointer_path(name, LATEST))
+        elif current not in {v for _, v, _ in versions}:
+            _, version, pointer = max(versions, key=lambda item: (item[0], _version_order(item[1])))
+            self.store.write_bytes(self._pointer_path(name, LATEST), _json({**pointer, "version": version}))
 
     def gc(self, dry_run: bool = False, min_age_s: float = 3600.0) -> list[str]:
-        """Remove entries that no name points to, and leftovers of unfinished publishes, older than
-        ``min_age_s`` seconds (so a publish in progress is never collected). Returns the removed keys
-        (with ``dry_run``: the keys that would be removed)."""
-        raise NotImplementedError
+        """Remove entries that no name points to, leftovers of unfinished publishes (blobs without a
+        manifest, blobs a manifest does not list) and pointers to missing keys -- each only if older than
+        ``min_age_s`` seconds, so a publish in progress is never collected. Returns the keys removed
+        (with ``dry_run``: that would be removed), entries and leftovers alike."""
+        now = datetime.now(timezone.utc)
+        pointers = self._pointers()
+        pointed = {p["key"] for _, _, p in pointers}
+        by_key: dict[str, list[ObjectInfo]] = {}
+        for obj in self.store.list_files(ENGINES):
+            by_key.setdefault(obj.path.split("/")[1], []).append(obj)
+        removed, gone = [], set()  # keys touched; keys removed entirely
+        for key, objects in sorted(by_key.items()):
+            if any((now - o.modified).total_seconds() < min_age_s for o in objects):
+                continue
+            try:
+                stored = self._read_manifest(key) if _KEY.match(key) else None
+            except CacheError as exc:
+                log.warning("gc: leaving %s alone: %s", key, exc)
+                continue
+            if stored is None or key not in pointed:
+                removed.append(key)
+                gone.add(key)
+                if not dry_run:
+                    self.store.remove(self._manifest_path(key))
+                    self.store.remove_tree(f"{ENGINES}/{key}")
+                continue
+            listed = {self._blob_path(key, meta["sha256"]) for meta in stored[0].files.values()}
+            orphans = [o for o in objects if o.path not in listed and o.path != self._manifest_path(key)]
+            if orphans:
+                removed.append(key)
+                for o in orphans if not dry_run else ():
+                    self.store.remove(o.path)
+        live = set(by_key) - gone
+        for name, version, pointer in pointers:  # pointers to keys that are gone (removed by hand)
+            if pointer["key"] not in live and not dry_run:
+                self.store.remove(self._pointer_path(name, version))
+        return removed
+
+
+def _json(data: dict) -> bytes:
+    return (json.dumps(data, sort_keys=True) + "\n").encode()
+
+
+def _version_order(version: str) -> tuple:
+    return (0, int(version), "") if version.isdigit() else (1, 0, version)
+
+
+def _move_into_place(tmp: Path, output: Path) -> None:
+    """Rename the finished directory ``tmp`` to ``output``, replacing an existing ``output``."""
+    if output.exists():
+        trash = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
+        os.replace(output, trash)
+        os.replace(tmp, output)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, output)
+
+
+__all__ = ["CacheEntry", "CacheError", "EngineCache", "split_cache_ref", "split_name_version"]
