@@ -18,6 +18,7 @@ from torch.export import Dim
 
 from kilnlm.builder.errors import BuildError
 from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
+from kilnlm.runtime.engine import KV_CACHE_DTYPES
 from kilnlm.runtime.manifest import BuildConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ def example_inputs(model: ModelConfig, build: BuildConfig, dtype: torch.dtype) -
         # every other row: a num_logits (3) unlike both num_seqs (2) and num_tokens (5)
         logits_indices=torch.arange(0, sum(num_tokens), 2, dtype=torch.int64),
     )
-    kv_cache = torch.zeros(kv_cache_shape(model.num_layers, 4, tpb, model.num_kv_heads, model.head_dim), dtype=dtype)
+    kv_dtype = KV_CACHE_DTYPES[build.kv_cache_dtype]  # dtype, or float8_e4m3fn / int8 for an 8-bit KV cache
+    kv_cache = torch.zeros(kv_cache_shape(model.num_layers, 4, tpb, model.num_kv_heads, model.head_dim), dtype=kv_dtype)
     return inputs.as_args(kv_cache)
 
 

@@ -129,7 +129,8 @@ class PagedAttention(nn.Module):
     causal GQA attention over each sequence's KV), output projection.
 
     x: ``[T, hidden]``; kv_cache: ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``
-    mutated in place at layer ``layer_idx``; other inputs as in :mod:`kilnlm.runtime.abi`."""
+    mutated in place at layer ``layer_idx``, in the activation dtype or, once :meth:`set_kv_scale` gave
+    this layer its calibrated scales, float8_e4m3fn / int8; other inputs as in :mod:`kilnlm.runtime.abi`."""
 
     def __init__(self, layer_idx: int, shape: AttentionShape, qkv: nn.Module, o_proj: nn.Module):
         super().__init__()
@@ -138,6 +139,15 @@ class PagedAttention(nn.Module):
         self.qkv = qkv
         self.o_proj = o_proj
         self.scale = shape.head_dim**-0.5
+        self.register_buffer("kv_scale", None)  # [2] float32 (k_scale, v_scale) for an 8-bit KV pool
+
+    def set_kv_scale(self, kv_scale: torch.Tensor) -> None:
+        """This layer's 8-bit KV-cache scales ``[2] float32`` = (k_scale, v_scale) (see
+        :mod:`kilnlm.builder.kv_quant`); the pool is then float8_e4m3fn / int8."""
+        if kv_scale.shape != (2,) or kv_scale.dtype != torch.float32:
+            raise BuildError(f"kv_scale must be [2] float32 (k_scale, v_scale), got {tuple(kv_scale.shape)} "
+                             f"{kv_scale.dtype}: report this as a kilnlm bug")
+        self.kv_scale = kv_scale.contiguous()
 
     def forward(self, x, positions, inv_freq, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping, kv_cache):
         s = self.shape
@@ -145,6 +155,8 @@ class PagedAttention(nn.Module):
         q, k, v = self.qkv(x).split(
             [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], dim=-1
         )
+        # A 16/32-bit pool keeps the 12-argument call (plugin version 1's form); an 8-bit pool adds kv_scale.
+        extra = () if self.kv_scale is None else (self.kv_scale,)
         out = torch.ops.kilnlm.paged_attention(
             q.reshape(num_tokens, s.num_heads, s.head_dim),  # [T, H, D]
             k.reshape(num_tokens, s.num_kv_heads, s.head_dim),  # [T, Hkv, D]
@@ -158,6 +170,7 @@ class PagedAttention(nn.Module):
             block_tables,
             slot_mapping,
             self.scale,
+            *extra,
         )
         return self.o_proj(out.reshape(num_tokens, s.num_heads * s.head_dim))
 
