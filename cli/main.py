@@ -16,6 +16,7 @@ import sys
 SUBCOMMANDS = {
     "build": ("kilnlm.cli.build_cmd", "compile a checkpoint (HF directory or .gguf) into an engine"),
     "generate": ("kilnlm.cli.generate_cmd", "run a prompt through an engine and stream the completion"),
+    "cache": ("kilnlm.cli.cache_cmd", "list, push, pull, tag, verify, rm and gc engines in an engine cache (directory or S3)"),
     "eval": ("kilnlm.cli.eval_cmd", "perplexity of a text file through an engine"),
 }
 
