@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "build": ("kilnlm.cli.build_cmd", "compile a checkpoint (HF directory or .gguf) into an engine"),
     "generate": ("kilnlm.cli.generate_cmd", "run a prompt through an engine and stream the completion"),
     "cache": ("kilnlm.cli.cache_cmd", "list, push, pull, tag, verify, rm and gc engines in an engine cache (directory or S3)"),
+    "deploy": ("kilnlm.cli.deploy_cmd", "write an engine (directory or cache reference) into a Triton model repository"),
     "eval": ("kilnlm.cli.eval_cmd", "perplexity of a text file through an engine"),
 }
 

@@ -3,7 +3,8 @@
 
     python scripts/launch_triton.py --engine ENGINE_DIR [--address 0.0.0.0] [--http-port 8000] [--grpc-port 8001]
         [--metrics-port 8002] [--model-repository model_repository] [--tritonserver PATH]
-        [--log-verbose N] [--work-dir DIR]
+        [--log-verbose N] [--work-dir DIR] [--poll-repository-s S]
+    python scripts/launch_triton.py --model-repository DIR    # a repository written by `kilnlm deploy`
 
 What it does, in order:
 
@@ -13,8 +14,10 @@ What it does, in order:
    stubs (``python_backend_stubs/<3.x>/triton_python_backend_stub``) apart, and Triton marks a model
    UNAVAILABLE ("stub is not found") unless the stub lies next to the library, so a backend directory of
    symlinks is assembled in the work directory (site-packages is never written);
-3. copies the model repository into the work directory and points the ``engine_dir`` parameter of each
-   kilnlm model at the engine;
+3. with ``--engine``: copies the model repository into the work directory and points the ``engine_dir``
+   parameter of each kilnlm model at the engine; without it: serves ``--model-repository`` as it is (a
+   repository written by ``kilnlm deploy``, whose version directories name their engines; with
+   ``--poll-repository-s`` new versions and rollbacks are picked up while the server runs);
 4. runs tritonserver in the foreground with ``PYTHONPATH`` taken from this interpreter's ``sys.path``
    (so the stub sees the venv and kilnlm), forwards SIGINT/SIGTERM to it and exits 0 when a signal
    stopped it, or with tritonserver's own status otherwise. Missing pieces exit 2 with a message.
@@ -51,11 +54,13 @@ class LaunchError(RuntimeError):
 
 @dataclasses.dataclass
 class ServerConfig:
-    """Everything needed to start one tritonserver for one engine.
+    """Everything needed to start one tritonserver.
 
     Attributes:
-        engine_dir: the built kilnlm engine directory to serve.
-        model_repository: the source model repository (copied, never modified).
+        engine_dir: the built kilnlm engine directory to serve; None serves ``model_repository`` in
+            place (a repository written by `kilnlm deploy`).
+        model_repository: with ``engine_dir``, the source model repository (copied, never modified);
+            without, the repository served.
         work_dir: where the repository copy and the backend directory are assembled; a fresh
             temporary directory when None.
         address: the interface the HTTP, gRPC and metrics endpoints listen on ("0.0.0.0": all).
@@ -63,10 +68,12 @@ class ServerConfig:
             pick free ones first, see :func:`free_ports`).
         tritonserver: the binary to run; found automatically when None.
         log_verbose: tritonserver's ``--log-verbose`` level (0 = info only).
+        repository_poll_s: when set, tritonserver polls the repository every this many seconds and
+            loads new versions / unloads removed ones (``--model-control-mode=poll``); None = load once.
         extra_args: further tritonserver arguments, appended last.
     """
 
-    engine_dir: Path
+    engine_dir: Path | None = None
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
     work_dir: Path | None = None
     address: str = "0.0.0.0"
@@ -75,6 +82,7 @@ class ServerConfig:
     metrics_port: int = 8002
     tritonserver: Path | None = None
     log_verbose: int = 0
+    repository_poll_s: int | None = None
     extra_args: tuple[str, ...] = ()
 
 
@@ -192,17 +200,42 @@ def prepare_repository(source: Path, dest: Path, engine_dir: Path) -> Path:
     return Path(dest)
 
 
+def check_deployed_repository(repository: Path) -> Path:
+    """Return ``repository`` (absolute) when it can be served as it is: it exists, holds at least one
+    model directory with a config.pbtxt, and is not kilnlm's template.
+
+    Raises:
+        LaunchError: the repository is missing or empty, or it is kilnlm's template (whose engine_dir
+            points nowhere): pass --engine, or deploy an engine with `kilnlm deploy`.
+    """
+    repository = Path(repository).resolve()
+    if not repository.is_dir():
+        raise LaunchError(f"model repository {repository} does not exist: write one with `kilnlm deploy "
+                          f"ENGINE --model-repository {repository}`, or pass --engine")
+    configs = sorted(repository.glob("*/config.pbtxt"))
+    if not configs:
+        raise LaunchError(f"{repository} holds no model (no */config.pbtxt): write one with `kilnlm deploy`")
+    if repository == DEFAULT_MODEL_REPOSITORY.resolve():
+        raise LaunchError(f"{repository} is kilnlm's template: pass --engine ENGINE_DIR to serve an engine with "
+                          "it, or serve a repository written by `kilnlm deploy` with --model-repository")
+    return repository
+
+
 def prepare_server(config: ServerConfig) -> PreparedServer:
-    """Find the binary and assemble backend directory and repository copy under ``config.work_dir``
-    (made a fresh temporary directory, and stored back in ``config``, when None)."""
+    """Find the binary and assemble the backend directory (and, with ``config.engine_dir``, the repository
+    copy) under ``config.work_dir`` (made a fresh temporary directory, and stored back in ``config``,
+    when None)."""
     tritonserver = find_tritonserver(config.tritonserver)
     if config.work_dir is None:
         config.work_dir = Path(tempfile.mkdtemp(prefix="kilnlm-triton-"))
     work_dir = Path(config.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     backend_directory = assemble_backend_directory(tritonserver, work_dir)
-    repository = prepare_repository(config.model_repository, work_dir / "model_repository",
-                                    config.engine_dir)
+    if config.engine_dir is None:
+        repository = check_deployed_repository(config.model_repository)
+    else:
+        repository = prepare_repository(config.model_repository, work_dir / "model_repository",
+                                        config.engine_dir)
     return PreparedServer(tritonserver, repository, backend_directory, _library_dirs(tritonserver))
 
 
@@ -222,6 +255,8 @@ def server_command(config: ServerConfig, prepared: PreparedServer) -> list[str]:
         "--allow-gpu-metrics=false",
         "--allow-cpu-metrics=true",
         f"--log-verbose={config.log_verbose}",
+        *([] if config.repository_poll_s is None else
+          ["--model-control-mode=poll", f"--repository-poll-secs={config.repository_poll_s}"]),
         *config.extra_args,
     ]
 
@@ -297,7 +332,10 @@ def run_foreground(command: list[str], env: dict[str, str]) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Serve a kilnlm engine with Triton Inference Server.")
-    parser.add_argument("--engine", required=True, type=Path, help="built kilnlm engine directory")
+    parser.add_argument("--engine", type=Path, default=None,
+                        help="built kilnlm engine directory, served with a copy of --model-repository "
+                             "(default: none: serve --model-repository as it is, e.g. one written by "
+                             "`kilnlm deploy`)")
     parser.add_argument("--address", default="0.0.0.0",
                         help="interface to listen on (default 0.0.0.0: all; 127.0.0.1: this host only)")
     parser.add_argument("--http-port", type=int, default=8000, help="HTTP/REST port (default 8000)")
@@ -305,7 +343,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, default=8002,
                         help="Prometheus metrics port (default 8002)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY,
-                        help=f"source model repository, copied (default {DEFAULT_MODEL_REPOSITORY})")
+                        help="with --engine: the repository copied and pointed at the engine; without: the "
+                             f"repository served as it is (default {DEFAULT_MODEL_REPOSITORY})")
+    parser.add_argument("--poll-repository-s", type=int, default=None,
+                        help="poll the repository every this many seconds, loading new versions and "
+                             "unloading removed ones (default: none, load once at start)")
     parser.add_argument("--tritonserver", type=Path, default=None,
                         help="tritonserver binary (default: on PATH, else nvidia-pytriton's)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver log verbosity (0)")
@@ -321,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_dir=args.engine, model_repository=args.model_repository, work_dir=args.work_dir,
         address=args.address,
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        tritonserver=args.tritonserver, log_verbose=args.log_verbose)
+        tritonserver=args.tritonserver, log_verbose=args.log_verbose,
+        repository_poll_s=args.poll_repository_s)
     remove_work_dir = args.work_dir is None
     try:
         prepared = prepare_server(config)

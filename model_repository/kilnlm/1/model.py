@@ -54,7 +54,6 @@ import site
 import sys
 import threading
 import time
-from pathlib import Path
 
 
 def _add_launcher_python_path() -> None:
@@ -259,6 +258,7 @@ class TritonPythonModel:
     """
 
     def initialize(self, args):
+        from kilnlm.runtime.engine_source import resolve_served_engine
         from kilnlm.runtime.errors import RequestError
         from kilnlm.runtime.executor import Executor, ExecutorConfig
         from kilnlm.runtime.request import SamplingParams
@@ -267,14 +267,18 @@ class TritonPythonModel:
         self._request_error = RequestError
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        engine_dir = Path(params.get("engine_dir", "engine"))
-        if not engine_dir.is_absolute():
-            engine_dir = Path(args["model_repository"]) / engine_dir
+        # The engine: this version directory's engine/ or engine.json pointer (`kilnlm deploy`), else the
+        # engine_ref parameter (a cache reference, fetched into a local engine cache and verified), else
+        # the engine_dir parameter; see kilnlm.runtime.engine_source.
+        served = resolve_served_engine(args["model_repository"], args["model_version"],
+                                       {"engine_dir": "engine", **params}, log=pb_utils.Logger.log_info)
+        engine_dir = served.engine_dir
         self._default_max_tokens = int(params.get("default_max_tokens", "128"))
         # Any parameter named like an ExecutorConfig field configures the executor.
         overrides = {f.name: _convert(params[f.name], str(f.type))
                      for f in dataclasses.fields(ExecutorConfig) if f.name in params}
-        pb_utils.Logger.log_info(f"kilnlm: loading engine {engine_dir} with {overrides or 'defaults'}")
+        pb_utils.Logger.log_info(f"kilnlm: loading engine {engine_dir} ({served.source}) with "
+                                 f"{overrides or 'defaults'}")
         self._executor = Executor.from_engine_dir(str(engine_dir), ExecutorConfig(**overrides))
         self._metrics = Metrics(args["model_name"])
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()

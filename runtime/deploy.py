@@ -1,0 +1,350 @@
+"""`kilnlm deploy`: write (or update) a Triton model repository whose model versions are engine versions.
+
+Layout written for ``kilnlm deploy REF --model-repository DIR --model-name NAME``::
+
+    DIR/
+      NAME/
+        config.pbtxt          from the template's kilnlm/config.pbtxt: name "NAME", version policy
+                              latest { num_versions: 1 }, engine_dir "" (each version names its engine)
+        1/  model.py          the template's kilnlm/1/model.py (a copy per version, as Triton wants)
+            engine/           a local engine directory, hard-linked (copied across file systems), or
+            engine.json       a pointer to a cache reference, resolved when the model loads
+        2/  ...               the next deploy: Triton serves the highest version, and a rollback is
+                              removing the newest version directory
+      NAME_sync/              the plain-protocol face (HTTP /infer) of NAME: the template's kilnlm_sync
+                              with target_model "NAME"; written once, when NAME is first deployed
+
+REF is a local engine directory, or a cache reference (``s3://bucket/prefix/name:version``,
+``/local/cache/name:latest``, ``<cache url>/<key>``; ``name:version`` alone with ``--cache URL``). A cache
+reference becomes a pointer (``engine.json``: the reference and the key it resolved to, so the version
+keeps serving that exact engine even when the name is tagged again) unless ``copy_engine`` is set; see
+:mod:`kilnlm.runtime.engine_source` for how the served model resolves it. Either way the engine is
+verified (:func:`kilnlm.runtime.engine.verify_engine`; a cache reference is fetched into a temporary
+directory for it) before anything is written to the repository.
+
+Writes are atomic: a version is assembled in a hidden staging directory inside the model directory
+(Triton ignores non-numeric version directories) and renamed to its number; a new model is assembled
+beside the repository (or, when that is another file system, in the repository as ``.kilnlm-staging-*``;
+Triton would report that directory as a broken model only if it scanned the repository during those
+seconds) and renamed into it. A failed deploy leaves the repository as it was.
+
+The repository template (the ``model_repository/`` of kilnlm) is found by :func:`locate_template`.
+Never imports kilnlm.builder or transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from kilnlm.runtime.engine_source import ENGINE_SUBDIR, POINTER_NAME, EnginePointer
+from kilnlm.runtime.errors import EngineError, KilnError
+
+TEMPLATE_ENV = "KILNLM_MODEL_REPOSITORY_TEMPLATE"
+TEMPLATE_MODEL = "kilnlm"  # the template's LLM model (decoupled, hosts the executor)
+TEMPLATE_SYNC_MODEL = "kilnlm_sync"  # the template's BLS forwarder for HTTP /infer
+SYNC_SUFFIX = "_sync"
+MODEL_FILE = "model.py"
+CONFIG_FILE = "config.pbtxt"
+STAGING_PREFIX = ".kilnlm-staging-"
+_MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class DeployError(KilnError):
+    """A deploy that cannot be done; the message says what to change. Nothing was written."""
+
+
+@dataclasses.dataclass
+class DeployConfig:
+    """What to deploy, and where.
+
+    Attributes:
+        ref: a local engine directory or a cache reference (see the module docstring).
+        model_repository: the Triton model repository to write (created if absent).
+        model_name: the Triton model name (the sync model is ``<model_name>_sync``).
+        version: the version number to write; None = highest existing version + 1 (1 for a new model).
+        cache_url: the cache a bare ``name:version`` / key ``ref`` is looked up in (None: ``ref`` must be
+            a local engine directory or a full cache reference).
+        copy_engine: store a cache reference's engine files in the version directory instead of a pointer.
+        template: the model repository template; None = :func:`locate_template`.
+    """
+
+    ref: str
+    model_repository: Path
+    model_name: str = TEMPLATE_MODEL
+    version: int | None = None
+    cache_url: str | None = None
+    copy_engine: bool = False
+    template: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployResult:
+    """What a deploy wrote.
+
+    Attributes: ``model_dir`` (DIR/NAME); ``version`` and ``version_dir``; ``mode`` ("copy" or
+    "pointer"); ``engine_ref`` (the cache reference, None for a local directory); ``cache_key`` (the key
+    the engine is stored under, when known); ``created_model`` (True when NAME was new);
+    ``sync_model_dir`` (the sync model's directory, None when it existed already)."""
+
+    model_dir: Path
+    version: int
+    version_dir: Path
+    mode: str
+    engine_ref: str | None
+    cache_key: str | None
+    created_model: bool
+    sync_model_dir: Path | None
+
+
+# ------------------------------------------------------------------------------------------- template
+def locate_template(explicit: str | os.PathLike | None = None) -> Path:
+    """Return the model repository template (a directory holding ``kilnlm/`` and ``kilnlm_sync/``).
+
+    Looked for, in order: ``explicit``; ``$KILNLM_MODEL_REPOSITORY_TEMPLATE``; the installed package data
+    ``kilnlm.model_repository`` (wheels ship the repository there); the ``model_repository/`` beside the
+    ``runtime/`` directory this module lives in (a source checkout).
+
+    Raises:
+        DeployError: none of them holds ``kilnlm/config.pbtxt`` and ``kilnlm/1/model.py``.
+    """
+    candidates: list[Path] = []
+    if explicit is not None:
+        candidates.append(Path(explicit))
+    elif os.environ.get(TEMPLATE_ENV):
+        candidates.append(Path(os.environ[TEMPLATE_ENV]))
+    else:
+        try:
+            spec = importlib.util.find_spec("kilnlm.model_repository")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            candidates.extend(Path(p) for p in spec.submodule_search_locations)
+        candidates.append(Path(__file__).resolve().parent.parent / "model_repository")
+    for candidate in candidates:
+        if (candidate / TEMPLATE_MODEL / CONFIG_FILE).is_file() and \
+                (candidate / TEMPLATE_MODEL / "1" / MODEL_FILE).is_file():
+            return candidate
+    raise DeployError(
+        f"no kilnlm model repository template found (looked in {', '.join(map(str, candidates))}): "
+        f"reinstall kilnlm, or point {TEMPLATE_ENV} at a copy of kilnlm's model_repository/")
+
+
+def _replace_once(text: str, pattern: str, replacement: str, what: str, source: Path) -> str:
+    new_text, count = re.subn(pattern, lambda m: m.group(1) + replacement, text, count=1, flags=re.M)
+    if count != 1:
+        raise DeployError(f"{source} has no {what} to set: is it kilnlm's template? "
+                          f"(set {TEMPLATE_ENV} to kilnlm's model_repository/)")
+    return new_text
+
+
+def _parameter_pattern(key: str) -> str:
+    return r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"'
+
+
+def render_model_config(template: Path, model_name: str) -> str:
+    """The deployed ``config.pbtxt`` of the LLM model: the template's, with ``name`` set, the version
+    policy made explicit (serve the highest version only) and ``engine_dir`` emptied (each version
+    directory names its engine)."""
+    source = template / TEMPLATE_MODEL / CONFIG_FILE
+    text = source.read_text()
+    text = _replace_once(text, r'^(\s*name:\s*)"[^"]*"', f'"{model_name}"', "model name", source)
+    text = _replace_once(text, _parameter_pattern("engine_dir"), '""', "engine_dir parameter", source)
+    if "version_policy" not in text:
+        text = text.rstrip("\n") + ("\n\n# Written by `kilnlm deploy`: each numbered directory is one engine "
+                                    "version; the highest is served,\n# and removing it rolls back.\n"
+                                    "version_policy: { latest: { num_versions: 1 } }\n")
+    return text
+
+
+def render_sync_config(template: Path, model_name: str) -> str:
+    """The deployed ``config.pbtxt`` of ``<model_name>_sync``: the template's kilnlm_sync forwarding to
+    ``model_name``."""
+    source = template / TEMPLATE_SYNC_MODEL / CONFIG_FILE
+    text = source.read_text()
+    text = _replace_once(text, r'^(\s*name:\s*)"[^"]*"', f'"{model_name}{SYNC_SUFFIX}"', "model name", source)
+    return _replace_once(text, _parameter_pattern("target_model"), f'"{model_name}"',
+                         "target_model parameter", source)
+
+
+# -------------------------------------------------------------------------------------------- engines
+def _link_or_copy(src: str, dst: str) -> str:
+    """Hard-link ``src`` to ``dst`` (an engine's files are never modified in place), copying when the
+    two are on different file systems or links are not allowed."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
+
+
+def is_cache_ref(ref: str) -> bool:
+    """True when ``ref`` is not an existing local directory (then it must be a cache reference)."""
+    return not Path(ref).expanduser().is_dir()
+
+
+def _full_ref(config: DeployConfig) -> str:
+    """``config.ref`` as a full cache reference (``<cache url>/<ref>`` when ``--cache`` is given and the
+    reference has no cache part)."""
+    ref = config.ref
+    if config.cache_url and "/" not in ref:
+        return config.cache_url.rstrip("/") + "/" + ref
+    return ref
+
+
+@dataclasses.dataclass
+class _VerifiedEngine:
+    """An engine that passed verification: ``path`` (the local directory, or its fetched copy) and, for a
+    cache reference, the full reference and the key it resolved to."""
+
+    path: Path
+    engine_ref: str | None
+    cache_key: str | None
+
+
+def _verify_engine_ref(config: DeployConfig, scratch: Path) -> _VerifiedEngine:
+    """Verify the engine ``config.ref`` names, fetching a cache reference into ``scratch`` for it.
+    Raises :class:`DeployError` (refused engine, unresolvable or unfetchable reference)."""
+    from kilnlm.runtime.engine import verify_engine
+
+    if not is_cache_ref(config.ref):
+        source = Path(config.ref).expanduser()
+        try:
+            manifest = verify_engine(source)
+        except EngineError as exc:
+            raise DeployError(f"refusing to deploy {source}: {exc}") from None
+        return _VerifiedEngine(source, None, manifest.cache_key)
+
+    from kilnlm.runtime.engine_cache import EngineCache, split_cache_ref
+
+    ref = _full_ref(config)
+    try:
+        cache_url, name_ref = split_cache_ref(ref)
+        cache = EngineCache(cache_url)
+        key = cache.resolve(name_ref)
+        fetched = scratch / "engine"
+        cache.fetch(key, fetched)
+        verify_engine(fetched)
+    except KilnError as exc:
+        if "://" in ref:
+            raise DeployError(f"refusing to deploy {ref}: {exc}") from None
+        raise DeployError(f"refusing to deploy {ref}: it is no engine directory (none exists there), and as a "
+                          f"cache reference: {exc} (a bare NAME:VERSION needs --cache URL)") from None
+    return _VerifiedEngine(fetched, ref, key)
+
+
+def _write_version(engine: _VerifiedEngine, copy_engine: bool, template: Path, version_dir: Path) -> str:
+    """Fill ``version_dir`` with the template's model.py and the engine (hard-linked or copied) or its
+    pointer. Returns the mode, "copy" or "pointer"."""
+    version_dir.mkdir()
+    shutil.copy2(template / TEMPLATE_MODEL / "1" / MODEL_FILE, version_dir / MODEL_FILE)
+    if engine.engine_ref is not None and not copy_engine:
+        pointer = EnginePointer(engine_ref=engine.engine_ref, cache_key=engine.cache_key)
+        (version_dir / POINTER_NAME).write_text(pointer.to_json())
+        return "pointer"
+    shutil.copytree(engine.path, version_dir / ENGINE_SUBDIR, copy_function=_link_or_copy)
+    return "copy"
+
+
+# --------------------------------------------------------------------------------------- repository
+def existing_versions(model_dir: Path) -> list[int]:
+    """The version numbers Triton sees in ``model_dir`` (numeric directory names not starting with 0)."""
+    if not model_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in model_dir.iterdir()
+                  if p.is_dir() and p.name.isdigit() and not p.name.startswith("0"))
+
+
+def _check_existing_model(model_dir: Path) -> None:
+    config = model_dir / CONFIG_FILE
+    if not config.is_file() or not re.search(r'backend:\s*"python"', config.read_text()):
+        raise DeployError(f"{model_dir} exists but is not a kilnlm model (no python-backend {CONFIG_FILE}): "
+                          "pick another --model-name or --model-repository")
+
+
+def _staging_root(repository: Path) -> Path:
+    """A fresh directory on ``repository``'s file system, outside it when possible (Triton treats every
+    directory in a repository as a model, hidden ones included)."""
+    parent = repository.resolve().parent
+    if os.access(parent, os.W_OK) and parent.stat().st_dev == repository.stat().st_dev:
+        return Path(tempfile.mkdtemp(prefix=f".{repository.name}{STAGING_PREFIX}", dir=parent))
+    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=repository))
+
+
+def _rename_new(src: Path, dst: Path, what: str) -> None:
+    """Rename ``src`` to ``dst``, refusing (not merging) when ``dst`` appeared meanwhile."""
+    if dst.exists():
+        raise DeployError(f"{dst} exists already ({what}): another deploy wrote it; run the deploy again")
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise DeployError(f"{dst} exists already ({what}): another deploy wrote it; run the deploy "
+                              "again") from None
+        raise
+
+
+def deploy(config: DeployConfig) -> DeployResult:
+    """Write one engine version into ``config.model_repository`` (layout in the module docstring).
+
+    Raises:
+        DeployError: an invalid model name or version, a version that exists, an engine refused by
+            verification, a cache reference that cannot be resolved or fetched, or a directory in the way.
+            The repository is unchanged when it is raised.
+    """
+    name = config.model_name
+    if not _MODEL_NAME_RE.match(name):
+        raise DeployError(f"model name {name!r} is not usable by Triton: use letters, digits, '_', '-', '.' "
+                          "(not starting with '.' or '-')")
+    if config.version is not None and config.version < 1:
+        raise DeployError(f"--version {config.version}: Triton versions are integers >= 1")
+    template = locate_template(config.template)
+    repository = Path(config.model_repository).expanduser()
+    model_dir = repository / name
+    sync_dir = repository / f"{name}{SYNC_SUFFIX}"
+    created_model = not model_dir.exists()
+    if not created_model:
+        _check_existing_model(model_dir)
+    version = config.version or (max(existing_versions(model_dir), default=0) + 1)
+    if (model_dir / str(version)).exists():
+        raise DeployError(f"{model_dir / str(version)} exists: pass another --version (or omit it for "
+                          f"{max(existing_versions(model_dir), default=0) + 1}), or remove that version first")
+
+    # Verify (a cache reference: fetched into scratch space) before the repository is touched.
+    with tempfile.TemporaryDirectory(prefix="kilnlm-deploy-") as scratch_dir:
+        engine = _verify_engine_ref(config, Path(scratch_dir))
+        write_sync = not sync_dir.exists()
+        repository.mkdir(parents=True, exist_ok=True)
+        staging = _staging_root(repository) if created_model else \
+            Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=model_dir))
+        try:
+            staged_model = staging / name
+            if created_model:
+                staged_model.mkdir()
+                (staged_model / CONFIG_FILE).write_text(render_model_config(template, name))
+                mode = _write_version(engine, config.copy_engine, template, staged_model / str(version))
+            else:
+                mode = _write_version(engine, config.copy_engine, template, staging / str(version))
+            if write_sync:
+                staged_sync = staging / sync_dir.name
+                (staged_sync / "1").mkdir(parents=True)
+                (staged_sync / CONFIG_FILE).write_text(render_sync_config(template, name))
+                shutil.copy2(template / TEMPLATE_SYNC_MODEL / "1" / MODEL_FILE, staged_sync / "1" / MODEL_FILE)
+            # The renames: the model (or its new version) first, then its sync face.
+            if created_model:
+                _rename_new(staged_model, model_dir, "the model")
+            else:
+                _rename_new(staging / str(version), model_dir / str(version), f"version {version}")
+            if write_sync and not sync_dir.exists():  # (a concurrent deploy of NAME may have written it)
+                _rename_new(staging / sync_dir.name, sync_dir, "the sync model")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return DeployResult(model_dir=model_dir, version=version, version_dir=model_dir / str(version),
+                        mode=mode, engine_ref=engine.engine_ref, cache_key=engine.cache_key,
+                        created_model=created_model, sync_model_dir=sync_dir if write_sync else None)

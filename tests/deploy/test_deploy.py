@@ -1,0 +1,142 @@
+"""`kilnlm deploy` into a Triton model repository from a local engine directory: versions, the written
+configs, rollback, refusals that leave the repository as it was, and where the served model finds its
+engine (kilnlm.runtime.engine_source)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kilnlm.cli.main import main as kilnlm_main
+from kilnlm.runtime.deploy import (DeployConfig, DeployError, deploy, existing_versions, locate_template,
+                                   render_model_config)
+from kilnlm.runtime.engine import verify_engine
+from kilnlm.runtime.engine_source import ServedEngine, resolve_served_engine
+from kilnlm.runtime.errors import EngineError
+
+
+def tree(root: Path) -> list[str]:
+    """Every path under ``root`` (relative, sorted): what a failed deploy must leave as it was."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) if root.exists() else []
+
+
+def parameter(config_text: str, key: str) -> str | None:
+    match = re.search(r'key:\s*"' + key + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config_text)
+    return match.group(1) if match else None
+
+
+def test_two_deploys_are_versions_1_and_2_and_rollback_removes_the_newest(tiny_engine_dir, tmp_path):
+    repo = tmp_path / "repo"
+    template = locate_template()
+    first = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    second = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    assert (first.version, second.version) == (1, 2)
+    assert first.created_model and not second.created_model
+    assert existing_versions(repo / "tiny") == [1, 2]
+    assert sorted(p.name for p in repo.iterdir()) == ["tiny", "tiny_sync"]  # no staging left over
+
+    config = (repo / "tiny" / "config.pbtxt").read_text()
+    assert re.search(r'^name:\s*"tiny"', config, re.M)
+    assert "decoupled: true" in config
+    assert re.search(r"version_policy:\s*\{\s*latest:\s*\{\s*num_versions:\s*1\s*\}\s*\}", config)
+    assert parameter(config, "engine_dir") == ""  # each version names its own engine
+    sync_config = (repo / "tiny_sync" / "config.pbtxt").read_text()
+    assert re.search(r'^name:\s*"tiny_sync"', sync_config, re.M)
+    assert parameter(sync_config, "target_model") == "tiny"
+    assert (repo / "tiny_sync" / "1" / "model.py").read_bytes() == \
+        (template / "kilnlm_sync" / "1" / "model.py").read_bytes()
+    for version in (1, 2):
+        version_dir = repo / "tiny" / str(version)
+        assert (version_dir / "model.py").read_bytes() == (template / "kilnlm" / "1" / "model.py").read_bytes()
+        assert verify_engine(version_dir / "engine").files == verify_engine(tiny_engine_dir).files
+        served = resolve_served_engine(repo / "tiny", version, {"engine_dir": ""})
+        assert served.engine_dir == version_dir / "engine" and not served.downloaded
+
+    shutil.rmtree(repo / "tiny" / "2")  # the rollback
+    assert existing_versions(repo / "tiny") == [1]
+    again = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    assert again.version == 2
+
+
+def test_explicit_version_and_an_existing_version_is_refused(tiny_engine_dir, tmp_path):
+    repo = tmp_path / "repo"
+    result = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, version=7))
+    assert result.version == 7 and result.model_dir == repo / "kilnlm"
+    assert deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo)).version == 8
+    before = tree(repo)
+    with pytest.raises(DeployError, match="exists: pass another --version"):
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, version=7))
+    with pytest.raises(DeployError, match="not usable by Triton"):
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name=".hidden"))
+    assert tree(repo) == before
+
+
+def test_tampered_or_incomplete_engine_is_refused_before_anything_is_written(tiny_engine_dir, tampered_engine,
+                                                                           tmp_path):
+    new_repo = tmp_path / "new_repo"
+    with pytest.raises(DeployError, match=r"model\.pt2.*SHA-256"):
+        deploy(DeployConfig(ref=str(tampered_engine), model_repository=new_repo))
+    assert not new_repo.exists()
+
+    repo = tmp_path / "repo"
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
+    before = tree(repo)
+    with pytest.raises(DeployError, match=r"model\.pt2.*SHA-256"):
+        deploy(DeployConfig(ref=str(tampered_engine), model_repository=repo))
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(tiny_engine_dir, incomplete)
+    (incomplete / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(DeployError, match=r"tokenizer\.json is missing"):
+        deploy(DeployConfig(ref=str(incomplete), model_repository=repo))
+    assert tree(repo) == before
+    assert tree(tmp_path).count("repo/kilnlm/3") == 0
+
+
+def test_cli_deploy_prints_the_version_and_fails_in_one_line(tiny_engine_dir, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert kilnlm_main(["deploy", str(tiny_engine_dir), "--model-repository", str(repo), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["version"] == 1 and result["mode"] == "copy" and result["created_model"]
+    assert result["cache_key"] == verify_engine(tiny_engine_dir).cache_key
+    assert kilnlm_main(["deploy", str(tiny_engine_dir), "--model-repository", str(repo)]) == 0
+    assert "deployed kilnlm version 2" in capsys.readouterr().out
+    assert kilnlm_main(["deploy", str(tmp_path / "no_such_engine"), "--model-repository", str(repo)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kilnlm deploy: error: refusing to deploy") and err.count("\n") == 1
+    assert existing_versions(repo / "kilnlm") == [1, 2]
+
+
+def test_a_directory_that_is_not_a_kilnlm_model_is_not_overwritten(tiny_engine_dir, tmp_path):
+    (tmp_path / "repo" / "other").mkdir(parents=True)
+    (tmp_path / "repo" / "other" / "config.pbtxt").write_text('name: "other"\nbackend: "onnxruntime"\n')
+    with pytest.raises(DeployError, match="not a kilnlm model"):
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=tmp_path / "repo", model_name="other"))
+
+
+def test_served_engine_resolution_order(tmp_path):
+    model_dir = tmp_path / "repo" / "kilnlm"
+    (model_dir / "1").mkdir(parents=True)
+    # the template's behaviour: engine_dir relative to the model directory, or absolute
+    assert resolve_served_engine(model_dir, 1, {"engine_dir": "engine"}) == \
+        ServedEngine(model_dir / "engine", f"parameter engine_dir {model_dir / 'engine'}")
+    assert resolve_served_engine(model_dir, 1, {"engine_dir": "/abs/engine"}).engine_dir == Path("/abs/engine")
+    with pytest.raises(EngineError, match="names no engine: deploy one"):
+        resolve_served_engine(model_dir, 1, {"engine_dir": ""})
+    (model_dir / "1" / "engine.json").write_text("{not json")
+    with pytest.raises(EngineError, match="engine.json is not a kilnlm engine pointer"):
+        resolve_served_engine(model_dir, 1, {"engine_dir": "engine"})
+    (model_dir / "1" / "engine").mkdir()  # a version's engine copy comes first
+    assert resolve_served_engine(model_dir, 1, {"engine_dir": "x"}).engine_dir == model_dir / "1" / "engine"
+
+
+def test_template_is_found_and_rendered(tmp_path):
+    template = locate_template()
+    assert (template / "kilnlm" / "1" / "model.py").is_file()
+    text = render_model_config(template, "smollm2")
+    assert re.search(r'^name:\s*"smollm2"', text, re.M) and parameter(text, "engine_dir") == ""
+    with pytest.raises(DeployError, match="KILNLM_MODEL_REPOSITORY_TEMPLATE"):
+        locate_template(tmp_path)
