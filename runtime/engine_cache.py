@@ -355,8 +355,8 @@ class EngineCache:
     def publish(self, engine_dir: Path, name: str | None = None, version: str | None = None) -> CacheEntry:
         """Store the engine directory ``engine_dir`` (checked against its manifest first) under its
         manifest's ``cache_key`` (or, for engines without one, the SHA-256 of its manifest), then tag
-        ``name:version`` if ``name`` is given (``version`` None = the next integer version). If the key
-        is already stored, nothing is uploaded. Returns the stored entry.
+        ``name:version`` if ``name`` is given (see :meth:`tag` for ``version`` None). If the key is
+        already stored, nothing is uploaded. Returns the stored entry.
 
         Order: every file as a content-addressed blob, then the manifest, created only if absent. A
         publish killed before the manifest leaves blobs no reader looks at (:meth:`gc` removes them);
@@ -393,9 +393,11 @@ class EngineCache:
         return entry
 
     def tag(self, key: str, name: str, version: str | None = None) -> str:
-        """Point ``name:version`` (None = the next integer version) and ``name:latest`` at ``key`` (a
-        key or unique key prefix); returns the version. Raises :class:`CacheError` if ``key`` is not a
-        complete entry or ``version`` is ``latest``."""
+        """Point ``name:version`` and ``name:latest`` at ``key`` (a key or unique key prefix); returns the
+        version. ``version`` None: the version of ``name`` that already points to ``key`` if there is one
+        (tagging is idempotent: rebuilding or re-pushing an engine does not mint versions), else the next
+        integer version. Raises :class:`CacheError` if ``key`` is not a complete entry or ``version`` is
+        ``latest``."""
         _check_name(name)
         if version is not None:
             _check_name(version, "version")
@@ -412,7 +414,8 @@ class EngineCache:
         if version is not None:
             self.store.write_bytes(self._pointer_path(name, version), _json(pointer))
         else:
-            version = self._create_next_version(name, pointer)
+            same = [v for n, v, p in self._pointers() if n == name and v != LATEST and p["key"] == key]
+            version = max(same, key=_version_order) if same else self._create_next_version(name, pointer)
         self.store.write_bytes(self._pointer_path(name, LATEST), _json({**pointer, "version": version}))
         return version
 
