@@ -1,0 +1,227 @@
+// INT8 weight kernels of kilnlm::int8_linear (W8A16) and kilnlm::int8_sq_linear (W8A8), written once and
+// compiled three times by int8_linear.cpp: portable scalar (KILN_ISA 0), AVX2+FMA (KILN_ISA 1) and
+// AVX-512 (KILN_ISA 2), chosen at run time.
+//
+// Included *inside* a namespace, after every system / torch header: it must not include anything itself
+// and uses only raw pointers (see int4_kernels.h for why).
+//
+// Arguments shared by the functions below:
+//   w     [out, in] int8, row-major (rows `in` bytes apart)
+//   x     [num_tokens, in] float32 (W8A16) or int16 holding int8 values (W8A8), rows `x_stride` apart
+//   y     [num_tokens, *] float32 / int32, rows `y_stride` apart; row r's dot product goes to column r
+
+// ---------------------------------------------------------------------------------------------------
+// W8A16: y[t, r] = sum_c x[t, c] * q[r, c] (float32; the caller applies the per-row scale).
+
+// Scalar dot products of columns [c0, in) -- the whole row on the portable path, the tail otherwise.
+static inline float dot_f32_tail(const int8_t* row, const float* x, int64_t c0, int64_t in) {
+  float s = 0.f;
+  for (int64_t c = c0; c < in; ++c) s += static_cast<float>(row[c]) * x[c];
+  return s;
+}
+
+// W8A8: exact int32 sum of int8 x int8 products over columns [c0, in).
+static inline int32_t dot_i32_tail(const int8_t* row, const int16_t* x, int64_t c0, int64_t in) {
+  int32_t s = 0;
+  for (int64_t c = c0; c < in; ++c) s += static_cast<int32_t>(row[c]) * static_cast<int32_t>(x[c]);
+  return s;
+}
+
+#if KILN_ISA == 2  // ---------------------------------------------------------------- AVX-512
+
+// NR rows x NT tokens, float32: 16 int8 weights -> int32 -> float32 once, used by NT tokens.
+template <int NR, int NT>
+static inline void gemv_f32_block(const int8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
+                                  int64_t y_stride) {
+  __m512 acc[NR][NT][2];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= in; c += 32) {
+    if ((c & 63) == 0) {
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), _MM_HINT_T0);
+    }
+    __m512 xv[NT][2];
+    for (int t = 0; t < NT; ++t) {
+      xv[t][0] = _mm512_loadu_ps(x + t * x_stride + c);
+      xv[t][1] = _mm512_loadu_ps(x + t * x_stride + c + 16);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * in + c));
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+      for (int t = 0; t < NT; ++t) {
+        acc[r][t][0] = _mm512_fmadd_ps(w0, xv[t][0], acc[r][t][0]);
+        acc[r][t][1] = _mm512_fmadd_ps(w1, xv[t][1], acc[r][t][1]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t)
+      y[t * y_stride + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1])) +
+                            dot_f32_tail(w + r * in, x + t * x_stride, c, in);
+}
+
+// NR rows x NT tokens, exact int32: 32 int8 weights sign-extended to int16 once, then VPMADDWD (pairs of
+// int16 products summed into int32: |sum| <= 2 * 128 * 128, no overflow) per token.
+template <int NR, int NT>
+static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x, int64_t x_stride, int32_t* y,
+                                  int64_t y_stride) {
+  __m512i acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
+  int64_t c = 0;
+  for (; c + 32 <= in; c += 32) {
+    if ((c & 63) == 0) {
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), _MM_HINT_T0);
+    }
+    __m512i xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = _mm512_loadu_si512(x + t * x_stride + c);
+    for (int r = 0; r < NR; ++r) {
+      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * in + c)));
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_add_epi32(acc[r][t], _mm512_madd_epi16(wv, xv[t]));
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t)
+      y[t * y_stride + r] = _mm512_reduce_add_epi32(acc[r][t]) + dot_i32_tail(w + r * in, x + t * x_stride, c, in);
+}
+
+template <int NT>
+struct RowsPerBlock { static constexpr int value = NT == 4 ? 2 : 4; };
+
+#elif KILN_ISA == 1  // ------------------------------------------------------------ AVX2 + FMA
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <int NR, int NT>
+static inline void gemv_f32_block(const int8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
+                                  int64_t y_stride) {
+  __m256 acc[NR][NT][2];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= in; c += 16) {
+    if ((c & 63) == 0) {
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), _MM_HINT_T0);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * in + c));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+      for (int t = 0; t < NT; ++t) {
+        acc[r][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), acc[r][t][0]);
+        acc[r][t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * x_stride + c + 8), acc[r][t][1]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t)
+      y[t * y_stride + r] = hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1])) + dot_f32_tail(w + r * in, x + t * x_stride, c, in);
+}
+
+template <int NR, int NT>
+static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x, int64_t x_stride, int32_t* y,
+                                  int64_t y_stride) {
+  __m256i acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
+  int64_t c = 0;
+  for (; c + 16 <= in; c += 16) {
+    for (int r = 0; r < NR; ++r) {
+      const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * in + c)));
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(wv, _mm256_loadu_si256(
+                                                                        reinterpret_cast<const __m256i*>(x + t * x_stride + c))));
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t)
+      y[t * y_stride + r] = hsum8_epi32(acc[r][t]) + dot_i32_tail(w + r * in, x + t * x_stride, c, in);
+}
+
+template <int NT>
+struct RowsPerBlock { static constexpr int value = NT == 1 ? 4 : (NT == 2 ? 2 : 1); };
+
+#else  // ------------------------------------------------------------------------------ portable scalar
+
+template <int NR, int NT>
+static inline void gemv_f32_block(const int8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
+                                  int64_t y_stride) {
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * y_stride + r] = dot_f32_tail(w + r * in, x + t * x_stride, 0, in);
+}
+
+template <int NR, int NT>
+static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x, int64_t x_stride, int32_t* y,
+                                  int64_t y_stride) {
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * y_stride + r] = dot_i32_tail(w + r * in, x + t * x_stride, 0, in);
+}
+
+template <int NT>
+struct RowsPerBlock { static constexpr int value = 1; };
+
+#endif
+
+struct F32Gemv {  // W8A16 micro-kernel
+  template <int NR, int NT>
+  static void block(const int8_t* w, int64_t in, const float* x, int64_t x_stride, float* y, int64_t y_stride) {
+    gemv_f32_block<NR, NT>(w, in, x, x_stride, y, y_stride);
+  }
+};
+
+struct I32Gemm {  // W8A8 micro-kernel
+  template <int NR, int NT>
+  static void block(const int8_t* w, int64_t in, const int16_t* x, int64_t x_stride, int32_t* y, int64_t y_stride) {
+    gemm_i32_block<NR, NT>(w, in, x, x_stride, y, y_stride);
+  }
+};
+
+template <class Kernel, int NT, class XT, class YT>
+static inline void rows_for_tokens(const int8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const XT* x,
+                                   int64_t x_stride, YT* y, int64_t y_stride) {
+  constexpr int NR = RowsPerBlock<NT>::value;
+  int64_t r = row_begin;
+  for (; r + NR <= row_end; r += NR) Kernel::template block<NR, NT>(w + r * in, in, x, x_stride, y + r, y_stride);
+  for (; r < row_end; ++r) Kernel::template block<1, NT>(w + r * in, in, x, x_stride, y + r, y_stride);
+}
+
+// y[t, r] = sum_c x[t, c] * q[r, c] for rows [row_begin, row_end) and every token (float32 for W8A16,
+// exact int32 for W8A8): tokens in blocks of 4 (then 2, 1), and for each token block every NR-row block
+// of the range, so a thread's few rows stay in cache across token blocks.
+template <class Kernel, class XT, class YT>
+static void rows_times_tokens(const int8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const XT* x,
+                              int64_t num_tokens, int64_t x_stride, YT* y, int64_t y_stride) {
+  int64_t t = 0;
+  for (; t + 4 <= num_tokens; t += 4)
+    rows_for_tokens<Kernel, 4>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
+  if (num_tokens - t >= 2) {
+    rows_for_tokens<Kernel, 2>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
+    t += 2;
+  }
+  if (t < num_tokens)
+    rows_for_tokens<Kernel, 1>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
+}
+
+static void gemv_f32_rows(const int8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
+                          int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride) {
+  rows_times_tokens<F32Gemv>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride);
+}
+
+static void gemm_i32_rows(const int8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const int16_t* x,
+                          int64_t num_tokens, int64_t x_stride, int32_t* y, int64_t y_stride) {
+  rows_times_tokens<I32Gemm>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride);
+}

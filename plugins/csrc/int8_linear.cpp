@@ -1,0 +1,291 @@
+// kilnlm::int8_linear (W8A16: int8_wo) and kilnlm::int8_sq_linear (W8A8: int8_sq, SmoothQuant), CPU
+// kernels (schemas and numerics: kilnlm/plugins/schema.py).
+//
+//   int8_linear     y [T, out] = x @ (q * weight_scale[:, None]).T + bias        (float32 accumulation)
+//   int8_sq_linear  x_q = clamp(round_half_even((x * pre_quant_scale) / input_scale), -128, 127)
+//                   y = float(x_q @ q.T) * (input_scale * weight_scale[o]) + bias (exact int32 accumulation)
+//
+// The int8 weight [out, in] is read directly, never dequantized as a whole:
+// - int8_linear, few tokens (generation phase): fused convert-and-FMA GEMV (int8_kernels.h), each weight
+//   byte read once per call; more tokens (context phase): tiles of kTileRows rows dequantized to float32
+//   (q * scale, the reference's weight) in a thread-local buffer and multiplied with at::mm.
+// - int8_sq_linear, any token count: int8 x int8 products summed exactly in int32 by a register-blocked
+//   micro-kernel (sign extension to int16 + VPMADDWD), over tiles of kTileRows rows so a tile stays in
+//   cache while every token block passes over it. Bit-exact with the reference.
+// All parallelize over output rows with at::parallel_for.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_features.h"
+
+namespace kiln_int8 {
+namespace generic {
+namespace {
+#define KILN_ISA 0
+#include "int8_kernels.h"
+#undef KILN_ISA
+}  // namespace
+}  // namespace generic
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+namespace {
+#define KILN_ISA 1
+#include "int8_kernels.h"
+#undef KILN_ISA
+}  // namespace
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace avx512 {
+namespace {
+#define KILN_ISA 2
+#include "int8_kernels.h"
+#undef KILN_ISA
+}  // namespace
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+// int8_linear: up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py,
+// SmolLM2's shapes). Both ops work on tiles of kTileRows output rows.
+constexpr int64_t kMaxDirectTokens = 16;
+constexpr int64_t kTileRows = 64;
+
+using GemvF32Fn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+using GemmI32Fn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int16_t*, int64_t, int64_t, int32_t*, int64_t);
+
+GemvF32Fn gemv_f32_fn() {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_avx512()) return avx512::gemv_f32_rows;
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::gemv_f32_rows;
+#endif
+  return generic::gemv_f32_rows;
+}
+
+GemmI32Fn gemm_i32_fn() {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_avx512()) return avx512::gemm_i32_rows;
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::gemm_i32_rows;
+#endif
+  return generic::gemm_i32_rows;
+}
+
+void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && weight_scale.device().is_cpu(), op,
+              " (CPU kernel): x, weight and weight_scale must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [num_tokens, in_features], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, op,
+              ": weight must be a 2-D int8 tensor [out_features, in_features], got ", weight.scalar_type(), " ",
+              weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous (call .contiguous() when building)");
+  TORCH_CHECK(weight.size(1) == x.size(1), op, ": x has ", x.size(1), " features but weight expects ", weight.size(1));
+  const int64_t out_features = weight.size(0);
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.dim() == 1 && weight_scale.size(0) == out_features,
+              op, ": weight_scale must be float32 [out_features=", out_features, "] (per output channel), got ",
+              weight_scale.scalar_type(), " ", weight_scale.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->device().is_cpu(), op,
+                ": bias must be [out_features=", out_features, "], got ", bias->sizes());
+  }
+}
+
+// out[t, o] = acc[t, o - col_begin] * row_scale[o] (or 1) (+ bias[o]) in out's dtype.
+template <typename scalar_t, typename acc_t>
+void epilogue(const acc_t* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end,
+              const float* row_scale, const float* bias, scalar_t* out, int64_t out_stride) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t o = col_begin; o < col_end; ++o) {
+      float y = static_cast<float>(acc[t * acc_stride + (o - col_begin)]);
+      if (row_scale != nullptr) y = y * row_scale[o];
+      if (bias != nullptr) y = y + bias[o];
+      out[t * out_stride + o] = static_cast<scalar_t>(y);
+    }
+  }
+}
+
+// x [T, in] (f32 / bf16) -> float32 copy, times pre_quant_scale when given.
+template <typename scalar_t>
+void to_float(const at::Tensor& x, const float* pqs, float* dst) {
+  const int64_t in = x.size(1);
+  const scalar_t* src = x.data_ptr<scalar_t>();
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0 * in; i < t1 * in; ++i) {
+      const float v = static_cast<float>(src[i]);
+      dst[i] = pqs != nullptr ? v * pqs[i % in] : v;
+    }
+  });
+}
+
+at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+}
+
+// ---------------------------------------------------------------------------------------------- W8A16
+
+template <typename scalar_t>
+void int8_linear_direct(const int8_t* w, int64_t in, int64_t out_features, const float* xs, int64_t num_tokens,
+                        const float* scale, const float* bias, scalar_t* out) {
+  const GemvF32Fn gemv = gemv_f32_fn();
+  std::vector<float> acc(static_cast<size_t>(num_tokens * out_features));
+  float* acc_ptr = acc.data();
+  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));  // >= ~16 KiB of weights per task
+  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
+    gemv(w, in, r0, r1, xs, num_tokens, in, acc_ptr, out_features);
+    epilogue<scalar_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, scale, bias, out, out_features);
+  });
+}
+
+template <typename scalar_t>
+void int8_linear_tiled(const int8_t* w, int64_t in, int64_t out_features, const float* xs, int64_t num_tokens,
+                       const float* scale, const float* bias, scalar_t* out) {
+  const int64_t num_tiles = (out_features + kTileRows - 1) / kTileRows;
+  const at::Tensor x = at::from_blob(const_cast<float*>(xs), {num_tokens, in}, at::kFloat);
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+    std::vector<float> w_tile(static_cast<size_t>(kTileRows * in));  // [kTileRows, in] float32
+    at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
+    for (int64_t tile = tile0; tile < tile1; ++tile) {
+      const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < in; ++c) w_tile[(r - r0) * in + c] = static_cast<float>(w[r * in + c]) * scale[r];
+      const at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, in}, at::kFloat);
+      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
+      at::mm_out(acc_view, x, w_f.t());  // [T, rows]
+      epilogue<scalar_t, float>(acc_view.data_ptr<float>(), acc_view.stride(0), num_tokens, r0, r1, nullptr, bias,
+                                out, out_features);
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------------------------- W8A8
+
+// x_q[t, c] = clamp(round_half_even(float(x[t, c]) * pqs[c] / input_scale), -128, 127), as int16 for
+// VPMADDWD; bit-exact with quantize_int8_reference (an IEEE division, then rounding to nearest even).
+template <typename scalar_t>
+void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int16_t* dst) {
+  const int64_t in = x.size(1);
+  const scalar_t* src = x.data_ptr<scalar_t>();
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0 * in; i < t1 * in; ++i) {
+      float v = static_cast<float>(src[i]);
+      if (pqs != nullptr) v = v * pqs[i % in];
+      v = std::nearbyint(v / input_scale);  // default rounding mode: to nearest, ties to even
+      v = v < -128.f ? -128.f : (v > 127.f ? 127.f : v);
+      dst[i] = static_cast<int16_t>(v);
+    }
+  });
+}
+
+template <typename scalar_t>
+void int8_sq_gemm(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
+                  const float* row_scale, const float* bias, scalar_t* out) {
+  const GemmI32Fn gemm = gemm_i32_fn();
+  std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));
+  int32_t* acc_ptr = acc.data();
+  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
+  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) {
+      const int64_t t1 = std::min(r1, t0 + kTileRows);
+      gemm(w, in, t0, t1, xq, num_tokens, in, acc_ptr, out_features);
+      epilogue<scalar_t, int32_t>(acc_ptr + t0, out_features, num_tokens, t0, t1, row_scale, bias, out, out_features);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& weight_scale_in,
+                           const std::optional<at::Tensor>& bias_in) {
+  check_common("kilnlm::int8_linear", x_in, weight, weight_scale_in, bias_in);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t num_tokens = x.size(0), in = x.size(1), out_features = weight.size(0);
+  at::Tensor out = at::empty({num_tokens, out_features}, x.options());
+  if (num_tokens == 0 || out_features == 0) return out;
+  const at::Tensor weight_scale = weight_scale_in.contiguous(), bias = float_bias(bias_in);
+  const float* scale = weight_scale.data_ptr<float>();
+  const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int8_t* w = weight.data_ptr<int8_t>();
+  std::vector<float> xs(static_cast<size_t>(num_tokens * in));  // [T, in] float32
+  const bool direct = num_tokens <= kMaxDirectTokens;
+  AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int8_linear",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        to_float<float>(x, nullptr, xs.data());
+        if (direct) int8_linear_direct<float>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, out.data_ptr<float>());
+        else int8_linear_tiled<float>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, out.data_ptr<float>());
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        to_float<at::BFloat16>(x, nullptr, xs.data());
+        at::BFloat16* y = out.data_ptr<at::BFloat16>();
+        if (direct) int8_linear_direct<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);
+        else int8_linear_tiled<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);
+      }));
+  return out;
+}
+
+at::Tensor int8_sq_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& weight_scale_in,
+                              const at::Tensor& input_scale, const std::optional<at::Tensor>& pre_quant_scale_in,
+                              const std::optional<at::Tensor>& bias_in) {
+  const char* op = "kilnlm::int8_sq_linear";
+  check_common(op, x_in, weight, weight_scale_in, bias_in);
+  TORCH_CHECK(input_scale.numel() == 1 && input_scale.scalar_type() == at::kFloat && input_scale.device().is_cpu(), op,
+              ": input_scale must be a 0-dim float32 CPU tensor (the calibrated per-tensor scale), got ",
+              input_scale.scalar_type(), " ", input_scale.sizes());
+  const int64_t num_tokens = x_in.size(0), in = x_in.size(1), out_features = weight.size(0);
+  if (pre_quant_scale_in.has_value()) {
+    TORCH_CHECK(pre_quant_scale_in->dim() == 1 && pre_quant_scale_in->size(0) == in && pre_quant_scale_in->device().is_cpu(),
+                op, ": pre_quant_scale must be [in_features=", in, "], got ", pre_quant_scale_in->sizes());
+  }
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({num_tokens, out_features}, x.options());
+  if (num_tokens == 0 || out_features == 0) return out;
+
+  const float s_in = input_scale.item<float>();
+  const at::Tensor weight_scale = weight_scale_in.contiguous(), bias = float_bias(bias_in);
+  // row_scale[o] = input_scale * weight_scale[o], one float32 rounding as the reference.
+  std::vector<float> row_scale(static_cast<size_t>(out_features));
+  for (int64_t o = 0; o < out_features; ++o) row_scale[o] = s_in * weight_scale.data_ptr<float>()[o];
+  at::Tensor pqs;
+  if (pre_quant_scale_in.has_value()) pqs = pre_quant_scale_in->to(at::kFloat).contiguous();
+  const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
+  const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  std::vector<int16_t> xq(static_cast<size_t>(num_tokens * in));  // [T, in] int8 values as int16
+  AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int8_sq_linear",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        quantize_int8<float>(x, pqs_ptr, s_in, xq.data());
+        int8_sq_gemm<float>(weight.data_ptr<int8_t>(), in, out_features, xq.data(), num_tokens, row_scale.data(),
+                            bias_ptr, out.data_ptr<float>());
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        quantize_int8<at::BFloat16>(x, pqs_ptr, s_in, xq.data());
+        int8_sq_gemm<at::BFloat16>(weight.data_ptr<int8_t>(), in, out_features, xq.data(), num_tokens, row_scale.data(),
+                                   bias_ptr, out.data_ptr<at::BFloat16>());
+      }));
+  return out;
+}
+
+}  // namespace kiln_int8
+
+TORCH_LIBRARY_IMPL(kilnlm, CPU, m) {
+  m.impl("int8_linear", &kiln_int8::int8_linear_cpu);
+  m.impl("int8_sq_linear", &kiln_int8::int8_sq_linear_cpu);
+}
