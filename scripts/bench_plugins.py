@@ -9,7 +9,14 @@
   chunk, SmolLM2's heads (9 query / 3 KV heads, head_dim 64), against dense (unpaged) SDPA of the same
   problem. GB/s counts the K/V bytes read.
 
+- The quantized GEMMs (int4_linear W4A16 with group size 64, int8_linear W8A16, int8_sq_linear W8A8) on
+  the same shapes at T = 1 (generation phase) and T = 256 (context phase), against bf16 F.linear. Weight
+  GB/s counts the packed weight bytes *and* their scales, read once per call; each figure is the minimum
+  over repeats (the machine may be shared), and "x bf16" is the speed-up over bf16 F.linear. Then a cold-
+  weight decode sweep of 30 layers per format (what one engine decode step reads).
+
 Usage: python scripts/bench_plugins.py [--threads N] [--dtype float32|bfloat16] [--min-time-s 0.2]
+       [--only fp8|quant|attention]
 """
 
 from __future__ import annotations
@@ -61,6 +68,86 @@ def bench_fp8_linear(min_time_s: float) -> None:
             print(f"{name:>8} {num_tokens:>4} | {t_fp8 * 1e6:8.1f} {num_weights / t_fp8 / 1e9:6.1f} {gflops:8.1f} | "
                   f"{t_bf16 * 1e6:8.1f} {2 * num_weights / t_bf16 / 1e9:6.1f} | "
                   f"{t_fp32 * 1e6:8.1f} {4 * num_weights / t_fp32 / 1e9:6.1f} | {t_bf16 / t_fp8:5.2f}x")
+
+
+def time_call_min(fn: Callable[[], object], min_time_s: float) -> float:
+    """Minimum seconds per call over at least 10 repeats and min_time_s (after a warm-up): on a shared
+    machine the minimum is the least disturbed figure."""
+    for _ in range(3):
+        fn()
+    best, count = float("inf"), 0
+    deadline = time.perf_counter() + min_time_s
+    while time.perf_counter() < deadline or count < 10:
+        start = time.perf_counter()
+        fn()
+        best, count = min(best, time.perf_counter() - start), count + 1
+    return best
+
+
+INT4_GROUP_SIZE = 64  # AWQ's usual 128 does not divide SmolLM2's hidden size 576
+
+
+def quantized_layer(out_features: int, in_features: int, gen: torch.Generator) -> dict[str, tuple]:
+    """Random weights of one layer in each quantized format: {format: (op args after x, weight bytes)}."""
+    from kilnlm.plugins import pack_int4
+
+    q4 = pack_int4(torch.randint(-8, 8, (out_features, in_features), generator=gen))
+    s4 = torch.rand(out_features, in_features // INT4_GROUP_SIZE, generator=gen) * 0.02
+    q8 = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    s8 = torch.rand(out_features, generator=gen) * 0.01
+    return {
+        "int4": ((q4, s4, None, None, INT4_GROUP_SIZE), q4.numel() + 4 * s4.numel()),
+        "int8_wo": ((q8, s8, None), q8.numel() + 4 * s8.numel()),
+        "int8_sq": ((q8, s8, torch.tensor(0.02), None, None), q8.numel() + 4 * s8.numel()),
+    }
+
+
+QUANT_OPS = {"int4": "int4_linear", "int8_wo": "int8_linear", "int8_sq": "int8_sq_linear"}
+
+
+def bench_quantized_linear(dtype: torch.dtype, min_time_s: float) -> None:
+    print(f"\nquantized GEMMs, x {dtype} (weight GB/s = packed weight + scale bytes / time; minimum of repeats; "
+          f"int4 group size {INT4_GROUP_SIZE}; x bf16 = speed-up over bf16 F.linear)")
+    print(f"{'layer':>8} {'T':>4} | {'bf16 us':>8} {'GB/s':>6} | " +
+          " | ".join(f"{fmt + ' us':>11} {'GB/s':>6} {'x bf16':>6}" for fmt in QUANT_OPS))
+    gen = torch.Generator().manual_seed(0)
+    for name, (out_features, in_features) in SMOLLM2_LINEARS.items():
+        formats = quantized_layer(out_features, in_features, gen)
+        w_bf16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+        for num_tokens in (1, 256):
+            x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+            x_bf16 = x.to(torch.bfloat16)
+            t_bf16 = time_call_min(lambda: F.linear(x_bf16, w_bf16), min_time_s)
+            cells = []
+            for fmt, (args, num_bytes) in formats.items():
+                op = getattr(torch.ops.kilnlm, QUANT_OPS[fmt])
+                t = time_call_min(lambda: op(x, *args), min_time_s)
+                cells.append(f"{t * 1e6:11.1f} {num_bytes / t / 1e9:6.1f} {t_bf16 / t:5.2f}x")
+            print(f"{name:>8} {num_tokens:>4} | {t_bf16 * 1e6:8.1f} {2 * w_bf16.numel() / t_bf16 / 1e9:6.1f} | " +
+                  " | ".join(cells))
+
+
+def bench_quantized_decode_sweep(dtype: torch.dtype, min_time_s: float, num_layers: int = 30) -> None:
+    """Generation phase with cold weights: T=1 over the four projections of num_layers distinct layers in
+    each format (int4 ~27 MB, int8 ~53 MB, bf16 ~106 MB: the larger ones exceed the L3 cache), as one
+    decode step of an engine reads them."""
+    gen = torch.Generator().manual_seed(4)
+    layers = [{name: quantized_layer(o, i, gen) for name, (o, i) in SMOLLM2_LINEARS.items()} for _ in range(num_layers)]
+    bf16 = [[torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SMOLLM2_LINEARS.values()]
+            for _ in range(num_layers)]
+    xs = {i: torch.randn(1, i, generator=gen).to(dtype) for _, i in SMOLLM2_LINEARS.values()}
+    xs_bf16 = {i: t.to(torch.bfloat16) for i, t in xs.items()}
+    num_bf16_bytes = 2 * sum(w.numel() for layer in bf16 for w in layer)
+    t_bf16 = time_call_min(lambda: [F.linear(xs_bf16[w.shape[1]], w) for layer in bf16 for w in layer], min_time_s)
+    print(f"\nquantized generation phase, cold weights: {num_layers} layers x (qkv, o, gate_up, down) at T=1, x {dtype}")
+    print(f"{'bf16 F.linear':>14}: {t_bf16 * 1e3:7.2f} ms per step, {num_bf16_bytes / t_bf16 / 1e9:6.1f} GB/s")
+    for fmt, op_name in QUANT_OPS.items():
+        op = getattr(torch.ops.kilnlm, op_name)
+        calls = [(xs[args[0].shape[1] * (2 if fmt == "int4" else 1)], args)
+                 for layer in layers for formats in layer.values() for args in [formats[fmt][0]]]
+        num_bytes = sum(formats[fmt][1] for layer in layers for formats in layer.values())
+        t = time_call_min(lambda: [op(x, *args) for x, args in calls], min_time_s)
+        print(f"{fmt:>14}: {t * 1e3:7.2f} ms per step, {num_bytes / t / 1e9:6.1f} GB/s, {t_bf16 / t:5.2f}x bf16")
 
 
 def bench_fp8_decode_sweep(min_time_s: float, num_layers: int = 30) -> None:
@@ -143,9 +230,9 @@ def bench_paged_attention(dtype: torch.dtype, min_time_s: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="attention dtype")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="attention / quantized-GEMM activation dtype")
     parser.add_argument("--min-time-s", type=float, default=0.2, help="measuring time per case")
-    parser.add_argument("--only", choices=["fp8", "attention"], default=None)
+    parser.add_argument("--only", choices=["fp8", "quant", "attention"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_cpu_kernels()
@@ -153,6 +240,9 @@ def main() -> None:
     if args.only in (None, "fp8"):
         bench_fp8_linear(args.min_time_s)
         bench_fp8_decode_sweep(args.min_time_s)
+    if args.only in (None, "quant"):
+        bench_quantized_linear(getattr(torch, args.dtype), args.min_time_s)
+        bench_quantized_decode_sweep(getattr(torch, args.dtype), args.min_time_s)
     if args.only in (None, "attention"):
         bench_paged_attention(getattr(torch, args.dtype), args.min_time_s)
 
