@@ -4,48 +4,23 @@ ModelOpt inserts max-calibrating quantizers into every linear of a transformers 
 (``mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)``); running real English text through it
 records each linear's weight amax and input (activation) amax. The builder turns those into static
 per-tensor scales ``amax / 448`` (see :class:`kilnlm.builder.network.layers.Fp8Linear`); fused linears
-take the max over their parts. Calibration text defaults to the standard library's
-``pydoc_data.topics`` (the Python language reference), so builds need no network and are deterministic.
+take the max over their parts. Calibration text (:mod:`kilnlm.builder.calibration`) defaults to
+the standard library's ``pydoc_data.topics`` (the Python language reference), so builds need no network and
+are deterministic. The integer formats live in :mod:`kilnlm.builder.quantize_int`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
+from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, calibration_text, forward_loop
 from kilnlm.builder.checkpoint import Checkpoint
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.network.layers import Fp8Amax
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CalibrationConfig:
-    num_samples: int = 24  # calibration sequences
-    seq_len: int = 256  # tokens per sequence
-
-
-def calibration_text() -> str:
-    """The Python language reference shipped with the standard library (~465 KB of English), topics in
-    sorted order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[name] for name in sorted(topics))
-
-
-def calibration_batches(tokenizer, cfg: CalibrationConfig) -> list[torch.Tensor]:
-    """``cfg.num_samples`` token sequences ``[1, seq_len] int64``, spread evenly over the text."""
-    ids = tokenizer(calibration_text(), add_special_tokens=False)["input_ids"]
-    num_chunks = len(ids) // cfg.seq_len
-    if num_chunks < 1:
-        raise BuildError("calibration text is shorter than one sample: lower the calibration sequence length")
-    stride = max(1, num_chunks // cfg.num_samples)
-    starts = [i * stride * cfg.seq_len for i in range(min(cfg.num_samples, num_chunks))]
-    return [torch.tensor([ids[s: s + cfg.seq_len]], dtype=torch.int64) for s in starts]
 
 
 def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig) -> dict[str, Fp8Amax]:
@@ -66,17 +41,10 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig) -> dict[str, Fp8Amax]:
         model.tie_weights()
     model.eval()
     batches = calibration_batches(ck.tokenizer, cfg)
-    log.info("calibrating FP8 on %d samples x %d tokens of pydoc_data.topics", len(batches), batches[0].shape[1])
-
-    def forward_loop(m):
-        # Samples go through in groups of 8 (one [8, seq_len] forward): larger GEMMs, same amax.
-        groups = range(0, len(batches), 8)
-        with torch.no_grad():
-            for i in tqdm(groups, desc="FP8 calibration", unit="batch", disable=not log.isEnabledFor(logging.INFO)):
-                m(torch.cat(batches[i:i + 8]))
-
+    log.info("calibrating FP8 on %d samples x %d tokens of %s", len(batches), batches[0].shape[1], cfg.describe())
     # The default recipe already leaves the LM head (and embeddings) unquantized.
-    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)
+    loop = forward_loop(batches, "FP8 calibration", log.isEnabledFor(logging.INFO))
+    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, loop)
     amax: dict[str, Fp8Amax] = {}
     for name, module in model.named_modules():
         if not name.startswith("model.layers.") or not hasattr(module, "weight_quantizer"):
@@ -88,3 +56,6 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig) -> dict[str, Fp8Amax]:
     if not amax:
         raise BuildError("ModelOpt FP8 calibration quantized no linear layer: check the model architecture")
     return amax
+
+
+__all__ = ["CalibrationConfig", "calibration_batches", "calibration_text", "calibrate_fp8"]
