@@ -26,10 +26,17 @@ from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, M
 
 log = logging.getLogger(__name__)
 
-QFORMATS = ("fp32", "bf16", "fp8")
+QFORMATS = ("fp32", "bf16", "fp8", "int4_awq", "int4_wo", "int8_wo", "int8_sq")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# qformat -> activation / KV-cache dtype when --dtype auto.
-AUTO_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
+# qformat -> activation / KV-cache dtype when --dtype auto (W4A16 / W8A16 / W8A8 run bfloat16 activations).
+AUTO_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16", "int4_awq": "bfloat16", "int4_wo": "bfloat16",
+              "int8_wo": "bfloat16", "int8_sq": "bfloat16"}
+# qformat -> the GEMM plugin its linears call (besides paged_attention).
+LINEAR_PLUGINS = {"fp8": "fp8_linear", "int4_awq": "int4_linear", "int4_wo": "int4_linear", "int8_wo": "int8_linear",
+                  "int8_sq": "int8_sq_linear"}
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_CALIB_NUM_SAMPLES = 24
+DEFAULT_CALIB_SEQ_LEN = 256
 
 
 @dataclass
@@ -46,8 +53,13 @@ class BuildOptions:
     tokens_per_block: int = 32  # tokens per paged-KV block
     overwrite: bool = False
     smoke_test: bool = True
-    calib_num_samples: int = 24  # FP8 calibration: samples of real English text
-    calib_seq_len: int = 256  # FP8 calibration: tokens per sample
+    # Quantization (None = not given: the default applies where the format uses it, see check_quant_options).
+    group_size: int | None = None  # int4 formats: input columns per scale (default 128)
+    calib_data: Path | None = None  # calibrated formats: plain text / JSONL "text" (default pydoc_data.topics)
+    calib_num_samples: int | None = None  # calibrated formats: samples (default 24)
+    calib_seq_len: int | None = None  # calibrated formats: tokens per sample (default 256)
+    quantize_lm_head: bool = False  # int4_awq / int4_wo / int8_wo: the LM head through the same format
+    export_checkpoint: Path | None = None  # integer formats: also write ModelOpt's unified HF checkpoint here
     compile: CompileOptions = field(default_factory=CompileOptions)
 
 
@@ -64,6 +76,41 @@ def resolve_dtype(qformat: str, dtype: str) -> str:
         raise BuildError(f"--qformat {qformat} runs {AUTO_DTYPE[qformat]} activations, not {dtype}: "
                          f"drop --dtype or pick --qformat {'fp32' if dtype == 'float32' else 'bf16'}")
     return dtype
+
+
+def check_quant_options(opts: BuildOptions) -> None:
+    """Refuse quantization options that ``opts.qformat`` would ignore, with what would work instead.
+
+    Options a format does not use are refused rather than silently ignored: a pipeline passing
+    ``--calib-data`` to int4_wo most likely meant int4_awq, and an ignored option hides that."""
+    from kilnlm.builder.quantize_int import CALIBRATED_QFORMATS, INT4_QFORMATS, INT_QFORMATS, LM_HEAD_QFORMATS
+
+    q = opts.qformat
+    calib_given = [flag for flag, value in (("--calib-data", opts.calib_data), ("--calib-size", opts.calib_num_samples),
+                                            ("--calib-max-seq-len", opts.calib_seq_len)) if value is not None]
+    if calib_given and q not in CALIBRATED_QFORMATS :
+        raise BuildError(f"{', '.join(calib_given)} given but --qformat {q} does not calibrate: drop them, or pick a "
+                         f"calibrated format ({', '.join(CALIBRATED_QFORMATS)}) or an 8-bit --kv-cache-dtype (fp8, int8)")
+    for flag, value in (("--calib-size", opts.calib_num_samples), ("--calib-max-seq-len", opts.calib_seq_len)):
+        if value is not None and value < 1:
+            raise BuildError(f"{flag} is {value}: it must be at least 1")
+    if opts.group_size is not None and q not in INT4_QFORMATS:
+        raise BuildError(f"--group-size applies to the int4 formats ({', '.join(INT4_QFORMATS)}), not --qformat {q}: drop it")
+    if opts.quantize_lm_head and q not in LM_HEAD_QFORMATS:
+        raise BuildError(f"--quantize-lm-head works with the weight-only formats ({', '.join(LM_HEAD_QFORMATS)}), not "
+                         f"--qformat {q}: drop it or pick one of those")
+    if opts.export_checkpoint is not None and q not in INT_QFORMATS:
+        raise BuildError(f"--export-checkpoint writes ModelOpt's unified checkpoint for {', '.join(INT_QFORMATS)}, not "
+                         f"--qformat {q}: drop it or pick one of those")
+
+
+def _calibration_config(opts: BuildOptions):
+    from kilnlm.builder.calibration import CalibrationConfig
+
+    return CalibrationConfig(
+        num_samples=opts.calib_num_samples if opts.calib_num_samples is not None else DEFAULT_CALIB_NUM_SAMPLES,
+        seq_len=opts.calib_seq_len if opts.calib_seq_len is not None else DEFAULT_CALIB_SEQ_LEN,
+        data_path=None if opts.calib_data is None else Path(opts.calib_data))
 
 
 def _check_limits(opts: BuildOptions, model: ModelConfig, hf_config) -> None:
@@ -122,6 +169,7 @@ def build_engine(opts: BuildOptions) -> Manifest:
     opts.checkpoint, opts.output = Path(opts.checkpoint), Path(opts.output)
     dtype_name = resolve_dtype(opts.qformat, opts.dtype)
     dtype = DTYPES[dtype_name]
+    check_quant_options(opts)
     _check_output(opts)
     t_start = time.perf_counter()
     ck = load_checkpoint(opts.checkpoint)
@@ -130,21 +178,14 @@ def build_engine(opts: BuildOptions) -> Manifest:
     log.info("loaded %s (%s, %d layers) in %.1f s", opts.checkpoint, model_cfg.architecture, model_cfg.num_layers,
              time.perf_counter() - t_start)
 
-    fp8_amax = None
-    if opts.qformat == "fp8":
-        from kilnlm.builder.quantize import CalibrationConfig, calibrate_fp8
-
-        t0 = time.perf_counter()
-        fp8_amax = calibrate_fp8(ck, CalibrationConfig(opts.calib_num_samples, opts.calib_seq_len))
-        log.info("FP8 calibration (ModelOpt) took %.1f s", time.perf_counter() - t0)
-    network = LlamaNetwork(model_cfg, ck.state_dict, dtype, fp8_amax)
+    network = build_network(opts, ck, model_cfg, dtype)
     build_cfg = BuildConfig(qformat=opts.qformat, dtype=dtype_name, kv_cache_dtype=dtype_name,
                             max_batch_size=opts.max_batch_size, max_num_tokens=opts.max_num_tokens,
                             max_seq_len=opts.max_seq_len, tokens_per_block=opts.tokens_per_block, target="cpu")
 
     from kilnlm.plugins import PLUGIN_VERSIONS
 
-    used = ["paged_attention"] + (["fp8_linear"] if opts.qformat == "fp8" else [])
+    used = ["paged_attention"] + ([LINEAR_PLUGINS[opts.qformat]] if opts.qformat in LINEAR_PLUGINS else [])
     tmp = opts.output.parent / f".{opts.output.name}.tmp-{os.getpid()}"
     opts.output.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -165,6 +206,28 @@ def build_engine(opts: BuildOptions) -> Manifest:
         raise
     log.info("built %s in %.1f s", opts.output, time.perf_counter() - t_start)
     return manifest
+
+
+def build_network(opts: BuildOptions, ck: Checkpoint, model_cfg: ModelConfig, dtype: torch.dtype) -> LlamaNetwork:
+    """The eager network for ``opts.qformat``: quantization (ModelOpt, when the format has one) included.
+    Raises :class:`BuildError` for invalid quantization options or calibration data."""
+    from kilnlm.builder.quantize_int import INT_QFORMATS, IntQuantConfig, quantize_int
+
+    if opts.qformat == "fp8":
+        from kilnlm.builder.quantize import calibrate_fp8
+
+        t0 = time.perf_counter()
+        fp8_amax = calibrate_fp8(ck, _calibration_config(opts))
+        log.info("FP8 calibration (ModelOpt) took %.1f s", time.perf_counter() - t0)
+        return LlamaNetwork(model_cfg, ck.state_dict, dtype, fp8_amax)
+    if opts.qformat in INT_QFORMATS:
+        t0 = time.perf_counter()
+        cfg = IntQuantConfig(opts.qformat, opts.group_size if opts.group_size is not None else DEFAULT_GROUP_SIZE,
+                             opts.quantize_lm_head, _calibration_config(opts), opts.export_checkpoint)
+        state, quant = quantize_int(ck, cfg)
+        log.info("%s quantization (ModelOpt) took %.1f s", opts.qformat, time.perf_counter() - t0)
+        return LlamaNetwork(model_cfg, state, dtype, quant=quant)
+    return LlamaNetwork(model_cfg, ck.state_dict, dtype)
 
 
 def _smoke_test(engine_dir: Path) -> None:

@@ -15,9 +15,30 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                    help="Hugging Face model directory (config.json + *.safetensors) or a .gguf file")
     p.add_argument("--output", required=True, type=Path, help="engine directory to create")
     p.add_argument("--qformat", choices=QFORMATS, default="fp32",
-                   help="weight format: fp32, bf16, or fp8 (E4M3 per-tensor, ModelOpt-calibrated) (default: fp32)")
+                   help="weight format (TensorRT-LLM's names): fp32, bf16, fp8 (E4M3 per-tensor, calibrated), int4_awq "
+                        "(W4A16 group-wise, AWQ-calibrated), int4_wo / int8_wo (weight-only round-to-nearest, per group / "
+                        "per channel), int8_sq (W8A8 SmoothQuant, calibrated); quantization through NVIDIA ModelOpt "
+                        "(default: fp32)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="activation and KV-cache dtype; auto = float32 for fp32, bfloat16 for bf16/fp8 (default: auto)")
+                   help="activation and KV-cache dtype; auto = float32 for fp32, bfloat16 for every other qformat "
+                        "(default: auto)")
+    p.add_argument("--group-size", type=int, default=None, metavar="COLUMNS",
+                   help="int4 formats: input columns sharing one weight scale; must divide every linear's in_features "
+                        "(default: 128)")
+    p.add_argument("--calib-data", type=Path, default=None, metavar="PATH",
+                   help="calibration text for fp8 / int4_awq / int8_sq: a plain UTF-8 text file, or .jsonl with a "
+                        "\"text\" field per line (default: the Python standard library's pydoc_data.topics)")
+    p.add_argument("--calib-size", type=int, default=None, metavar="SAMPLES",
+                   help="calibration samples taken at evenly spaced offsets of the text (default: 24)")
+    p.add_argument("--calib-max-seq-len", type=int, default=None, metavar="TOKENS",
+                   help="tokens per calibration sample (default: 256)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="int4_awq / int4_wo / int8_wo: quantize the LM head too (default: off; the embedding and LM "
+                        "head stay 16-bit)")
+    p.add_argument("--export-checkpoint", type=Path, default=None, metavar="DIR",
+                   help="integer formats: also write the quantized checkpoint in ModelOpt's unified Hugging Face "
+                        "format (config.json with quantization_config, hf_quant_config.json, safetensors with "
+                        "scales) to DIR (default: not written)")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per forward (default: 32)")
     p.add_argument("--max-seq-len", type=int, default=2048,
                    help="tokens per sequence, prompt + generated (default: 2048)")
@@ -37,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     manifest = build_engine(BuildOptions(
         checkpoint=args.checkpoint, output=args.output, qformat=args.qformat, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
-        tokens_per_block=args.tokens_per_block, overwrite=args.overwrite,
+        tokens_per_block=args.tokens_per_block, overwrite=args.overwrite, group_size=args.group_size,
+        calib_data=args.calib_data, calib_num_samples=args.calib_size, calib_seq_len=args.calib_max_seq_len,
+        quantize_lm_head=args.quantize_lm_head, export_checkpoint=args.export_checkpoint,
     ))
     if not args.quiet:
         size_bytes = sum(f["size"] for f in manifest.files.values())

@@ -102,6 +102,136 @@ def make_linear(
     return Fp8Linear(weight, bias, Fp8Amax.merge(amax), dtype)
 
 
+@dataclass
+class QuantizedWeights:
+    """One quantized linear in the layout of its kilnlm op (all CPU tensors).
+
+    ``weight``: int4 ``[out_features, in_features // 2] uint8`` (two values per byte, see
+    :func:`kilnlm.plugins.reference.pack_int4`) or int8 ``[out_features, in_features] int8``;
+    ``weight_scale``: int4 ``[out_features, in_features // group_size]`` / int8 ``[out_features]``, float32;
+    ``input_scale``: int8_sq's per-tensor activation scale, 0-dim float32, else None; ``pre_quant_scale``:
+    AWQ / SmoothQuant per-input-channel scale ``[in_features]`` float32 (None once folded into the
+    preceding norm); ``bias``: ``[out_features]`` or None."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None = None
+    pre_quant_scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class IntQuantization:
+    """The integer-format linears of a whole network: ``linears`` by HF module name
+    (``model.layers.{i}.self_attn.q_proj``, ..., ``lm_head`` when the LM head is quantized); ``group_size``
+    for the int4 formats (None for int8)."""
+
+    qformat: str  # int4_awq | int4_wo | int8_wo | int8_sq
+    group_size: int | None
+    linears: dict[str, QuantizedWeights]
+
+
+def _shared_pre_quant_scale(parts: list[QuantizedWeights]) -> torch.Tensor | None:
+    """The one ``pre_quant_scale`` the parts of a fused linear share (they read the same input)."""
+    scales = [p.pre_quant_scale for p in parts]
+    if all(s is None for s in scales):
+        return None
+    if any(s is None for s in scales) or any(not torch.equal(s, scales[0]) for s in scales[1:]):
+        raise BuildError("the parts of a fused linear (q/k/v or gate/up) have different pre_quant_scales, so they "
+                         "cannot share one input: quantize them with one smoothing scale (ModelOpt's export "
+                         "re-smooths them) or build without fusion")
+    return scales[0].float().contiguous()
+
+
+def _cat_bias(parts: list[QuantizedWeights], dtype: torch.dtype) -> torch.Tensor | None:
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([p.bias.float() if p.bias is not None else torch.zeros(p.weight.shape[0]) for p in parts]).to(dtype)
+
+
+class Int4Linear(nn.Module):
+    """W4A16 linear through ``torch.ops.kilnlm.int4_linear`` (int4_awq, int4_wo): packed int4 weight with
+    group-wise float32 scales along the input dimension, optional AWQ ``pre_quant_scale``.
+
+    Fused parts are concatenated along out_features (their scale rows with them: scales are per output
+    row and input group, so nothing is re-quantized). x: ``[T, in_features]`` float32 / bfloat16; returns
+    ``[T, out_features]`` in x's dtype."""
+
+    def __init__(self, parts: list[QuantizedWeights], group_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.group_size = group_size
+        self.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())  # [out, in // 2] uint8
+        self.register_buffer("weight_scale", torch.cat([p.weight_scale.float() for p in parts]).contiguous())
+        self.register_buffer("pre_quant_scale", _shared_pre_quant_scale(parts))
+        self.register_buffer("bias", _cat_bias(parts, dtype))
+        in_features = self.weight.shape[1] * 2
+        if self.weight.dtype != torch.uint8 or self.weight_scale.shape != (self.weight.shape[0], in_features // group_size):
+            raise BuildError(f"int4 weight {tuple(self.weight.shape)} {self.weight.dtype} / scales "
+                             f"{tuple(self.weight_scale.shape)} do not match group size {group_size}: report this as a kilnlm bug")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kilnlm.int4_linear(x, self.weight, self.weight_scale, self.pre_quant_scale, self.bias,
+                                            self.group_size)
+
+
+# --- RECONSTRUCTED (kv-cache engineer, 08:05 UTC): the original of the rest of this hunk was lost when a
+# --- script of mine truncated this file; rebuilt from the op schemas. Owner: please check / replace.
+class Int8Linear(nn.Module):
+    """W8A16 weight-only linear through ``torch.ops.kilnlm.int8_linear`` (int8_wo): int8 weight with one
+    float32 scale per output channel. Fused parts are concatenated along out_features.
+
+    x: ``[T, in_features]`` float32 / bfloat16; returns ``[T, out_features]`` in x's dtype."""
+
+    def __init__(self, parts: list[QuantizedWeights], dtype: torch.dtype):
+        super().__init__()
+        if _shared_pre_quant_scale(parts) is not None:
+            raise BuildError("int8_wo linears carry no pre_quant_scale: report this as a kilnlm bug")
+        self.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())  # [out, in] int8
+        self.register_buffer("weight_scale", torch.cat([p.weight_scale.float().reshape(-1) for p in parts]).contiguous())
+        self.register_buffer("bias", _cat_bias(parts, dtype))
+        if self.weight.dtype != torch.int8 or self.weight_scale.shape != (self.weight.shape[0],):
+            raise BuildError(f"int8 weight {tuple(self.weight.shape)} {self.weight.dtype} / scales "
+                             f"{tuple(self.weight_scale.shape)} are not per output channel: report this as a kilnlm bug")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kilnlm.int8_linear(x, self.weight, self.weight_scale, self.bias)
+
+
+class Int8SqLinear(nn.Module):
+    """SmoothQuant W8A8 linear through ``torch.ops.kilnlm.int8_sq_linear`` (int8_sq): per-channel int8
+    weight, static per-tensor int8 activation scale, optional unfolded ``pre_quant_scale``. Fused parts
+    read one input, so they share one ``input_scale`` (the max of the parts').
+
+    x: ``[T, in_features]`` float32 / bfloat16; returns ``[T, out_features]`` in x's dtype."""
+
+    def __init__(self, parts: list[QuantizedWeights], dtype: torch.dtype):
+        super().__init__()
+        if any(p.input_scale is None for p in parts):
+            raise BuildError("int8_sq linear without a calibrated input_scale: report this as a kilnlm bug")
+        self.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())  # [out, in] int8
+        self.register_buffer("weight_scale", torch.cat([p.weight_scale.float().reshape(-1) for p in parts]).contiguous())
+        self.register_buffer("input_scale", torch.stack([p.input_scale.float().reshape(()) for p in parts]).max())
+        self.register_buffer("pre_quant_scale", _shared_pre_quant_scale(parts))
+        self.register_buffer("bias", _cat_bias(parts, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kilnlm.int8_sq_linear(x, self.weight, self.weight_scale, self.input_scale,
+                                               self.pre_quant_scale, self.bias)
+
+
+def make_quantized_linear(parts: list[QuantizedWeights], qformat: str, group_size: int | None,
+                          dtype: torch.dtype) -> nn.Module:
+    """One integer-format linear from the parts of a fused projection (or a single linear)."""
+    if qformat in ("int4_awq", "int4_wo"):
+        return Int4Linear(parts, group_size, dtype)
+    if qformat == "int8_wo":
+        return Int8Linear(parts, dtype)
+    if qformat == "int8_sq":
+        return Int8SqLinear(parts, dtype)
+    raise BuildError(f"no quantized linear for qformat {qformat!r}: report this as a kilnlm bug")
+# --- END RECONSTRUCTED
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP: fused gate/up linear, ``silu(gate) * up``, down linear (Shazeer, 2020).
 

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kilnlm.builder.errors import BuildError
-from kilnlm.builder.network.layers import AttentionShape, Fp8Amax, GatedMLP, PagedAttention, RMSNorm, make_linear, rope_inv_freq
+from kilnlm.builder.network.layers import (AttentionShape, Fp8Amax, GatedMLP, IntQuantization, PagedAttention, RMSNorm,
+                                          make_linear, make_quantized_linear, rope_inv_freq)
 from kilnlm.runtime.manifest import ModelConfig
 
 # Hugging Face linear names of one decoder layer, grouped by the fused linear they become.
@@ -90,10 +91,12 @@ class LlamaNetwork(nn.Module):
 
     ``dtype``: activation and KV-cache dtype. ``fp8_amax``: HF linear name (e.g.
     ``model.layers.0.self_attn.q_proj``) -> calibrated amax; when given, the decoder's linears are FP8
-    and the embedding / LM head stay in ``dtype`` (bfloat16)."""
+    and the embedding / LM head stay in ``dtype`` (bfloat16). ``quant``: integer-format linears (int4 /
+    int8, see :class:`IntQuantization`); every linear named there is built from it instead of from
+    ``state_dict`` (the LM head too when ``lm_head`` is there; the embedding then stays in ``dtype``)."""
 
     def __init__(self, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 fp8_amax: dict[str, Fp8Amax] | None = None):
+                 fp8_amax: dict[str, Fp8Amax] | None = None, quant: IntQuantization | None = None):
         super().__init__()
         self.cfg = cfg
         shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -101,6 +104,8 @@ class LlamaNetwork(nn.Module):
 
         def linear(prefix: str, names: tuple[str, ...], bias: bool) -> nn.Module:
             full = [f"{prefix}.{n}" for n in names]
+            if quant is not None and full[0] in quant.linears:
+                return make_quantized_linear([_quantized_of(quant, n) for n in full], quant.qformat, quant.group_size, dtype)
             weights = [sd.take(f"{n}.weight") for n in full]
             biases = [sd.take(f"{n}.bias") if bias else None for n in full]
             amax = None if fp8_amax is None else [_amax_of(fp8_amax, n) for n in full]
@@ -120,7 +125,12 @@ class LlamaNetwork(nn.Module):
         # [vocab, hidden] weight, inductor's freezing folds its transpose into a second constant. Tied
         # embeddings look tokens up in that same tensor (embed = lm_head_t.t()): one copy in the package.
         embed = sd.take("model.embed_tokens.weight").to(dtype)
-        if cfg.tie_word_embeddings:
+        self.lm_head = None
+        if quant is not None and "lm_head" in quant.linears:  # --quantize-lm-head: a 16-bit embedding of its own
+            self.lm_head = make_quantized_linear([quant.linears["lm_head"]], quant.qformat, quant.group_size, dtype)
+            self.register_buffer("lm_head_t", None)
+            self.register_buffer("embed_tokens", embed.contiguous())
+        elif cfg.tie_word_embeddings:
             self.register_buffer("lm_head_t", embed.t().contiguous())
             self.register_buffer("embed_tokens", None)
         else:
@@ -138,7 +148,37 @@ class LlamaNetwork(nn.Module):
         for layer in self.layers:
             h = layer(h, positions, self.inv_freq, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping, kv_cache)
         h = self.norm(h.index_select(0, logits_indices))  # [B, hidden]
+        if self.lm_head is not None:
+            return self.lm_head(h).float()  # [B, vocab]
         return torch.mm(h, self.lm_head_t).float()  # [B, vocab]
+
+
+def _quantized_of(quant: IntQuantization, name: str):
+    if name not in quant.linears:
+        raise BuildError(f"{quant.qformat} quantization has no weights for {name} while the other parts of its "
+                         "fused linear are quantized: report this as a kilnlm bug")
+    return quant.linears[name]
+
+
+def fold_smoothing_into_norms(state_dict: dict[str, torch.Tensor], quant: IntQuantization, num_layers: int) -> None:
+    """Fold the shared ``pre_quant_scale`` of q/k/v into ``input_layernorm.weight`` and that of gate/up
+    into ``post_attention_layernorm.weight`` (``norm(x) * w * s == norm(x) * (w * s)``, exact in float32),
+    in place, and clear it from the linears. o_proj / down_proj keep theirs (no norm precedes them).
+    Raises :class:`BuildError` when the parts of a fused linear carry different scales."""
+    groups = (("input_layernorm", QKV_PROJS), ("post_attention_layernorm", GATE_UP_PROJS))
+    for i in range(num_layers):
+        for norm, names in groups:
+            parts = [quant.linears.get(f"model.layers.{i}.{n}") for n in names]
+            if any(p is None for p in parts) or parts[0].pre_quant_scale is None:
+                continue
+            scale = parts[0].pre_quant_scale
+            if any(p.pre_quant_scale is None or not torch.equal(p.pre_quant_scale, scale) for p in parts[1:]):
+                raise BuildError(f"model.layers.{i}: {', '.join(names)} carry different pre_quant_scales, so they cannot "
+                                 f"be folded into {norm}: quantize them with one shared smoothing scale")
+            key = f"model.layers.{i}.{norm}.weight"
+            state_dict[key] = state_dict[key].float() * scale.float()
+            for p in parts:
+                p.pre_quant_scale = None
 
 
 def _amax_of(fp8_amax: dict[str, Fp8Amax], name: str) -> Fp8Amax:

@@ -1,0 +1,167 @@
+"""Integer post-training quantization (int4_awq, int4_wo, int8_wo, int8_sq) with NVIDIA ModelOpt.
+
+Every format goes through ModelOpt and its unified Hugging Face export (:mod:`kilnlm.builder.export`):
+
+=========  ===============================================  ==========================================
+qformat    ModelOpt recipe                                   calibration
+=========  ===============================================  ==========================================
+int4_awq   ``INT4_AWQ_CFG`` (awq_lite), block size =         activation-aware scale search on the text
+           ``--group-size`` along the input dimension        (Lin et al., AWQ, 2023)
+int4_wo    ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``, same blocks   none: round-to-nearest, scale = amax / 7
+int8_wo    ``INT8_WEIGHT_ONLY_CFG`` (per output channel)     none: round-to-nearest, scale = amax / 127
+int8_sq    ``INT8_SMOOTHQUANT_CFG`` (per-channel weights,    SmoothQuant (Xiao et al., 2023): smoothing
+           per-tensor activations)                           factors and activation amax on the text
+=========  ===============================================  ==========================================
+
+Symmetric integers: int4 in [-8, 7] with ``scale = amax / 7`` per group, int8 in [-128, 127] with
+``scale = amax / 127`` (ModelOpt's convention, checked in its ``quant_utils``). The weight-only recipes
+calibrate from the weights alone (``forward_loop=None``), so their builds read no text. ModelOpt's export
+gives the parts of fused linears (q/k/v, gate/up) one shared ``pre_quant_scale`` (their mean; weights
+re-quantized) and folds AWQ's into the preceding RMSNorm; kilnlm folds SmoothQuant's the same way
+(:func:`kilnlm.builder.network.llama.fold_smoothing_into_norms`); o_proj / down_proj keep theirs as the
+op's ``pre_quant_scale``. Embeddings and (unless ``--quantize-lm-head``) the LM head stay 16-bit.
+
+Determinism: the calibration batches are fixed (:mod:`kilnlm.builder.calibration`), ModelOpt's recipes here
+draw no random numbers, and torch's RNG is seeded before calibration anyway.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, forward_loop
+from kilnlm.builder.checkpoint import Checkpoint
+from kilnlm.builder.errors import BuildError
+from kilnlm.builder.export import export_unified_checkpoint, read_unified_checkpoint
+from kilnlm.builder.network.layers import IntQuantization
+from kilnlm.builder.network.llama import fold_smoothing_into_norms
+
+log = logging.getLogger(__name__)
+
+INT_QFORMATS = ("int4_awq", "int4_wo", "int8_wo", "int8_sq")
+INT4_QFORMATS = ("int4_awq", "int4_wo")
+# Formats whose quantization reads calibration text.
+CALIBRATED_QFORMATS = ("fp8", "int4_awq", "int8_sq")
+# W4A16 / W8A16 formats whose LM head may go through the same weight quantization (--quantize-lm-head).
+LM_HEAD_QFORMATS = ("int4_awq", "int4_wo", "int8_wo")
+# Group sizes offered in error messages (the int4 kernels' natural block widths).
+GROUP_SIZE_CHOICES = (16, 32, 64, 128, 256)
+
+
+@dataclass
+class IntQuantConfig:
+    """What ``kilnlm build`` asks of the integer formats."""
+
+    qformat: str  # one of INT_QFORMATS
+    group_size: int = 128  # int4: input columns per scale (--group-size)
+    quantize_lm_head: bool = False  # --quantize-lm-head
+    calib: CalibrationConfig = field(default_factory=CalibrationConfig)
+    export_dir: Path | None = None  # --export-checkpoint: keep the unified checkpoint here
+
+
+def linear_in_features(hf_config) -> dict[str, int]:
+    """Input width of each kind of decoder linear (HF names relative to ``model.layers.{i}``)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    hidden = hf_config.hidden_size
+    return {"self_attn.q_proj / k_proj / v_proj": hidden, "self_attn.o_proj": hf_config.num_attention_heads * head_dim,
+            "mlp.gate_proj / up_proj": hidden, "mlp.down_proj": hf_config.intermediate_size}
+
+
+def check_group_size(hf_config, group_size: int, quantize_lm_head: bool) -> None:
+    """Refuse a ``--group-size`` that does not divide every quantized linear's in_features (or is odd: two
+    int4 columns share a byte), naming the first such layer and the sizes that would work."""
+    widths = linear_in_features(hf_config)
+    if quantize_lm_head:
+        widths["lm_head"] = hf_config.hidden_size
+    common = 0
+    for width in widths.values():
+        common = torch.gcd(torch.tensor(common), torch.tensor(width)).item() if common else width
+    valid = [g for g in GROUP_SIZE_CHOICES if common % g == 0] or [common]
+    bad = next((name for name, width in widths.items() if group_size < 2 or group_size % 2 or width % group_size), None)
+    if bad is not None:
+        raise BuildError(f"--group-size {group_size} does not divide {bad} (in_features {widths[bad]:,}): int4 groups "
+                         f"must evenly split every quantized linear's input; valid group sizes for this model: "
+                         f"{', '.join(map(str, valid))}")
+
+
+def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool) -> dict:
+    """A deep copy of ModelOpt's recipe for ``qformat`` with the int4 block size set to ``group_size`` and,
+    with ``quantize_lm_head``, the LM head's weight quantizer enabled."""
+    import modelopt.torch.quantization as mtq
+
+    base = {"int4_awq": mtq.INT4_AWQ_CFG, "int4_wo": mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
+            "int8_wo": mtq.INT8_WEIGHT_ONLY_CFG, "int8_sq": mtq.INT8_SMOOTHQUANT_CFG}[qformat]
+    recipe = copy.deepcopy(base)
+    entries = recipe["quant_cfg"]
+    for entry in entries:
+        if entry.get("quantizer_name") == "*weight_quantizer" and "block_sizes" in entry.get("cfg", {}):
+            entry["cfg"]["block_sizes"] = {-1: group_size, "type": "static"}
+    if quantize_lm_head:
+        weight_cfg = next(e["cfg"] for e in entries if e.get("quantizer_name") == "*weight_quantizer")
+        recipe["quant_cfg"] = [e for e in entries if e.get("quantizer_name") != "*lm_head*"]
+        recipe["quant_cfg"] += [{"quantizer_name": "*lm_head*weight_quantizer", "cfg": copy.deepcopy(weight_cfg)},
+                                {"quantizer_name": "*lm_head*input_quantizer", "enable": False}]
+    return recipe
+
+
+def _float_model(ck: Checkpoint, untie: bool):
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(ck.config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if untie and tied:  # a quantized LM head needs its own weight; the embedding stays float
+        config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = dict(ck.state_dict)
+    if untie and tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    model.load_state_dict(state, strict=False)
+    if tied and not untie:
+        model.tie_weights()
+    return model.eval()
+
+
+def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.Tensor], IntQuantization]:
+    """Quantize ``ck`` with ModelOpt's recipe for ``cfg.qformat``, export the unified HF checkpoint (to
+    ``cfg.export_dir``, or a temporary directory) and read it back into kilnlm's layout.
+
+    Returns ``(state_dict, quant)``: the float tensors the network still needs (float32, HF names; norms
+    with the folded smoothing / AWQ scales) and the quantized linears. Raises :class:`BuildError` for a
+    missing ModelOpt, an invalid group size or calibration data, or an export ModelOpt cannot write."""
+    try:
+        import modelopt.torch.quantization as mtq
+    except ImportError as exc:
+        raise BuildError(f"--qformat {cfg.qformat} needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
+    if cfg.qformat in INT4_QFORMATS:
+        check_group_size(ck.config, cfg.group_size, cfg.quantize_lm_head)
+    model = _float_model(ck, untie=cfg.quantize_lm_head)
+    loop = None
+    if cfg.qformat in CALIBRATED_QFORMATS:
+        batches = calibration_batches(ck.tokenizer, cfg.calib)
+        log.info("calibrating %s (ModelOpt) on %d samples x %d tokens of %s", cfg.qformat, len(batches),
+                 batches[0].shape[1], cfg.calib.describe())
+        loop = forward_loop(batches, f"{cfg.qformat} calibration", log.isEnabledFor(logging.INFO))
+    else:
+        log.info("quantizing %s (ModelOpt, round-to-nearest from the weights; no calibration data)", cfg.qformat)
+    torch.manual_seed(0)
+    model = mtq.quantize(model, modelopt_recipe(cfg.qformat, cfg.group_size, cfg.quantize_lm_head), loop)
+    with tempfile.TemporaryDirectory(prefix="kilnlm-export-") as tmp:
+        export_dir = Path(cfg.export_dir) if cfg.export_dir is not None else Path(tmp)
+        export_unified_checkpoint(model, ck.tokenizer, export_dir)
+        if cfg.export_dir is not None:
+            log.info("wrote the unified HF checkpoint (ModelOpt format) to %s", export_dir)
+        state, linears, group_size = read_unified_checkpoint(export_dir, cfg.qformat)
+    quant = IntQuantization(cfg.qformat, group_size, linears)
+    if cfg.quantize_lm_head and "lm_head" not in linears:
+        raise BuildError("ModelOpt did not quantize the LM head although --quantize-lm-head was given: report this as a kilnlm bug")
+    if cfg.qformat == "int8_sq":
+        fold_smoothing_into_norms(state, quant, ck.config.num_hidden_layers)
+    if getattr(ck.config, "tie_word_embeddings", False) and not cfg.quantize_lm_head:
+        state.pop("lm_head.weight", None)
+    return state, quant
