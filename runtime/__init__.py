@@ -22,7 +22,8 @@ The data that crosses each boundary, in the order of one executor iteration
   to make room. Made by the scheduler after the ``KVCacheManager`` granted blocks.
 - ``EngineInputs`` (abi.py): the batch packed into flat tensors (input ids, positions, cu_seqlens, block
   tables, slot mapping, logits indices) for the one engine forward; built by ``InputBuilder``
-  (inputs.py) into reused buffers. The engine returns ``logits [B, vocab] float32``.
+  (inputs.py) into reused buffers. The engine returns ``logits [B, vocab] float32`` (one row per sequence;
+  ``perplexity`` asks for N rows, one per scored token).
 - sampled token ids (one per sequence that completed its pending tokens) update the requests;
 - ``Response`` (request.py): new token ids and new text (held back while a UTF-8 character or a stop
   string may be incomplete), ``finished`` and ``finish_reason`` ("end_id" | "stop" | "length" |
