@@ -21,6 +21,7 @@ import torch
 from kilnlm.builder.checkpoint import Checkpoint, load_checkpoint
 from kilnlm.builder.compile import CompileOptions, compile_engine
 from kilnlm.builder.errors import BuildError
+from kilnlm.builder.kv_quant import KV_QUANT_MAX, resolve_kv_cache_dtype
 from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
 from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig, write_manifest
 
@@ -51,6 +52,7 @@ class BuildOptions:
     max_seq_len: int = 2048  # tokens of one sequence (prompt + generated)
     max_num_tokens: int = 2048  # packed tokens per forward
     tokens_per_block: int = 32  # tokens per paged-KV block
+    kv_cache_dtype: str = "auto"  # paged KV pool: auto (= dtype) | fp8 | int8 (8 bits, calibrated per-layer scales)
     overwrite: bool = False
     smoke_test: bool = True
     # Quantization (None = not given: the default applies where the format uses it, see check_quant_options).
@@ -88,7 +90,7 @@ def check_quant_options(opts: BuildOptions) -> None:
     q = opts.qformat
     calib_given = [flag for flag, value in (("--calib-data", opts.calib_data), ("--calib-size", opts.calib_num_samples),
                                             ("--calib-max-seq-len", opts.calib_seq_len)) if value is not None]
-    if calib_given and q not in CALIBRATED_QFORMATS :
+    if calib_given and q not in CALIBRATED_QFORMATS and opts.kv_cache_dtype == "auto":
         raise BuildError(f"{', '.join(calib_given)} given but --qformat {q} does not calibrate: drop them, or pick a "
                          f"calibrated format ({', '.join(CALIBRATED_QFORMATS)}) or an 8-bit --kv-cache-dtype (fp8, int8)")
     for flag, value in (("--calib-size", opts.calib_num_samples), ("--calib-max-seq-len", opts.calib_seq_len)):
@@ -169,6 +171,7 @@ def build_engine(opts: BuildOptions) -> Manifest:
     opts.checkpoint, opts.output = Path(opts.checkpoint), Path(opts.output)
     dtype_name = resolve_dtype(opts.qformat, opts.dtype)
     dtype = DTYPES[dtype_name]
+    kv_cache_dtype = resolve_kv_cache_dtype(opts.kv_cache_dtype, dtype_name)
     check_quant_options(opts)
     _check_output(opts)
     t_start = time.perf_counter()
@@ -179,9 +182,11 @@ def build_engine(opts: BuildOptions) -> Manifest:
              time.perf_counter() - t_start)
 
     network = build_network(opts, ck, model_cfg, dtype)
-    build_cfg = BuildConfig(qformat=opts.qformat, dtype=dtype_name, kv_cache_dtype=dtype_name,
+    build_cfg = BuildConfig(qformat=opts.qformat, dtype=dtype_name, kv_cache_dtype=kv_cache_dtype,
                             max_batch_size=opts.max_batch_size, max_num_tokens=opts.max_num_tokens,
                             max_seq_len=opts.max_seq_len, tokens_per_block=opts.tokens_per_block, target="cpu")
+    if kv_cache_dtype in KV_QUANT_MAX:
+        quantize_kv_cache(opts, ck, network, kv_cache_dtype)
 
     from kilnlm.plugins import PLUGIN_VERSIONS
 
@@ -228,6 +233,20 @@ def build_network(opts: BuildOptions, ck: Checkpoint, model_cfg: ModelConfig, dt
         log.info("%s quantization (ModelOpt) took %.1f s", opts.qformat, time.perf_counter() - t0)
         return LlamaNetwork(model_cfg, state, dtype, quant=quant)
     return LlamaNetwork(model_cfg, ck.state_dict, dtype)
+
+
+def quantize_kv_cache(opts: BuildOptions, ck: Checkpoint, network: LlamaNetwork, kv_cache_dtype: str) -> None:
+    """``--kv-cache-dtype fp8 | int8``: calibrate K (after RoPE) and V per layer on the calibration text
+    (ModelOpt, see :mod:`kilnlm.builder.kv_quant`) and bake the scales into ``network``'s attention layers.
+    Raises :class:`BuildError` for unusable calibration data or an unsupported architecture."""
+    from kilnlm.builder.calibration import calibration_batches
+    from kilnlm.builder.kv_quant import attach_kv_scales, calibrate_kv_cache, kv_scales
+
+    t0 = time.perf_counter()
+    batches = calibration_batches(ck.tokenizer, _calibration_config(opts))
+    amax = calibrate_kv_cache(ck, batches, show_progress=log.isEnabledFor(logging.INFO))
+    attach_kv_scales(network, kv_scales(amax, kv_cache_dtype))
+    log.info("%s KV-cache calibration (ModelOpt) took %.1f s", kv_cache_dtype, time.perf_counter() - t0)
 
 
 def _smoke_test(engine_dir: Path) -> None:

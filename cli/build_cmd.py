@@ -9,6 +9,7 @@ from pathlib import Path
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     from kilnlm.builder.build import QFORMATS
+    from kilnlm.builder.kv_quant import KV_CACHE_DTYPE_CHOICES
 
     p = subparsers.add_parser(name, help=help_text, description=help_text)
     p.add_argument("--checkpoint", required=True, type=Path,
@@ -39,6 +40,10 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                    help="integer formats: also write the quantized checkpoint in ModelOpt's unified Hugging Face "
                         "format (config.json with quantization_config, hf_quant_config.json, safetensors with "
                         "scales) to DIR (default: not written)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                   help="paged KV-cache storage: auto = the activation dtype (--dtype); fp8 (E4M3) or int8 = 8 bits with "
+                        "per-layer K and V scales calibrated on the calibration text (half of bfloat16's bytes: twice "
+                        "the tokens in the same --kv-cache-bytes) (default: auto)")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per forward (default: 32)")
     p.add_argument("--max-seq-len", type=int, default=2048,
                    help="tokens per sequence, prompt + generated (default: 2048)")
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[kilnlm build] %(message)s")
     manifest = build_engine(BuildOptions(
         checkpoint=args.checkpoint, output=args.output, qformat=args.qformat, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
         tokens_per_block=args.tokens_per_block, overwrite=args.overwrite, group_size=args.group_size,
         calib_data=args.calib_data, calib_num_samples=args.calib_size, calib_seq_len=args.calib_max_seq_len,

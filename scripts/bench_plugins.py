@@ -14,9 +14,13 @@
   GB/s counts the packed weight bytes *and* their scales, read once per call; each figure is the minimum
   over repeats (the machine may be shared), and "x bf16" is the speed-up over bf16 F.linear. Then a cold-
   weight decode sweep of 30 layers per format (what one engine decode step reads).
+- paged_attention with an 8-bit KV pool (``--only kv8``): bfloat16 activations over a bfloat16, an FP8
+  (E4M3) and an int8 pool with per-layer scales, generation phase (B=1 / 32, KV 512; B=8, KV 2048) and one
+  256-token context chunk; time per layer call, KV GB/s (bytes of the pool read), and SmolLM2's KV bytes
+  per token for each pool dtype.
 
 Usage: python scripts/bench_plugins.py [--threads N] [--dtype float32|bfloat16] [--min-time-s 0.2]
-       [--only fp8|quant|attention]
+       [--only fp8|quant|attention|kv8]
 """
 
 from __future__ import annotations
@@ -227,12 +231,43 @@ def bench_paged_attention(dtype: torch.dtype, min_time_s: float) -> None:
             print(f"{label:>28} {tokens_per_block:>4} | {t * 1e6:9.1f} {kv_bytes / t / 1e9:8.2f} | {t_dense * 1e6:9.1f}")
 
 
+def bench_kv8_attention(min_time_s: float) -> None:
+    from kilnlm.plugins import quantize_kv_reference
+
+    num_layers = 30  # SmolLM2-135M
+    print(f"\npaged_attention with 8-bit KV pools (bfloat16 activations, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, "
+          f"head_dim {HEAD_DIM}, tokens_per_block 32; per layer call)")
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("fp8", torch.float8_e4m3fn),
+                        ("int8", torch.int8)):
+        per_token = num_layers * 2 * NUM_KV_HEADS * HEAD_DIM * torch.empty(0, dtype=dtype).element_size()
+        print(f"  SmolLM2 KV bytes per token, {name:>8} pool: {per_token:,}")
+    print(f"{'case':>28} | {'bf16 us':>8} {'GB/s':>6} | {'fp8 us':>8} {'GB/s':>6} {'x bf16':>6} | "
+          f"{'int8 us':>8} {'GB/s':>6} {'x bf16':>6}")
+    cases = {"decode B=1 kv=512": [(511, 1)], "decode B=32 kv=512": [(511, 1)] * 32,
+             "decode B=8 kv=2048": [(2047, 1)] * 8, "context chunk 256 after 256": [(256, 256)]}
+    for label, seqs in cases.items():
+        args = paged_batch(seqs, torch.bfloat16, 32)
+        pool = args[3]
+        num_kv = sum(c + n for c, n in seqs) * NUM_KV_HEADS * HEAD_DIM * 2
+        row = [f"{label:>28}"]
+        t_bf16 = time_call_min(lambda: torch.ops.kilnlm.paged_attention(*args), min_time_s)
+        row.append(f"{t_bf16 * 1e6:8.1f} {num_kv * 2 / t_bf16 / 1e9:6.2f}")
+        for kv_dtype, qmax in ((torch.float8_e4m3fn, 448.0), (torch.int8, 127.0)):
+            kv_scale = torch.tensor([4.0 / qmax, 4.0 / qmax])  # randn pool: |x| <= ~4.5
+            pool8 = torch.stack([quantize_kv_reference(pool[:, 0], kv_scale[0], kv_dtype),
+                                 quantize_kv_reference(pool[:, 1], kv_scale[1], kv_dtype)], dim=1)
+            args8 = args[:3] + (pool8,) + args[4:] + (kv_scale,)
+            t = time_call_min(lambda: torch.ops.kilnlm.paged_attention(*args8), min_time_s)
+            row.append(f"{t * 1e6:8.1f} {num_kv / t / 1e9:6.2f} {t_bf16 / t:6.2f}")
+        print(" | ".join(row))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="attention / quantized-GEMM activation dtype")
     parser.add_argument("--min-time-s", type=float, default=0.2, help="measuring time per case")
-    parser.add_argument("--only", choices=["fp8", "quant", "attention"], default=None)
+    parser.add_argument("--only", choices=["fp8", "quant", "attention", "kv8"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_cpu_kernels()
@@ -245,6 +280,8 @@ def main() -> None:
         bench_quantized_decode_sweep(getattr(torch, args.dtype), args.min_time_s)
     if args.only in (None, "attention"):
         bench_paged_attention(getattr(torch, args.dtype), args.min_time_s)
+    if args.only in (None, "kv8"):
+        bench_kv8_attention(args.min_time_s)
 
 
 if __name__ == "__main__":
