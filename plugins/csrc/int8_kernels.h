@@ -27,7 +27,28 @@ static inline int32_t dot_i32_tail(const int8_t* row, const int16_t* x, int64_t 
   return s;
 }
 
+// W8A8 activation quantization, scalar: clamp(round_half_even(x / scale), -128, 127) (IEEE division first,
+// as quantize_int8_reference; clamping before rounding gives the same result and keeps the cast in range).
+static inline int16_t quantize_int8_scalar(float x, float scale) {
+  float v = x / scale;
+  v = v < -128.f ? -128.f : (v > 127.f ? 127.f : v);
+  return static_cast<int16_t>(__builtin_nearbyintf(v));  // default rounding mode: nearest, ties to even
+}
+
 #if KILN_ISA == 2  // ---------------------------------------------------------------- AVX-512
+
+// out[i] = quantize_int8_scalar(x[i], scale) for i < n.
+static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    const __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(q));
+  }
+  for (; i < n; ++i) out[i] = quantize_int8_scalar(x[i], scale);
+}
 
 // NR rows x NT tokens, float32: 16 int8 weights -> int32 -> float32 once, used by NT tokens.
 template <int NR, int NT>
@@ -91,6 +112,22 @@ template <int NT>
 struct RowsPerBlock { static constexpr int value = NT == 4 ? 2 : 4; };
 
 #elif KILN_ISA == 1  // ------------------------------------------------------------ AVX2 + FMA
+
+static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* out) {
+  const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i q[2];
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i + 8 * h), s);
+      v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+      q[h] = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // packs interleaves 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi] -> reorder the 64-bit quarters
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+  }
+  for (; i < n; ++i) out[i] = quantize_int8_scalar(x[i], scale);
+}
 
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -156,6 +193,10 @@ template <int NT>
 struct RowsPerBlock { static constexpr int value = NT == 1 ? 4 : (NT == 2 ? 2 : 1); };
 
 #else  // ------------------------------------------------------------------------------ portable scalar
+
+static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = quantize_int8_scalar(x[i], scale);
+}
 
 template <int NR, int NT>
 static inline void gemv_f32_block(const int8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,

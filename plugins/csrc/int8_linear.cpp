@@ -10,8 +10,9 @@
 //   byte read once per call; more tokens (context phase): tiles of kTileRows rows dequantized to float32
 //   (q * scale, the reference's weight) in a thread-local buffer and multiplied with at::mm.
 // - int8_sq_linear, any token count: int8 x int8 products summed exactly in int32 by a register-blocked
-//   micro-kernel (sign extension to int16 + VPMADDWD), over tiles of kTileRows rows so a tile stays in
-//   cache while every token block passes over it. Bit-exact with the reference.
+//   micro-kernel (AVX512-VNNI VPDPBUSD where the CPU has it, int8_vnni_gemm.h; else sign extension to int16
+//   + VPMADDWD), over tiles of rows so a tile stays in cache while every token block passes over it.
+//   Bit-exact with the reference.
 // All parallelize over output rows with at::parallel_for.
 
 #include <ATen/ATen.h>
@@ -60,6 +61,15 @@ namespace {
 }  // namespace
 }  // namespace avx512
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+namespace avx512vnni {
+namespace {
+#include "int8_vnni_gemm.h"
+}  // namespace
+}  // namespace avx512vnni
+#pragma GCC pop_options
 #endif
 
 namespace {
@@ -68,6 +78,18 @@ namespace {
 // SmolLM2's shapes). Both ops work on tiles of kTileRows output rows.
 constexpr int64_t kMaxDirectTokens = 16;
 constexpr int64_t kTileRows = 64;
+
+// AVX512-VNNI (VPDPBUSD): the int8_sq_linear context-phase GEMM (int8_vnni_gemm.h). KILNLM_CPU_ISA=avx512
+// turns it off (to test the VPMADDWD path on every token count).
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__)
+  static const bool has = kiln::cpu_has_avx512() && !kiln::cpu_isa_capped_at("avx512") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+#else
+  return false;
+#endif
+}
 
 using GemvF32Fn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 using GemmI32Fn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int16_t*, int64_t, int64_t, int32_t*, int64_t);
@@ -179,26 +201,53 @@ void int8_linear_tiled(const int8_t* w, int64_t in, int64_t out_features, const 
 
 // ----------------------------------------------------------------------------------------------- W8A8
 
-// x_q[t, c] = clamp(round_half_even(float(x[t, c]) * pqs[c] / input_scale), -128, 127), as int16 for
-// VPMADDWD; bit-exact with quantize_int8_reference (an IEEE division, then rounding to nearest even).
+using QuantizeFn = void (*)(const float*, int64_t, float, int16_t*);
+
+QuantizeFn quantize_fn() {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_avx512()) return avx512::quantize_int8_rows;
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::quantize_int8_rows;
+#endif
+  return generic::quantize_int8_rows;
+}
+
+// x_q[t, c] = clamp(round_half_even(float(x[t, c]) * pqs[c] / input_scale), -128, 127), as int16 (VPMADDWD's
+// operand); bit-exact with quantize_int8_reference (IEEE multiply, IEEE division, rounding to nearest even).
 template <typename scalar_t>
 void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int16_t* dst) {
   const int64_t in = x.size(1);
-  const scalar_t* src = x.data_ptr<scalar_t>();
+  std::vector<float> xs(static_cast<size_t>(x.numel()));
+  to_float<scalar_t>(x, pqs, xs.data());
+  const QuantizeFn quantize = quantize_fn();
   at::parallel_for(0, x.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
-    for (int64_t i = t0 * in; i < t1 * in; ++i) {
-      float v = static_cast<float>(src[i]);
-      if (pqs != nullptr) v = v * pqs[i % in];
-      v = std::nearbyint(v / input_scale);  // default rounding mode: to nearest, ties to even
-      v = v < -128.f ? -128.f : (v > 127.f ? 127.f : v);
-      dst[i] = static_cast<int16_t>(v);
-    }
+    quantize(xs.data() + t0 * in, (t1 - t0) * in, input_scale, dst + t0 * in);
   });
 }
+
+#if defined(__x86_64__)
+// With AVX512-VNNI: x_q + 128 as bytes, then VPDPBUSD dot products (int8_vnni_gemm.h), exact as well.
+template <typename scalar_t>
+void int8_sq_gemm_vnni(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
+                       const float* row_scale, const float* bias, scalar_t* out) {
+  std::vector<uint8_t> xu(static_cast<size_t>(num_tokens * in));  // [T, in] x_q + 128
+  for (int64_t i = 0; i < num_tokens * in; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+  std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));  // [T, out]
+  int32_t* acc_ptr = acc.data();
+  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
+  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
+    avx512vnni::gemm_vnni_rows(w, in, r0, r1, xu.data(), num_tokens, in, acc_ptr, out_features);
+    epilogue<scalar_t, int32_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, row_scale, bias, out, out_features);
+  });
+}
+#endif
 
 template <typename scalar_t>
 void int8_sq_gemm(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
                   const float* row_scale, const float* bias, scalar_t* out) {
+#if defined(__x86_64__)
+  if (cpu_has_avx512_vnni())
+    return int8_sq_gemm_vnni<scalar_t>(w, in, out_features, xq, num_tokens, row_scale, bias, out);
+#endif
   const GemmI32Fn gemm = gemm_i32_fn();
   std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));
   int32_t* acc_ptr = acc.data();
