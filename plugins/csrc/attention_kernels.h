@@ -44,9 +44,10 @@ static inline __m512 load16(const uint16_t* p) {
 static inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-static inline __m512 load16(const uint8_t* p) {  // FP8 bytes -> half bits (2^-8 * value) -> float32
-  __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  u = _mm256_srai_epi16(_mm256_slli_epi16(u, 8), 1);  // s s eeee mmm 0000000
+// FP8 bytes -> half bits (2^-8 * value) -> float32. Sign-extending to 16 bits and shifting left by 7 gives
+// `s s eeee mmm 0000000`; clearing bit 14 leaves the half `s 0 eeee mmm 0000000`.
+static inline __m512 load16(const uint8_t* p) {
+  const __m256i u = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
   return _mm512_cvtph_ps(_mm256_and_si256(u, _mm256_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
@@ -188,9 +189,8 @@ static inline __m256 load8(const uint16_t* p) {
 static inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-static inline __m256 load8(const uint8_t* p) {  // FP8 bytes -> half bits (2^-8 * value) -> float32
-  __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  u = _mm_srai_epi16(_mm_slli_epi16(u, 8), 1);  // s s eeee mmm 0000000
+static inline __m256 load8(const uint8_t* p) {  // FP8 bytes -> half bits -> float32, as load16 (AVX-512)
+  const __m128i u = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
   return _mm256_cvtph_ps(_mm_and_si128(u, _mm_set1_epi16(static_cast<short>(0xBFFF))));
 }
 

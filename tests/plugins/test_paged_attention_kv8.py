@@ -116,6 +116,27 @@ def test_saturation_and_rounding_rules(make_packed_batch):
         assert stored.tolist() == expected_v, (kv_dtype, stored)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp8", "int8"])
+def test_every_stored_code_reads_back_exactly(kv_dtype):
+    """All 256 codes (FP8: the 254 finite ones, NaN codes replaced by 0) as cached V of a generation step
+    with q = 0 and a zero new V: uniform weights over the two KV positions, so out = decode(code) * v_scale
+    / 2 exactly -- the kernel's vector FP8 / int8 decode (with its folded 2^8) against torch's."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if kv_dtype == torch.float8_e4m3fn:
+        codes[(codes == 0x7F) | (codes == 0xFF)] = 0
+    num_kv_heads, head_dim, tpb = 4, 64, 16
+    pool = torch.zeros(1, 2, 2, tpb, num_kv_heads, head_dim, dtype=kv_dtype)
+    pool.view(torch.uint8)[0, 1, 0, 0] = codes.reshape(num_kv_heads, head_dim)
+    v_scale = 0.375
+    zeros = torch.zeros(1, num_kv_heads, head_dim)
+    out = torch.ops.kilnlm.paged_attention(
+        zeros, zeros, zeros, pool, 0, torch.tensor([1]), torch.ones(head_dim // 2), torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), torch.tensor([1]), 0.125,
+        torch.tensor([1.0, v_scale]))
+    expected = codes.view(kv_dtype).float().reshape(num_kv_heads, head_dim) * v_scale / 2
+    assert torch.equal(out[0], expected)
+
+
 def test_sixteen_bit_pool_results_unchanged_by_the_new_argument(make_packed_batch):
     """kv_scale=None (and the 12-argument form older engines call) is the 16/32-bit pool, bit-identical."""
     batch = make_packed_batch(MIXED, dtype=torch.bfloat16)
