@@ -56,7 +56,7 @@ class BuildConfig:
 
     qformat: str  # "fp32" | "bf16" | "fp8"
     dtype: str  # activation / KV-cache dtype: "float32" | "bfloat16"
-    kv_cache_dtype: str  # "float32" | "bfloat16"
+    kv_cache_dtype: str  # "float32" | "bfloat16" (= dtype), or "fp8" | "int8" (8-bit pool, per-layer scales in the engine)
     max_batch_size: int  # sequences per forward
     max_num_tokens: int  # packed tokens per forward (context chunks + generation tokens)
     max_seq_len: int  # prompt + generated tokens of one sequence
