@@ -14,6 +14,11 @@ Layout written for ``kilnlm deploy REF --model-repository DIR --model-name NAME`
       NAME_sync/              the plain-protocol face (HTTP /infer) of NAME: the template's kilnlm_sync
                               with target_model "NAME"; written once, when NAME is first deployed
 
+Every version directory also holds a small *file* named ``__pycache__``: the Python backend's stub ignores
+PYTHONDONTWRITEBYTECODE and would write ``<version>/__pycache__/model.*.pyc`` when it imports model.py,
+which a server polling the repository (``--model-control-mode=poll``) takes for a changed model and
+loads a second time; Python skips writing bytecode where that directory cannot be created.
+
 REF is a local engine directory, or a cache reference (``s3://bucket/prefix/name:version``,
 ``/local/cache/name:latest``, ``<cache url>/<key>``; ``name:version`` alone with ``--cache URL``). A cache
 reference becomes a pointer (``engine.json``: the reference and the key it resolved to, so the version
@@ -51,6 +56,9 @@ TEMPLATE_MODEL = "kilnlm"  # the template's LLM model (decoupled, hosts the exec
 TEMPLATE_SYNC_MODEL = "kilnlm_sync"  # the template's BLS forwarder for HTTP /infer
 SYNC_SUFFIX = "_sync"
 MODEL_FILE = "model.py"
+PYCACHE_BLOCKER = "__pycache__"
+PYCACHE_BLOCKER_TEXT = ("Written by `kilnlm deploy`: a file, not a directory, so that Python writes no bytecode "
+                        "here (a Triton server polling the repository would take it for a changed model).\n")
 CONFIG_FILE = "config.pbtxt"
 STAGING_PREFIX = ".kilnlm-staging-"
 _MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -244,6 +252,7 @@ def _write_version(engine: _VerifiedEngine, copy_engine: bool, template: Path, v
     pointer. Returns the mode, "copy" or "pointer"."""
     version_dir.mkdir()
     shutil.copy2(template / TEMPLATE_MODEL / "1" / MODEL_FILE, version_dir / MODEL_FILE)
+    (version_dir / PYCACHE_BLOCKER).write_text(PYCACHE_BLOCKER_TEXT)
     if engine.engine_ref is not None and not copy_engine:
         pointer = EnginePointer(engine_ref=engine.engine_ref, cache_key=engine.cache_key)
         (version_dir / POINTER_NAME).write_text(pointer.to_json())
@@ -336,6 +345,7 @@ def deploy(config: DeployConfig) -> DeployResult:
                 (staged_sync / "1").mkdir(parents=True)
                 (staged_sync / CONFIG_FILE).write_text(render_sync_config(template, name))
                 shutil.copy2(template / TEMPLATE_SYNC_MODEL / "1" / MODEL_FILE, staged_sync / "1" / MODEL_FILE)
+                (staged_sync / "1" / PYCACHE_BLOCKER).write_text(PYCACHE_BLOCKER_TEXT)
             # The renames: the model (or its new version) first, then its sync face.
             if created_model:
                 _rename_new(staged_model, model_dir, "the model")

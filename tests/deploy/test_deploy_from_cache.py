@@ -37,7 +37,8 @@ def test_deploy_from_s3_pins_a_pointer_and_the_model_fetches_it_once(s3_cache, t
     result = deploy(DeployConfig(ref=f"{cache_url}/tiny:1", model_repository=repo, model_name="tiny"))
     assert (result.version, result.mode, result.cache_key) == (1, "pointer", entry.key)
     version_dir = repo / "tiny" / "1"
-    assert sorted(p.name for p in version_dir.iterdir()) == ["engine.json", "model.py"]
+    assert sorted(p.name for p in version_dir.iterdir()) == ["__pycache__", "engine.json", "model.py"]
+    assert (version_dir / "__pycache__").is_file()  # Python writes no bytecode into the repository
     assert EnginePointer.read(version_dir / "engine.json") == EnginePointer(f"{cache_url}/tiny:1", entry.key)
 
     environ = {ENGINE_CACHE_DIR_ENV: str(tmp_path / "served")}
