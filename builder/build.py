@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 
+from kilnlm.builder.cache_key import CacheKey, compute_cache_key
 from kilnlm.builder.checkpoint import Checkpoint, load_checkpoint
 from kilnlm.builder.compile import CompileOptions, compile_engine
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.kv_quant import KV_QUANT_MAX, resolve_kv_cache_dtype
 from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
+from kilnlm.builder.toolchain import inductor_cpu_isa
 from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig, write_manifest
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,6 @@ def _generation_defaults(ck: Checkpoint) -> GenerationDefaults:
 def toolchain_versions() -> dict[str, str]:
     """kilnlm, torch, C++ compiler and the CPU vector ISA inductor generates code for."""
     from torch._inductor import cpp_builder
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     try:
         kilnlm_version = importlib.metadata.version("kilnlm")
@@ -162,12 +163,13 @@ def toolchain_versions() -> dict[str, str]:
     info = cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())
     compiler = next((part.strip() for part in info.split("_") if " version " in part), info[-80:]).strip()
     return {"kilnlm": kilnlm_version, "torch": torch.__version__, "compiler": compiler,
-            "cpu_isa": str(pick_vec_isa()), "target": "cpu"}
+            "cpu_isa": inductor_cpu_isa(), "target": "cpu"}
 
 
-def build_engine(opts: BuildOptions) -> Manifest:
-    """Build an engine directory at ``opts.output`` and return its manifest. Raises
-    :class:`BuildError` for bad input; never leaves a partial ``opts.output`` behind."""
+def build_engine(opts: BuildOptions, cache_key: CacheKey | None = None) -> Manifest:
+    """Build an engine directory at ``opts.output`` and return its manifest, which records the build's
+    cache key (``cache_key``: computed here unless the caller already did). Raises :class:`BuildError`
+    for bad input; never leaves a partial ``opts.output`` behind."""
     opts.checkpoint, opts.output = Path(opts.checkpoint), Path(opts.output)
     dtype_name = resolve_dtype(opts.qformat, opts.dtype)
     dtype = DTYPES[dtype_name]
@@ -175,6 +177,7 @@ def build_engine(opts: BuildOptions) -> Manifest:
     check_quant_options(opts)
     _check_output(opts)
     t_start = time.perf_counter()
+    cache_key = cache_key or compute_cache_key(opts)
     ck = load_checkpoint(opts.checkpoint)
     model_cfg = model_config_from_hf(ck.config)
     _check_limits(opts, model_cfg, ck.config)
@@ -201,7 +204,8 @@ def build_engine(opts: BuildOptions) -> Manifest:
         ck.tokenizer.save_pretrained(tmp / "tokenizer")
         manifest = Manifest(model=model_cfg, build=build_cfg, generation=_generation_defaults(ck),
                             plugins={name: PLUGIN_VERSIONS[name] for name in used},
-                            toolchain=toolchain_versions(), source_checkpoint_digest=ck.digest)
+                            toolchain=toolchain_versions(), source_checkpoint_digest=ck.digest,
+                            cache_key=cache_key.key, cache_key_inputs=cache_key.inputs)
         write_manifest(tmp, manifest)
         if opts.smoke_test:
             _smoke_test(tmp)

@@ -51,16 +51,37 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                    help="tokens packed into one forward, context chunks + generation tokens (default: 2048)")
     p.add_argument("--tokens-per-block", type=int, default=32, help="tokens per paged-KV block (default: 32)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
+    p.add_argument("--cache", default=None, metavar="URL",
+                   help="engine cache (a directory, file:///path or s3://bucket/prefix): on a hit the engine is fetched "
+                        "and verified instead of built, on a miss it is built and then published (default: no cache)")
+    p.add_argument("--name", default=None, metavar="NAME[:VERSION]",
+                   help="with --cache: tag the engine NAME:VERSION; without VERSION the next integer version, unless "
+                        "NAME already has a version of this engine (default: untagged)")
     p.add_argument("--quiet", action="store_true", help="print only errors")
     p.set_defaults(run=run)
     return p
+
+
+def _build(args: argparse.Namespace, opts):
+    """Build ``opts`` -- through the engine cache when ``--cache`` is given -- and return the manifest."""
+    from kilnlm.builder.build import build_engine
+
+    if not args.cache:
+        return build_engine(opts)
+    from kilnlm.builder.cached_build import build_with_cache
+
+    return build_with_cache(opts, args.cache, args.name, say=(lambda line: None) if args.quiet else print).manifest
 
 
 def run(args: argparse.Namespace) -> int:
     from kilnlm.builder.build import BuildOptions, build_engine
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[kilnlm build] %(message)s")
-    manifest = build_engine(BuildOptions(
+    if args.name and not args.cache:
+        from kilnlm.builder.errors import BuildError
+
+        raise BuildError("--name tags an engine in a cache: add --cache URL (or drop --name)")
+    manifest = _build(args, BuildOptions(
         checkpoint=args.checkpoint, output=args.output, qformat=args.qformat, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,

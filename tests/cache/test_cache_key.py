@@ -1,0 +1,144 @@
+"""The cache key: content-based, blind to where things lie, and changed by every option that changes
+the engine (checked field by field against BuildOptions, so a new build option needs a case here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kilnlm.builder.build import BuildOptions
+from kilnlm.builder.cache_key import EXCLUDED_FIELDS, checkpoint_content_digest, compute_cache_key
+from kilnlm.builder.compile import CompileOptions
+
+# field -> (base options, changed options): each pair differs in that one field only and is valid for the build.
+ENGINE_CHANGES = {
+    "qformat": ({}, {"qformat": "bf16"}),
+    "dtype": ({"qformat": "fp8"}, {"qformat": "fp8", "dtype": "float32"}),
+    "max_batch_size": ({}, {"max_batch_size": 8}),
+    "max_seq_len": ({}, {"max_seq_len": 1024}),
+    "max_num_tokens": ({}, {"max_num_tokens": 512}),
+    "tokens_per_block": ({}, {"tokens_per_block": 16}),
+    "kv_cache_dtype": ({}, {"kv_cache_dtype": "fp8"}),
+    "group_size": ({"qformat": "int4_awq"}, {"qformat": "int4_awq", "group_size": 64}),
+    "calib_data": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_data": "CALIB"}),
+    "calib_num_samples": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_num_samples": 8}),
+    "calib_seq_len": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_seq_len": 64}),
+    "quantize_lm_head": ({"qformat": "int4_wo"}, {"qformat": "int4_wo", "quantize_lm_head": True}),
+    "compile": ({}, {"compile": CompileOptions(inductor_configs={"freezing": False})}),
+}
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """A fake HF checkpoint: the key hashes files and loads nothing, so random bytes do."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}\n')
+    (ck / "model.safetensors").write_bytes(os.urandom(1 << 16))
+    (ck / "tokenizer.json").write_text('{"model": "fake"}\n')
+    return ck
+
+
+def _key(checkpoint: Path, tmp_path: Path, **options) -> str:
+    if options.get("calib_data") == "CALIB":
+        options["calib_data"] = tmp_path / "calib.txt"
+    return compute_cache_key(BuildOptions(checkpoint=checkpoint, output=tmp_path / "engine", **options)).key
+
+
+def test_every_engine_affecting_option_has_a_case():
+    fields = {f.name for f in dataclasses.fields(BuildOptions)} - EXCLUDED_FIELDS
+    assert fields == set(ENGINE_CHANGES), "add the new BuildOptions field to ENGINE_CHANGES or EXCLUDED_FIELDS"
+
+
+@pytest.mark.parametrize("field", sorted(ENGINE_CHANGES))
+def test_changing_an_engine_option_changes_the_key(checkpoint, tmp_path, field):
+    (tmp_path / "calib.txt").write_text("Calibration text.\n" * 100)
+    base, changed = ENGINE_CHANGES[field]
+    assert _key(checkpoint, tmp_path, **base) != _key(checkpoint, tmp_path, **changed)
+
+
+def test_options_that_do_not_change_the_engine_keep_the_key(checkpoint, tmp_path):
+    key = compute_cache_key(BuildOptions(checkpoint=checkpoint, output=tmp_path / "a")).key
+    same = [
+        BuildOptions(checkpoint=checkpoint, output=tmp_path / "elsewhere" / "b", overwrite=True, smoke_test=False),
+        BuildOptions(checkpoint=checkpoint, output=tmp_path / "c", dtype="float32"),  # what auto resolves to
+    ]
+    assert all(compute_cache_key(opts).key == key for opts in same)
+    fp8 = [compute_cache_key(BuildOptions(checkpoint=checkpoint, output=tmp_path / "d", qformat="fp8", **extra)).key
+           for extra in ({}, {"calib_num_samples": 24, "calib_seq_len": 256})]
+    assert len(set(fp8)) == 1  # unset options and their defaults
+
+
+def test_checkpoint_digest_is_content_based(checkpoint, tmp_path):
+    digest = checkpoint_content_digest(checkpoint)
+    moved = shutil.copytree(checkpoint, tmp_path / "moved", copy_function=shutil.copy)  # new path, new mtimes
+    os.utime(moved / "model.safetensors", (0, 0))
+    (moved / "README.md").write_text("a model card\n")  # never read by a build
+    assert checkpoint_content_digest(moved) == digest
+    weights = bytearray((moved / "model.safetensors").read_bytes())
+    weights[123] ^= 1
+    (moved / "model.safetensors").write_bytes(weights)
+    assert checkpoint_content_digest(moved) != digest
+    (checkpoint / "tokenizer.json").write_text('{"model": "other"}\n')  # the tokenizer ships in the engine
+    assert checkpoint_content_digest(checkpoint) != digest
+
+
+def test_calibration_data_is_keyed_by_content(checkpoint, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("one text\n" * 50)
+    key = _key(checkpoint, tmp_path, qformat="fp8", calib_data=calib)
+    copy = tmp_path / "copy.txt"
+    shutil.copy(calib, copy)
+    assert _key(checkpoint, tmp_path, qformat="fp8", calib_data=copy) == key
+    calib.write_text("another text\n" * 50)
+    assert _key(checkpoint, tmp_path, qformat="fp8", calib_data=calib) != key
+    as_jsonl, as_text = tmp_path / "lines.jsonl", tmp_path / "lines.txt"  # same bytes, another parser
+    as_jsonl.write_text('{"text": "one text"}\n' * 50)
+    shutil.copy(as_jsonl, as_text)
+    assert _key(checkpoint, tmp_path, qformat="fp8", calib_data=as_jsonl) != _key(checkpoint, tmp_path, qformat="fp8",
+                                                                                  calib_data=as_text)
+
+
+def test_toolchain_plugins_and_format_version_change_the_key(checkpoint, tmp_path, monkeypatch):
+    import kilnlm.builder.cache_key as cache_key
+    import kilnlm.runtime.manifest as manifest
+    from kilnlm.plugins import PLUGIN_VERSIONS
+
+    key = _key(checkpoint, tmp_path)
+    real = cache_key.toolchain_for_key
+    for change in ({"cpu_isa": "avx2"}, {"torch": "9.9.9"}, {"kilnlm_sources": "sha256:0"}):
+        monkeypatch.setattr(cache_key, "toolchain_for_key", lambda change=change: {**real(), **change})
+        assert _key(checkpoint, tmp_path) != key, change
+    monkeypatch.setattr(cache_key, "toolchain_for_key", real)
+    monkeypatch.setitem(PLUGIN_VERSIONS, "paged_attention", PLUGIN_VERSIONS["paged_attention"] + 1)
+    assert _key(checkpoint, tmp_path) != key
+    monkeypatch.setitem(PLUGIN_VERSIONS, "paged_attention", PLUGIN_VERSIONS["paged_attention"] - 1)
+    monkeypatch.setattr(manifest, "FORMAT_VERSION", manifest.FORMAT_VERSION + 1)
+    assert _key(checkpoint, tmp_path) != key
+    monkeypatch.setattr(manifest, "FORMAT_VERSION", manifest.FORMAT_VERSION - 1)
+    assert _key(checkpoint, tmp_path) == key
+
+
+def test_toolchain_probe_is_memoized_per_machine_and_compiler(tmp_path, monkeypatch):
+    """The inductor probe runs once per (torch, kilnlm, compiler, ATEN_CPU_CAPABILITY, CPU flags)."""
+    import kilnlm.builder.build as build
+    from kilnlm.builder.toolchain import memo_path, toolchain_for_key
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    first = toolchain_for_key()
+    assert memo_path().is_file() and first["cpu_isa"] == build.toolchain_versions()["cpu_isa"]
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return {**first, "cpu_isa": "probed"}
+
+    monkeypatch.setattr(build, "toolchain_versions", probe)
+    assert toolchain_for_key() == first and calls == []  # memo hit: no probe
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # inductor would pick another ISA
+    assert toolchain_for_key()["cpu_isa"] == "probed" and calls == [1]
