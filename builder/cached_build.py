@@ -60,4 +60,3 @@ def build_with_cache(opts: BuildOptions, cache_url: str, name: str | None = None
         entry = cache.lookup(key.key) or entry
     return CachedBuild(manifest=manifest, key=key.key, hit=hit, entry=entry, name=tagged,
                        elapsed_s=time.perf_counter() - t_start)
-
