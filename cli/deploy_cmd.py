@@ -22,8 +22,8 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--version", type=int, default=None,
                    help="version number to write (default: the highest existing version + 1, or 1)")
     p.add_argument("--cache", default=None, metavar="URL",
-                   help="cache to look a bare NAME:VERSION or key up in (default: none; REF must then be a "
-                        "directory or a full cache reference)")
+                   help="cache to look a bare NAME:VERSION or key up in (default: $KILNLM_CACHE or "
+                        "~/.cache/kilnlm/engines, as for `kilnlm cache`)")
     p.add_argument("--copy", action="store_true",
                    help="store a cache reference's engine files in the version directory instead of a "
                         "pointer resolved when the model loads (default: off, a pointer)")
@@ -33,11 +33,12 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
 
 
 def run(args: argparse.Namespace) -> int:
+    from kilnlm.cli.cache_cmd import default_cache_url
     from kilnlm.runtime.deploy import DeployConfig, deploy
 
     result = deploy(DeployConfig(ref=args.ref, model_repository=args.model_repository,
-                                 model_name=args.model_name, version=args.version, cache_url=args.cache,
-                                 copy_engine=args.copy))
+                                 model_name=args.model_name, version=args.version,
+                                 cache_url=args.cache or default_cache_url(), copy_engine=args.copy))
     if args.json:
         print(json.dumps({"model_dir": str(result.model_dir), "version": result.version,
                           "version_dir": str(result.version_dir), "mode": result.mode,

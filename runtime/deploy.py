@@ -242,8 +242,8 @@ def _verify_engine_ref(config: DeployConfig, scratch: Path) -> _VerifiedEngine:
     except KilnError as exc:
         if "://" in ref:
             raise DeployError(f"refusing to deploy {ref}: {exc}") from None
-        raise DeployError(f"refusing to deploy {ref}: it is no engine directory (none exists there), and as a "
-                          f"cache reference: {exc} (a bare NAME:VERSION needs --cache URL)") from None
+        raise DeployError(f"refusing to deploy {config.ref}: no engine directory {config.ref} exists, and as "
+                          f"cache reference {ref}: {exc}") from None
     return _VerifiedEngine(fetched, ref, key)
 
 
