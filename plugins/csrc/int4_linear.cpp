@@ -6,8 +6,10 @@
 // The packed weight [out, in / 2] uint8 is read directly, never dequantized as a whole:
 // - few tokens (generation phase): a fused unpack-and-FMA GEMV over output rows (int4_kernels.h), each
 //   weight byte read once per call: memory bound at half a byte per weight;
-// - more tokens (context phase): tiles of kTileRows output rows are dequantized (float32, exactly the
-//   reference's q * scale) into a thread-local buffer and multiplied with at::mm, reused by all T rows.
+// - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local buffer
+//   and multiplied with all T rows: float32 x -> float32 tiles (exactly the reference's q * scale) through
+//   at::mm; bfloat16 x on CPUs with AVX512-BF16 -> bfloat16 tiles (q * scale rounded once to bfloat16, as
+//   a bf16 checkpoint's weights are) through VDPBF16PS (fp8_bf16_gemm.h), float32 accumulation.
 // Both parallelize over output rows with at::parallel_for.
 
 #include <ATen/ATen.h>
@@ -55,13 +57,26 @@ namespace {
 }  // namespace
 }  // namespace avx512
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+namespace avx512bf16 {
+namespace {
+#include "fp8_bf16_gemm.h"
+#include "bf16_tile.h"
+}  // namespace
+}  // namespace avx512bf16
+#pragma GCC pop_options
 #endif
 
 namespace {
 
 // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py, SmolLM2's
 // shapes); kTileRows output rows are dequantized at a time in the context phase.
-constexpr int64_t kMaxDirectTokens = 16;
+// The bf16 GEMM is ~3x the float32 one, so it takes over sooner (its fixed cost, converting the weight
+// to bf16 tiles, is paid back from ~9 tokens).
+constexpr int64_t kMaxDirectTokensF32Gemm = 16;
+constexpr int64_t kMaxDirectTokensBf16Gemm = 8;
 constexpr int64_t kTileRows = 64;
 
 using GemvFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
@@ -216,6 +231,36 @@ void run_tiled(const Problem& p, Isa isa, scalar_t* out) {
   });
 }
 
+#if defined(__x86_64__)
+// Context phase, bfloat16 x with AVX512-BF16: tiles of q * scale rounded to bfloat16 and VDPBF16PS
+// (twice the multiply rate of float32 FMAs); x * pre_quant_scale is rounded to bfloat16 once.
+template <typename scalar_t>
+void run_tiled_bf16(const Problem& p, Isa isa, scalar_t* out) {
+  const DequantFn dequant = dequant_fn(isa);
+  const int64_t k_pad = (p.in + 31) / 32 * 32, tokens_pad = (p.num_tokens + 3) / 4 * 4;
+  std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad] bf16 bits
+  at::parallel_for(0, p.num_tokens, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) avx512bf16::to_bf16_padded(p.xs + t * p.in, p.in, xb.data() + t * k_pad, k_pad);
+  });
+  const int64_t num_tiles = (p.out_features + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+    std::vector<float> w_tile(static_cast<size_t>(kTileRows * p.in));             // [kTileRows, in] float32
+    std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);          // [kTileRows, k_pad] bf16
+    std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));          // [tokens_pad, kTileRows]
+    for (int64_t tile = tile0; tile < tile1; ++tile) {
+      const int64_t r0 = tile * kTileRows, r1 = std::min(p.out_features, r0 + kTileRows);
+      const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
+      dequant(p.w, p.in, p.scales, p.group_size, r0, r1, w_tile.data());
+      for (int64_t r = 0; r < r1 - r0; ++r)
+        avx512bf16::to_bf16_padded(w_tile.data() + r * p.in, p.in, wb.data() + r * k_pad, k_pad);
+      std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
+      avx512bf16::bf16_gemm_nt(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
+      epilogue<scalar_t>(acc.data(), kTileRows, p.num_tokens, r0, r1, p.bias, out, p.out_features);
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& weight_scale_in,
@@ -233,7 +278,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   if (pre_quant_scale_in.has_value()) pqs = pre_quant_scale_in->to(at::kFloat).contiguous();
 
   const Isa isa = pick_isa(group_size);
-  const bool direct = num_tokens <= kMaxDirectTokens;
+  const bool bf16_gemm = x.scalar_type() == at::kBFloat16 && kiln::cpu_has_avx512_bf16();
+  const bool direct = num_tokens <= (bf16_gemm ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm);
   // The GEMV's vector paths read x block-permuted; at::mm and the scalar path read it in natural order.
   const bool permute = direct && isa != Isa::kGeneric;
   std::vector<float> xs(static_cast<size_t>(num_tokens * in));
@@ -250,6 +296,9 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, permute, xs.data());
         if (direct) run_direct<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
+#if defined(__x86_64__)
+        else if (bf16_gemm) run_tiled_bf16<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
+#endif
         else run_tiled<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
       }));
   return out;

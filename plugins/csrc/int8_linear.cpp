@@ -7,8 +7,10 @@
 //
 // The int8 weight [out, in] is read directly, never dequantized as a whole:
 // - int8_linear, few tokens (generation phase): fused convert-and-FMA GEMV (int8_kernels.h), each weight
-//   byte read once per call; more tokens (context phase): tiles of kTileRows rows dequantized to float32
-//   (q * scale, the reference's weight) in a thread-local buffer and multiplied with at::mm.
+//   byte read once per call; more tokens (context phase): tiles of kTileRows rows dequantized in a
+//   thread-local buffer and multiplied with all T rows: float32 x -> float32 q * scale (the reference's
+//   weight) through at::mm; bfloat16 x with AVX512-BF16 -> bfloat16 q (exact) through VDPBF16PS
+//   (fp8_bf16_gemm.h), the scale applied after the float32 sum.
 // - int8_sq_linear, any token count: int8 x int8 products summed exactly in int32 by a register-blocked
 //   micro-kernel (AVX512-VNNI VPDPBUSD where the CPU has it, int8_vnni_gemm.h; else sign extension to int16
 //   + VPMADDWD), over tiles of rows so a tile stays in cache while every token block passes over it.
@@ -63,6 +65,16 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+namespace avx512bf16 {
+namespace {
+#include "fp8_bf16_gemm.h"
+#include "bf16_tile.h"
+}  // namespace
+}  // namespace avx512bf16
+#pragma GCC pop_options
+
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 namespace avx512vnni {
 namespace {
@@ -75,8 +87,11 @@ namespace {
 namespace {
 
 // int8_linear: up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py,
-// SmolLM2's shapes). Both ops work on tiles of kTileRows output rows.
-constexpr int64_t kMaxDirectTokens = 16;
+// SmolLM2's shapes); the bf16 GEMM is ~3x the float32 one, so it takes over sooner (its fixed cost,
+// converting the weight to bf16 tiles, is paid back from ~5 tokens). Both ops work on tiles of kTileRows
+// output rows.
+constexpr int64_t kMaxDirectTokensF32Gemm = 16;
+constexpr int64_t kMaxDirectTokensBf16Gemm = 4;
 constexpr int64_t kTileRows = 64;
 
 // AVX512-VNNI (VPDPBUSD): the int8_sq_linear context-phase GEMM (int8_vnni_gemm.h). KILNLM_CPU_ISA=avx512
@@ -199,6 +214,33 @@ void int8_linear_tiled(const int8_t* w, int64_t in, int64_t out_features, const 
   });
 }
 
+#if defined(__x86_64__)
+// Context phase, bfloat16 x with AVX512-BF16: q is exact in bfloat16 (8 significant bits), so VDPBF16PS
+// forms exact products of x and q, summed in float32; the per-row scale is applied after the sum.
+template <typename scalar_t>
+void int8_linear_tiled_bf16(const int8_t* w, int64_t in, int64_t out_features, const float* xs, int64_t num_tokens,
+                            const float* scale, const float* bias, scalar_t* out) {
+  const int64_t k_pad = (in + 31) / 32 * 32, tokens_pad = (num_tokens + 3) / 4 * 4;
+  std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad] bf16 bits
+  at::parallel_for(0, num_tokens, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) avx512bf16::to_bf16_padded(xs + t * in, in, xb.data() + t * k_pad, k_pad);
+  });
+  const int64_t num_tiles = (out_features + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+    std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad] bf16 q
+    std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));  // [tokens_pad, kTileRows]
+    for (int64_t tile = tile0; tile < tile1; ++tile) {
+      const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
+      const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
+      for (int64_t r = r0; r < r1; ++r) avx512bf16::int8_to_bf16_padded(w + r * in, in, wb.data() + (r - r0) * k_pad, k_pad);
+      std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
+      avx512bf16::bf16_gemm_nt(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
+      epilogue<scalar_t, float>(acc.data(), kTileRows, num_tokens, r0, r1, scale, bias, out, out_features);
+    }
+  });
+}
+#endif
+
 // ----------------------------------------------------------------------------------------------- W8A8
 
 using QuantizeFn = void (*)(const float*, int64_t, float, int16_t*);
@@ -275,7 +317,8 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int8_t* w = weight.data_ptr<int8_t>();
   std::vector<float> xs(static_cast<size_t>(num_tokens * in));  // [T, in] float32
-  const bool direct = num_tokens <= kMaxDirectTokens;
+  const bool bf16_gemm = x.scalar_type() == at::kBFloat16 && kiln::cpu_has_avx512_bf16();
+  const bool direct = num_tokens <= (bf16_gemm ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm);
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int8_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         to_float<float>(x, nullptr, xs.data());
@@ -286,6 +329,9 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
         to_float<at::BFloat16>(x, nullptr, xs.data());
         at::BFloat16* y = out.data_ptr<at::BFloat16>();
         if (direct) int8_linear_direct<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);
+#if defined(__x86_64__)
+        else if (bf16_gemm) int8_linear_tiled_bf16<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);
+#endif
         else int8_linear_tiled<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);
       }));
   return out;
