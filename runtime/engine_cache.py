@@ -298,12 +298,15 @@ class EngineCache:
         SHA-256 against ``meta``; raises :class:`CacheError` naming the object."""
         path = self._blob_path(key, meta["sha256"])
         digest, size = hashlib.sha256(), 0
-        with self.store.open_read(path) as f:
-            while chunk := f.read(CHUNK_BYTES):
-                digest.update(chunk)
-                size += len(chunk)
-                if dest is not None:
-                    dest.write(chunk)
+
+        def sink(chunk: bytes) -> None:
+            nonlocal size
+            digest.update(chunk)
+            size += len(chunk)
+            if dest is not None:
+                dest.write(chunk)
+
+        self.store.stream(path, sink, CHUNK_BYTES)
         where = f"cache object {self.store.describe(path)} (engine file {rel})"
         if size != int(meta["size"]):
             raise CacheError(f"{where} is {size:,} bytes but the manifest records {int(meta['size']):,}: it is truncated "
