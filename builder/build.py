@@ -39,6 +39,9 @@ LINEAR_PLUGINS = {"fp8": "fp8_linear", "int4_awq": "int4_linear", "int4_wo": "in
                   "int8_sq": "int8_sq_linear"}
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_CALIB_NUM_SAMPLES = 24
+# int4_awq's search runs each sample through every linear once per candidate alpha (11 with ModelOpt's
+# alpha_step 0.1): 8 samples keep a SmolLM2 build to minutes on 2 cores.
+AWQ_DEFAULT_CALIB_NUM_SAMPLES = 8
 DEFAULT_CALIB_SEQ_LEN = 256
 
 
@@ -58,7 +61,7 @@ class BuildOptions:
     overwrite: bool = False
     smoke_test: bool = True
     # Quantization (None = not given: the default applies where the format uses it, see check_quant_options).
-    group_size: int | None = None  # int4 formats: input columns per scale (default 128)
+    group_size: int | None = None  # int4 formats: input columns per scale (default 128, else the largest of 64/32/16 that divides)
     calib_data: Path | None = None  # calibrated formats: plain text / JSONL "text" (default pydoc_data.topics)
     calib_num_samples: int | None = None  # calibrated formats: samples (default 24)
     calib_seq_len: int | None = None  # calibrated formats: tokens per sample (default 256)
@@ -98,6 +101,10 @@ def check_quant_options(opts: BuildOptions) -> None:
     for flag, value in (("--calib-size", opts.calib_num_samples), ("--calib-max-seq-len", opts.calib_seq_len)):
         if value is not None and value < 1:
             raise BuildError(f"{flag} is {value}: it must be at least 1")
+    if opts.calib_data is not None:  # read now: a bad file fails before the long steps, not after them
+        from kilnlm.builder.calibration import read_calibration_text
+
+        read_calibration_text(Path(opts.calib_data))
     if opts.group_size is not None and q not in INT4_QFORMATS:
         raise BuildError(f"--group-size applies to the int4 formats ({', '.join(INT4_QFORMATS)}), not --qformat {q}: drop it")
     if opts.quantize_lm_head and q not in LM_HEAD_QFORMATS:
@@ -108,11 +115,16 @@ def check_quant_options(opts: BuildOptions) -> None:
                          f"--qformat {q}: drop it or pick one of those")
 
 
+def default_calib_num_samples(qformat: str) -> int:
+    """Calibration samples when ``--calib-size`` is not given (24; 8 for int4_awq)."""
+    return AWQ_DEFAULT_CALIB_NUM_SAMPLES if qformat == "int4_awq" else DEFAULT_CALIB_NUM_SAMPLES
+
+
 def _calibration_config(opts: BuildOptions):
     from kilnlm.builder.calibration import CalibrationConfig
 
     return CalibrationConfig(
-        num_samples=opts.calib_num_samples if opts.calib_num_samples is not None else DEFAULT_CALIB_NUM_SAMPLES,
+        num_samples=opts.calib_num_samples if opts.calib_num_samples is not None else default_calib_num_samples(opts.qformat),
         seq_len=opts.calib_seq_len if opts.calib_seq_len is not None else DEFAULT_CALIB_SEQ_LEN,
         data_path=None if opts.calib_data is None else Path(opts.calib_data))
 
@@ -231,8 +243,8 @@ def build_network(opts: BuildOptions, ck: Checkpoint, model_cfg: ModelConfig, dt
         return LlamaNetwork(model_cfg, ck.state_dict, dtype, fp8_amax)
     if opts.qformat in INT_QFORMATS:
         t0 = time.perf_counter()
-        cfg = IntQuantConfig(opts.qformat, opts.group_size if opts.group_size is not None else DEFAULT_GROUP_SIZE,
-                             opts.quantize_lm_head, _calibration_config(opts), opts.export_checkpoint)
+        cfg = IntQuantConfig(opts.qformat, opts.group_size, opts.quantize_lm_head, _calibration_config(opts),
+                             opts.export_checkpoint)
         state, quant = quantize_int(ck, cfg)
         log.info("%s quantization (ModelOpt) took %.1f s", opts.qformat, time.perf_counter() - t0)
         return LlamaNetwork(model_cfg, state, dtype, quant=quant)

@@ -59,7 +59,7 @@ class IntQuantConfig:
     """What ``kilnlm build`` asks of the integer formats."""
 
     qformat: str  # one of INT_QFORMATS
-    group_size: int = 128  # int4: input columns per scale (--group-size)
+    group_size: int | None = None  # int4: input columns per scale (--group-size; None: default_group_size)
     quantize_lm_head: bool = False  # --quantize-lm-head
     calib: CalibrationConfig = field(default_factory=CalibrationConfig)
     export_dir: Path | None = None  # --export-checkpoint: keep the unified checkpoint here
@@ -88,6 +88,22 @@ def check_group_size(hf_config, group_size: int, quantize_lm_head: bool) -> None
         raise BuildError(f"--group-size {group_size} does not divide {bad} (in_features {widths[bad]:,}): int4 groups "
                          f"must evenly split every quantized linear's input; valid group sizes for this model: "
                          f"{', '.join(map(str, valid))}")
+
+
+def default_group_size(hf_config, quantize_lm_head: bool, preferred: int = 128) -> int:
+    """``preferred`` (128, TensorRT-LLM's default) when it divides every quantized linear's in_features,
+    else the largest of 64 / 32 / 16 that does (SmolLM2's hidden size 576 = 9 x 64 takes 64). Raises
+    :class:`BuildError` through :func:`check_group_size` when none does."""
+    for size in (preferred,) + tuple(g for g in (64, 32, 16) if g < preferred):
+        try:
+            check_group_size(hf_config, size, quantize_lm_head)
+        except BuildError:
+            continue
+        if size != preferred:
+            log.info("--group-size not given and %d does not divide every linear's in_features: using %d", preferred, size)
+        return size
+    check_group_size(hf_config, preferred, quantize_lm_head)  # raises, naming the layer
+    return preferred
 
 
 def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool) -> dict:
@@ -138,8 +154,11 @@ def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.T
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
         raise BuildError(f"--qformat {cfg.qformat} needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
+    group_size = cfg.group_size
     if cfg.qformat in INT4_QFORMATS:
-        check_group_size(ck.config, cfg.group_size, cfg.quantize_lm_head)
+        if group_size is None:
+            group_size = default_group_size(ck.config, cfg.quantize_lm_head)
+        check_group_size(ck.config, group_size, cfg.quantize_lm_head)
     model = _float_model(ck, untie=cfg.quantize_lm_head)
     loop = None
     if cfg.qformat in CALIBRATED_QFORMATS:
@@ -150,7 +169,7 @@ def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.T
     else:
         log.info("quantizing %s (ModelOpt, round-to-nearest from the weights; no calibration data)", cfg.qformat)
     torch.manual_seed(0)
-    model = mtq.quantize(model, modelopt_recipe(cfg.qformat, cfg.group_size, cfg.quantize_lm_head), loop)
+    model = mtq.quantize(model, modelopt_recipe(cfg.qformat, group_size or 128, cfg.quantize_lm_head), loop)
     with tempfile.TemporaryDirectory(prefix="kilnlm-export-") as tmp:
         export_dir = Path(cfg.export_dir) if cfg.export_dir is not None else Path(tmp)
         export_unified_checkpoint(model, ck.tokenizer, export_dir)
