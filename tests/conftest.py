@@ -79,3 +79,42 @@ def smollm2_engine_fp8_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 # Fixtures of other areas (runtime, serving, plugins) go below this line.
 # ---------------------------------------------------------------------------------------------------------
+
+
+# ---- quality / formats (issue 3: kilnlm eval, tests/builder/test_quality.py, tests/serving/test_formats_triton.py)
+# One SmolLM2 engine per (qformat, kv_cache_dtype), built on first use and shared by the session; fp32 and
+# fp8 with a 16-bit KV cache are the builder's fixtures above.
+SMOLLM2_INT4_GROUP_SIZE = 64
+
+
+@pytest.fixture(scope="session")
+def smollm2_format_engine(request, smollm2_hf_dir, tmp_path_factory):
+    """``smollm2_format_engine(qformat, kv_cache_dtype="auto") -> Path``: a SmolLM2 engine with the CLI's
+    default limits (int4 formats: ``--group-size 64``). Skips (naming what is missing) when this kilnlm's builder does not offer the qformat or
+    ``--kv-cache-dtype``; a build that fails is a test failure."""
+    from dataclasses import fields
+
+    from kilnlm.builder.build import QFORMATS, BuildOptions
+
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(qformat: str, kv_cache_dtype: str = "auto") -> Path:
+        key = (qformat, kv_cache_dtype)
+        if key not in built:
+            if kv_cache_dtype == "auto" and qformat in ("fp32", "fp8"):
+                built[key] = request.getfixturevalue(f"smollm2_engine_{qformat}_dir")
+                return built[key]
+            if qformat not in QFORMATS:
+                pytest.skip(f"--qformat {qformat} has not landed in kilnlm.builder.build (has {', '.join(QFORMATS)})")
+            # SmolLM2's hidden size 576 is not a multiple of the default group size 128
+            options = {"group_size": SMOLLM2_INT4_GROUP_SIZE} if qformat.startswith("int4") else {}
+            if kv_cache_dtype != "auto":
+                if "kv_cache_dtype" not in {f.name for f in fields(BuildOptions)}:
+                    pytest.skip(f"--kv-cache-dtype {kv_cache_dtype} has not landed in kilnlm.builder.build.BuildOptions")
+                options["kv_cache_dtype"] = kv_cache_dtype
+            name = f"smollm2_{qformat}" + (f"_kv_{kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
+            built[key] = build_test_engine(smollm2_hf_dir, tmp_path_factory.mktemp("engines") / name,
+                                           qformat=qformat, **options)
+        return built[key]
+
+    return get

@@ -1,0 +1,117 @@
+"""Quantization quality on the real model: SmolLM2-135M perplexity of each format relative to the fp32
+engine, through the engines themselves (:mod:`kilnlm.runtime.perplexity`, what ``kilnlm eval`` runs).
+
+Held-out text: the first ``NUM_TOKENS`` tokens of Debian's GPL-3 licence text
+(``/usr/share/common-licenses/GPL-3``, ~7,650 SmolLM2 tokens in all), never the calibration text
+(``pydoc_data.topics``, the builder's default). Windows of ``CONTEXT_LEN`` tokens every ``STRIDE`` tokens.
+
+Bounds (issue 3, item 9), perplexity relative to fp32 on the same tokens and windows: fp8 <= +3%,
+int8_sq <= +5%, int8_wo <= +2%, int4_awq <= +12%, and int4_awq below int4_wo. The 8-bit KV caches
+(fp8 / int8 pool with calibrated per-layer scales) are measured on the fp8-weight engine against the same
+engine with a bfloat16 KV cache; bound: <= +2% (KV_CACHE_BOUND) -- an 8-bit KV cache is expected to cost
+well under a percent on a model this size, 2% leaves room for the machine-to-machine spread of the
+calibration without hiding a broken scale (which costs tens of percent). Each engine is built once per
+session (the ``smollm2_format_engine`` factory in tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kilnlm.runtime.perplexity import PerplexityConfig, PerplexityResult, evaluate_perplexity, plan_windows
+
+pytestmark = [pytest.mark.e2e]
+
+HELD_OUT_TEXT = Path("/usr/share/common-licenses/GPL-3")
+NUM_TOKENS = 3072
+CONTEXT_LEN = 512
+STRIDE = 384  # 8 windows: ~4,100 tokens through each engine
+EVAL = PerplexityConfig(context_len=CONTEXT_LEN, stride=STRIDE, max_tokens=NUM_TOKENS)
+
+# qformat -> largest allowed perplexity / fp32 perplexity
+FORMAT_BOUNDS = {"fp8": 1.03, "int8_sq": 1.05, "int8_wo": 1.02, "int4_awq": 1.12}
+KV_CACHE_BOUND = 1.02
+KV_CACHE_BASE_QFORMAT = "fp8"
+
+
+@pytest.fixture(scope="module")
+def held_out_ids(smollm2_hf_dir) -> list[int]:
+    from kilnlm.runtime.tokenizer import Tokenizer
+
+    if not HELD_OUT_TEXT.is_file():
+        pytest.skip(f"held-out evaluation text {HELD_OUT_TEXT} is missing (Debian's base-files ships it)")
+    ids = Tokenizer.from_dir(smollm2_hf_dir).encode(HELD_OUT_TEXT.read_text(encoding="utf-8"))
+    assert len(ids) >= NUM_TOKENS
+    return ids[:NUM_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def perplexity(smollm2_format_engine, held_out_ids):
+    """``perplexity(qformat, kv_cache_dtype="auto") -> PerplexityResult``, each engine evaluated once."""
+    from kilnlm.runtime.engine import Engine
+
+    results: dict[tuple[str, str], PerplexityResult] = {}
+
+    def get(qformat: str, kv_cache_dtype: str = "auto") -> PerplexityResult:
+        key = (qformat, kv_cache_dtype)
+        if key not in results:
+            engine = Engine.load(smollm2_format_engine(qformat, kv_cache_dtype))
+            results[key] = evaluate_perplexity(engine, held_out_ids, EVAL)
+            r = results[key]
+            print(f"\n[quality] {qformat:<9} kv {kv_cache_dtype:<5} perplexity {r.perplexity:.4f} over {r.tokens} tokens "
+                  f"({r.seconds:.1f} s, {r.tokens_per_s:.0f} tokens/s through the engine)")
+        return results[key]
+
+    return get
+
+
+def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_fp32_dir, smollm2_hf_dir, held_out_ids):
+    """The baseline itself: the fp32 engine's perplexity equals transformers' fp32 on the same windows
+    (the first 1,024 tokens, so the reference stays cheap), within 1e-3 relative."""
+    from transformers import AutoModelForCausalLM
+
+    from kilnlm.runtime.engine import Engine
+    from kilnlm.runtime.perplexity import token_nlls
+
+    assert math.isfinite(perplexity("fp32").perplexity)
+    ids = held_out_ids[:1024]
+    nlls, _ = token_nlls(Engine.load(smollm2_engine_fp32_dir), ids, EVAL)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
+    expected = torch.empty(len(ids) - 1, dtype=torch.float64)
+    t = torch.tensor(ids)
+    for w in plan_windows(len(ids), CONTEXT_LEN, STRIDE):
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(t[w.begin:w.end].unsqueeze(0)).logits[0].float(), dim=-1)
+        rows = torch.arange(w.score_from - 1, w.end - 1) - w.begin
+        expected[w.score_from - 1:w.end - 1] = -log_probs[rows, t[w.score_from:w.end]].double()
+    assert math.isclose(math.exp(nlls.mean()), math.exp(expected.mean()), rel_tol=1e-3)
+
+
+@pytest.mark.parametrize("qformat", list(FORMAT_BOUNDS))
+def test_format_perplexity_within_bound(perplexity, qformat):
+    base, quant = perplexity("fp32"), perplexity(qformat)
+    ratio = quant.perplexity / base.perplexity
+    print(f"[quality] {qformat}: perplexity {quant.perplexity:.4f} = {ratio:.4f} x fp32 ({base.perplexity:.4f}); "
+          f"bound {FORMAT_BOUNDS[qformat]:.2f}")
+    assert ratio <= FORMAT_BOUNDS[qformat], (
+        f"{qformat} perplexity {quant.perplexity:.4f} is {100 * (ratio - 1):+.2f}% over fp32 {base.perplexity:.4f}; "
+        f"allowed {100 * (FORMAT_BOUNDS[qformat] - 1):+.0f}%")
+
+
+def test_int4_awq_better_than_int4_wo(perplexity):
+    awq, rtn = perplexity("int4_awq"), perplexity("int4_wo")
+    print(f"[quality] int4_awq {awq.perplexity:.4f} vs int4_wo {rtn.perplexity:.4f}")
+    assert awq.perplexity < rtn.perplexity
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_8bit_kv_cache_perplexity_within_bound(perplexity, kv_cache_dtype):
+    base, kv8 = perplexity(KV_CACHE_BASE_QFORMAT), perplexity(KV_CACHE_BASE_QFORMAT, kv_cache_dtype)
+    ratio = kv8.perplexity / base.perplexity
+    print(f"[quality] {KV_CACHE_BASE_QFORMAT} weights, {kv_cache_dtype} KV cache: perplexity {kv8.perplexity:.4f} = "
+          f"{ratio:.4f} x the bfloat16 KV cache ({base.perplexity:.4f}); bound {KV_CACHE_BOUND:.2f}")
+    assert ratio <= KV_CACHE_BOUND

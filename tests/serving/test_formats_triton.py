@@ -1,0 +1,133 @@
+"""Every quantization format still answers "What is the capital of France?" with Paris through a real
+tritonserver (issue 3, item 10).
+
+One tritonserver serves one kilnlm model per format (``kilnlm_<qformat>`` and ``kilnlm_fp8_kv_<dtype>``
+for the 8-bit KV caches), each a copy of ``model_repository/kilnlm`` pointed at that format's SmolLM2
+engine (built once per session by the ``smollm2_format_engine`` factory of tests/conftest.py) with a small
+KV pool, so the whole set fits in memory at once. The fp32 engine is covered by tests/serving/test_triton.py.
+The question goes through Triton's HTTP ``generate`` endpoint with the chat template applied, greedy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.triton, pytest.mark.e2e]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# model name -> (qformat, kv_cache_dtype)
+FORMATS = {
+    "kilnlm_fp8": ("fp8", "auto"),
+    "kilnlm_int8_sq": ("int8_sq", "auto"),
+    "kilnlm_int8_wo": ("int8_wo", "auto"),
+    "kilnlm_int4_awq": ("int4_awq", "auto"),
+    "kilnlm_int4_wo": ("int4_wo", "auto"),
+    "kilnlm_fp8_kv_fp8": ("fp8", "fp8"),
+    "kilnlm_fp8_kv_int8": ("fp8", "int8"),
+}
+KV_CACHE_BYTES = 64 << 20  # per model: ~2,000 tokens of SmolLM2 bf16 KV, plenty for one question
+QUESTION = "What is the capital of France?"
+START_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 60.0
+_ENGINE_DIR_RE = re.compile(r'(key:\s*"engine_dir"\s*value:\s*\{\s*string_value:\s*)"[^"]*"', re.S)
+
+
+def write_model(repository: Path, name: str, engine_dir: Path) -> None:
+    """``repository/name``: a copy of model_repository/kilnlm named ``name``, serving ``engine_dir``."""
+    source = REPO_ROOT / "model_repository" / "kilnlm"
+    dest = repository / name
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    text = (dest / "config.pbtxt").read_text()
+    text, num_names = re.subn(r'^name:\s*"kilnlm"', f'name: "{name}"', text, flags=re.M)
+    text, num_dirs = _ENGINE_DIR_RE.subn(lambda m: f'{m.group(1)}"{engine_dir.resolve()}"', text)
+    assert num_names == 1 and num_dirs == 1, "model_repository/kilnlm/config.pbtxt changed shape: update this test"
+    text += f'\nparameters: {{\n  key: "kv_cache_bytes"\n  value: {{ string_value: "{KV_CACHE_BYTES}" }}\n}}\n'
+    (dest / "config.pbtxt").write_text(text)
+
+
+def _ready(http_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+@contextlib.contextmanager
+def running_server(launcher, engines: dict[str, Path], work_dir: Path):
+    """Start one tritonserver serving ``engines`` (model name -> engine dir); yields its HTTP URL."""
+    http_port, grpc_port, metrics_port = launcher.free_ports(3)
+    config = launcher.ServerConfig(engine_dir=next(iter(engines.values())), work_dir=work_dir, address="127.0.0.1",
+                                   http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
+    try:
+        prepared = launcher.prepare_server(config)
+    except launcher.LaunchError as exc:
+        pytest.skip(f"tritonserver cannot be started here: {exc}")
+    shutil.rmtree(prepared.model_repository)  # replaced by one model per format
+    prepared.model_repository.mkdir()
+    for name, engine_dir in engines.items():
+        write_model(prepared.model_repository, name, engine_dir)
+    log_path = work_dir / "tritonserver.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(launcher.server_command(config, prepared), env=launcher.server_environment(prepared),
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    http_url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline_s = time.monotonic() + START_TIMEOUT_S
+        while not _ready(http_url):
+            tail = log_path.read_text(errors="replace")[-20_000:]
+            if process.poll() is not None:
+                pytest.fail(f"tritonserver exited with status {process.returncode} while starting; its log:\n{tail}")
+            if time.monotonic() > deadline_s:
+                pytest.fail(f"tritonserver was not ready after {START_TIMEOUT_S:.0f} s; its log:\n{tail}")
+            time.sleep(0.5)
+        yield http_url
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        launcher.kill_leftovers(process.pid)
+
+
+@pytest.fixture(scope="module")
+def formats_server(smollm2_format_engine, launcher, tmp_path_factory):
+    """``(http_url, skipped)``: the server with every format the builder offers; ``skipped`` maps each
+    model left out to the reason."""
+    engines, skipped = {}, {}
+    for name, (qformat, kv_cache_dtype) in FORMATS.items():
+        try:
+            engines[name] = smollm2_format_engine(qformat, kv_cache_dtype)
+        except pytest.skip.Exception as exc:
+            skipped[name] = str(exc)
+    if not engines:
+        pytest.skip(f"no quantized format is available: {skipped}")
+    with running_server(launcher, engines, tmp_path_factory.mktemp("triton_formats")) as http_url:
+        yield http_url, skipped
+
+
+@pytest.mark.parametrize("model", list(FORMATS))
+def test_format_answers_paris(formats_server, model):
+    http_url, skipped = formats_server
+    if model in skipped:
+        pytest.skip(skipped[model])
+    body = {"text_input": QUESTION, "max_tokens": 24, "apply_chat_template": True, "exclude_input_in_output": True}
+    request = urllib.request.Request(f"{http_url}/v2/models/{model}/generate", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=180) as reply:
+        answer = json.loads(reply.read().decode("utf-8"))
+    print(f"\n[formats] {model}: {answer['text_output']!r}")
+    assert "Paris" in answer["text_output"], f"{model} answered {answer['text_output']!r}"
