@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kilnlm engines vs Hugging Face ``generate`` on SmolLM2-135M-Instruct, side by side on this machine.
 
-    python scripts/benchmark.py [--formats fp32,bf16,fp8] [--work-dir .work/bench] [--num-requests 32]
+    python scripts/benchmark.py [--formats fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq] [--work-dir .work/bench]
+        [--num-requests 32] [--decode-only] [--no-transformers]
 
 Scenarios (greedy, EOS ignored, the same prompt token ids for both; prompts are real English text from the
 standard library's ``pydoc_data.topics``):
@@ -16,8 +17,13 @@ standard library's ``pydoc_data.topics``):
 Also the cold start: seconds from launching a fresh Python process to its first generated token from an
 already built engine (load + verify + first forward).
 
-FP8 engines run bf16 activations, so they are compared against transformers at bf16. Engines are built
-once into ``--work-dir`` and reused by later runs.
+Quantized engines (fp8, int8_wo, int8_sq, int4_wo, int4_awq; ``int4_awq+lm_head`` etc. build with
+``--quantize-lm-head``) run bf16 activations, so they are compared
+against transformers at bf16, and their batch-1 decode also against the kilnlm bf16 engine ("x bf16"). The
+machine's memory bandwidth is measured first (the best of several passes summing a 1 GiB tensor with all
+threads: the rate at which weights can possibly stream from DRAM); "% BW" is the weight GB/s a format's
+batch-1 decode achieves as a fraction of it (issue 3, item 12). Engines are built once into
+``--work-dir`` and reused by later runs.
 """
 
 from __future__ import annotations
@@ -32,9 +38,24 @@ from pathlib import Path
 
 import torch
 
-HF_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
-LM_HEAD_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}
+DEFAULT_FORMATS = "fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq"
+# Bytes per linear weight as stored in the engine (int4: two per byte); scales are counted apart.
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8_wo": 1, "int8_sq": 1, "int4_wo": 0.5, "int4_awq": 0.5}
+INT4_GROUP_SIZE = 64  # SmolLM2's hidden size 576 is not a multiple of the default 128
+SCALE_BYTES = 4  # float32 scales: int8 per output channel, int4 per group of INT4_GROUP_SIZE inputs
+
+
+LM_HEAD_SUFFIX = "+lm_head"  # a format spec "int4_awq+lm_head" builds with --quantize-lm-head
+
+
+def split_spec(spec: str) -> tuple[str, bool]:
+    """``"int4_awq+lm_head"`` -> ``("int4_awq", True)``: the qformat and whether the LM head is quantized."""
+    return spec.removesuffix(LM_HEAD_SUFFIX), spec.endswith(LM_HEAD_SUFFIX)
+
+
+def hf_dtype(spec: str) -> torch.dtype:
+    """The transformers dtype a format is compared with: its activation dtype."""
+    return torch.float32 if spec == "fp32" else torch.bfloat16
 
 
 @dataclass
@@ -55,15 +76,18 @@ def prepare_hf_dir(work_dir: Path) -> Path:
     return hf_dir
 
 
-def prepare_engine(work_dir: Path, hf_dir: Path, qformat: str) -> Path:
+def prepare_engine(work_dir: Path, hf_dir: Path, spec: str) -> Path:
     from kilnlm.builder.build import BuildOptions, build_engine
 
-    engine_dir = work_dir / f"engine-{qformat}"
+    qformat, quantize_lm_head = split_spec(spec)
+    engine_dir = work_dir / f"engine-{spec.replace('+', '-')}"
     if not (engine_dir / "manifest.json").exists():
         t0 = time.perf_counter()
+        extra = {"group_size": INT4_GROUP_SIZE} if qformat.startswith("int4") else {}
         build_engine(BuildOptions(checkpoint=hf_dir, output=engine_dir, qformat=qformat, max_batch_size=32,
-                                  max_seq_len=512, max_num_tokens=2048, overwrite=True))
-        print(f"[bench] built {qformat} engine in {time.perf_counter() - t0:.1f} s", flush=True)
+                                  max_seq_len=512, max_num_tokens=2048, overwrite=True,
+                                  quantize_lm_head=quantize_lm_head, **extra))
+        print(f"[bench] built {spec} engine in {time.perf_counter() - t0:.1f} s", flush=True)
     return engine_dir
 
 
@@ -76,18 +100,47 @@ def make_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[int]
     return [ids[i * stride: i * stride + num_tokens] for i in range(num_prompts)]
 
 
-def decode_weight_bytes(manifest, qformat: str) -> int:
-    """Bytes of weights one decode step reads: every linear layer, the norms and the LM head (the embedding
-    row gather is negligible)."""
+def linear_bytes(qformat: str, out_features: int, in_features: int) -> float:
+    """Bytes of one linear's weights in ``qformat``, its scales included."""
+    num_bytes = out_features * in_features * WEIGHT_BYTES[qformat]
+    if qformat.startswith("int8"):
+        num_bytes += SCALE_BYTES * out_features
+    elif qformat.startswith("int4"):
+        num_bytes += SCALE_BYTES * out_features * in_features // INT4_GROUP_SIZE
+    return num_bytes
+
+
+def decode_weight_bytes(manifest, spec: str) -> int:
+    """Bytes of weights one decode step reads: every linear layer (packed weights + their scales), the norms
+    and the LM head (16-bit for every format but fp32 unless ``+lm_head``; the embedding row gather is
+    negligible)."""
+    qformat, quantize_lm_head = split_spec(spec)
     m = manifest.model
     q_out = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-    per_layer = m.hidden_size * (q_out + m.num_heads * m.head_dim + 3 * m.intermediate_size)
-    linear = m.num_layers * per_layer * WEIGHT_BYTES[qformat]
+    # (out_features, in_features) of qkv, o, gate/up, down
+    shapes = [(q_out, m.hidden_size), (m.hidden_size, m.num_heads * m.head_dim),
+              (2 * m.intermediate_size, m.hidden_size), (m.hidden_size, m.intermediate_size)]
+    per_layer = sum(linear_bytes(qformat, o, i) for o, i in shapes)
     norms = (2 * m.num_layers + 1) * m.hidden_size * (4 if qformat == "fp32" else 2)
-    return linear + norms + m.vocab_size * m.hidden_size * LM_HEAD_BYTES[qformat]
+    lm_head = (linear_bytes(qformat, m.vocab_size, m.hidden_size) if quantize_lm_head
+               else m.vocab_size * m.hidden_size * (4 if qformat == "fp32" else 2))
+    return int(m.num_layers * per_layer) + norms + lm_head
+
+
+def measure_read_bandwidth_gbs(num_bytes: int = 1 << 30, num_passes: int = 7) -> float:
+    """The machine's DRAM read bandwidth as torch sees it: GB/s (1e9 B/s) of the fastest of
+    ``num_passes`` full sums of a ``num_bytes`` float32 tensor (much larger than the caches), all threads."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    best_s = float("inf")
+    for _ in range(num_passes):
+        t0 = time.perf_counter()
+        x.sum()
+        best_s = min(best_s, time.perf_counter() - t0)
+    return num_bytes / best_s / 1e9
 
 
 def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list[list[int]], max_tokens: int) -> Result:
+    """Scenario (a), then (b) unless ``batch_prompts`` is empty."""
     from kilnlm.runtime.executor import Executor
     from kilnlm.runtime.request import SamplingParams
 
@@ -103,6 +156,8 @@ def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list
             stamps += [time.perf_counter()] * len(response.token_ids)
         result.ttft_s = stamps[0] - t0
         result.decode_tokens_per_s = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        if not batch_prompts:
+            return result
 
         t0 = time.perf_counter()
         ids = [executor.submit(p, params) for p in batch_prompts]
@@ -145,6 +200,8 @@ def bench_transformers(hf_dir: Path, dtype: torch.dtype, single_prompt: list[int
         model.generate(torch.tensor([single_prompt]), streamer=streamer, **kwargs)
         result.ttft_s = streamer.stamps[0] - t0
         result.decode_tokens_per_s = (len(streamer.stamps) - 1) / (streamer.stamps[-1] - streamer.stamps[0])
+        if not batch_prompts:
+            return result
 
         batch = torch.tensor(batch_prompts)
         t0 = time.perf_counter()
@@ -175,56 +232,76 @@ def cold_start_s(engine_dir: Path) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--formats", default="fp32,bf16,fp8", help="engine qformats to run (default: fp32,bf16,fp8)")
+    parser.add_argument("--formats", default=DEFAULT_FORMATS,
+                        help=f"engine qformats to run; QFORMAT{LM_HEAD_SUFFIX} also quantizes the LM head "
+                             f"(--quantize-lm-head) (default: {DEFAULT_FORMATS})")
     parser.add_argument("--work-dir", type=Path, default=Path(".work/bench"), help="where engines are built and kept (default: .work/bench)")
     parser.add_argument("--num-requests", type=int, default=32, help="requests in scenario (b) (default: 32)")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(128, 256), metavar=("A", "B"),
                         help="prompt tokens in scenarios (a) and (b) (default: 128 256)")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default: 128)")
+    parser.add_argument("--decode-only", action="store_true", help="run scenario (a) only, no batch and no cold start")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this file")
     args = parser.parse_args()
 
+    from kilnlm.builder.build import QFORMATS
     from kilnlm.runtime.manifest import read_manifest
     from kilnlm.runtime.tokenizer import Tokenizer
 
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    hf_dir = prepare_hf_dir(args.work_dir)
     formats = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in formats if split_spec(f)[0] not in QFORMATS]
+    if unknown:
+        parser.error(f"--formats {','.join(unknown)}: this kilnlm builds {', '.join(QFORMATS)} "
+                     f"(append {LM_HEAD_SUFFIX} to a weight-only format to quantize the LM head too)")
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    bandwidth_gbs = measure_read_bandwidth_gbs()
+    print(f"[bench] measured memory read bandwidth: {bandwidth_gbs:.1f} GB/s", flush=True)
+    hf_dir = prepare_hf_dir(args.work_dir)
     engines = {q: prepare_engine(args.work_dir, hf_dir, q) for q in formats}
     tokenizer = Tokenizer.from_dir(engines[formats[0]] / "tokenizer")
     single_prompt = make_prompts(tokenizer, 1, args.prompt_tokens[0])[0]
-    batch_prompts = make_prompts(tokenizer, args.num_requests, args.prompt_tokens[1])
+    batch_prompts = [] if args.decode_only else make_prompts(tokenizer, args.num_requests, args.prompt_tokens[1])
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads; (a) 1 x {args.prompt_tokens[0]} -> "
-          f"{args.max_tokens}; (b) {args.num_requests} x {args.prompt_tokens[1]} -> {args.max_tokens}", flush=True)
+          f"{args.max_tokens}" + ("" if args.decode_only else f"; (b) {args.num_requests} x {args.prompt_tokens[1]} -> "
+                                  f"{args.max_tokens}"), flush=True)
 
-    rows = []
+    rows = []  # (name, qformat or None, Result, transformers Result, weight bytes, cold start s)
     hf_results: dict[torch.dtype, Result] = {}
     for qformat in formats:
-        dtype = HF_DTYPE[qformat]
+        dtype = hf_dtype(qformat)
         if not args.no_transformers and dtype not in hf_results:
             print(f"[bench] transformers {dtype} ...", flush=True)
             hf_results[dtype] = bench_transformers(hf_dir, dtype, single_prompt, batch_prompts, args.max_tokens)
-            rows.append((f"transformers {str(dtype).removeprefix('torch.')}", hf_results[dtype], None, None, None))
+            rows.append((f"transformers {str(dtype).removeprefix('torch.')}", None, hf_results[dtype], None, None, None))
         print(f"[bench] kilnlm {qformat} ...", flush=True)
         result = bench_engine(engines[qformat], single_prompt, batch_prompts, args.max_tokens)
         weight_bytes = decode_weight_bytes(read_manifest(engines[qformat]), qformat)
-        rows.append((f"kilnlm {qformat}", result, hf_results.get(dtype), weight_bytes, cold_start_s(engines[qformat])))
+        cold_s = None if args.decode_only else cold_start_s(engines[qformat])
+        rows.append((f"kilnlm {qformat}", qformat, result, hf_results.get(dtype), weight_bytes, cold_s))
+    bf16 = next((r for _, q, r, *_ in rows if q == "bf16"), None)
 
-    header = (f"{'':<22}{'TTFT ms':>9}{'decode tok/s':>14}{'x HF':>7}{'MB/token':>10}{'GB/s':>7}"
+    header = (f"{'':<22}{'TTFT ms':>9}{'decode tok/s':>14}{'x HF':>7}{'x bf16':>8}{'MB/token':>10}{'GB/s':>7}{'% BW':>6}"
               f"{'batch s':>9}{'batch tok/s':>13}{'x HF':>7}{'cold start s':>14}")
-    print("\n" + header + "\n" + "-" * len(header))
+    print(f"\n(memory read bandwidth {bandwidth_gbs:.1f} GB/s)\n" + header + "\n" + "-" * len(header))
     records = []
-    for name, r, base, weight_bytes, cold_s in rows:
-        ratio_a = f"{r.decode_tokens_per_s / base.decode_tokens_per_s:.2f}" if base else ""
-        ratio_b = f"{r.batch_tokens_per_s / base.batch_tokens_per_s:.2f}" if base else ""
-        mb = f"{weight_bytes / 1e6:.0f}" if weight_bytes else ""
-        gbs = f"{weight_bytes * r.decode_tokens_per_s / 1e9:.1f}" if weight_bytes else ""
-        print(f"{name:<22}{r.ttft_s * 1e3:>9.1f}{r.decode_tokens_per_s:>14.1f}{ratio_a:>7}{mb:>10}{gbs:>7}"
-              f"{r.batch_wall_s:>9.2f}{r.batch_tokens_per_s:>13.1f}{ratio_b:>7}{(f'{cold_s:.2f}' if cold_s else ''):>14}")
-        records.append({"name": name, **vars(r), "weight_bytes_per_token": weight_bytes, "cold_start_s": cold_s,
-                        "decode_ratio_vs_transformers": float(ratio_a) if ratio_a else None,
-                        "batch_ratio_vs_transformers": float(ratio_b) if ratio_b else None})
+    for name, qformat, r, base, weight_bytes, cold_s in rows:
+        ratio_a = r.decode_tokens_per_s / base.decode_tokens_per_s if base else None
+        ratio_bf16 = r.decode_tokens_per_s / bf16.decode_tokens_per_s if bf16 and qformat else None
+        ratio_b = r.batch_tokens_per_s / base.batch_tokens_per_s if base and batch_prompts else None
+        gbs = weight_bytes * r.decode_tokens_per_s / 1e9 if weight_bytes else None
+
+        def cell(value, fmt, width):
+            return f"{value:{width}{fmt}}" if value is not None and value == value else " " * width
+
+        print(f"{name:<22}{r.ttft_s * 1e3:>9.1f}{r.decode_tokens_per_s:>14.1f}{cell(ratio_a, '.2f', 7)}"
+              f"{cell(ratio_bf16, '.2f', 8)}{cell(weight_bytes and weight_bytes / 1e6, '.0f', 10)}{cell(gbs, '.1f', 7)}"
+              f"{cell(gbs and 100 * gbs / bandwidth_gbs, '.0f', 6)}{cell(r.batch_wall_s, '.2f', 9)}"
+              f"{cell(r.batch_tokens_per_s, '.1f', 13)}{cell(ratio_b, '.2f', 7)}{cell(cold_s, '.2f', 14)}")
+        records.append({"name": name, **vars(r), "weight_bytes_per_token": weight_bytes, "weight_gbs": gbs,
+                        "fraction_of_bandwidth": gbs / bandwidth_gbs if gbs else None, "cold_start_s": cold_s,
+                        "decode_ratio_vs_transformers": ratio_a, "decode_ratio_vs_bf16_engine": ratio_bf16,
+                        "batch_ratio_vs_transformers": ratio_b, "memory_read_bandwidth_gbs": bandwidth_gbs})
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
     return 0
