@@ -1,7 +1,8 @@
 """The C++ int4_linear kernel (W4A16) against exact float64 arithmetic on the reference's dequantized
 weight and against ``int4_linear_reference``: generation-phase GEMV (T <= 16) and context-phase tiled
 path (T > 16), SmolLM2-shaped and odd small layers, group sizes 32 / 64 / 128 / per-channel / odd,
-pre_quant_scale and bias, every nibble value, every ISA path, and inside an AOTInductor package.
+pre_quant_scale and bias, every nibble value, every ISA path (the AOTInductor test of all three quantized
+GEMMs is in test_int8_linear_cpu.py).
 
 Tolerances: float32 outputs must lie within 2e-6 x sum_c |x_c * w_c| of the float64 dot product of the
 same float32 operands (the kernel only sums in another order: with in_features <= 1536 that is a few
@@ -171,32 +172,3 @@ def test_capped_isa_paths_match_reference(isa):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
 
-
-class ToyInt4Mlp(torch.nn.Module):
-    """x -> int4 up projection (pre_quant_scale, bias) -> SiLU -> int4 down projection, weights as buffers."""
-
-    def __init__(self):
-        super().__init__()
-        up = make_layer(96, 64, 32, with_pqs=True, with_bias=True, seed=11)
-        down = make_layer(64, 96, 96, with_pqs=False, with_bias=False, seed=12)
-        for name, tensor in zip(("w_up", "s_up", "pqs_up", "b_up"), up):
-            self.register_buffer(name, tensor)
-        self.register_buffer("w_down", down[0])
-        self.register_buffer("s_down", down[1])
-
-    def forward(self, x):
-        h = torch.ops.kilnlm.int4_linear(x, self.w_up, self.s_up, self.pqs_up, self.b_up, 32)
-        return torch.ops.kilnlm.int4_linear(torch.nn.functional.silu(h), self.w_down, self.s_down, None, None, 96)
-
-
-def test_compiles_with_aot_inductor(tmp_path):
-    model = ToyInt4Mlp().eval()
-    example = (torch.randn(5, 64),)
-    with torch.no_grad():
-        exported = torch.export.export(model, example, dynamic_shapes=({0: torch.export.Dim("num_tokens", max=512)},))
-        package_path = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "int4.pt2"))
-    compiled = torch._inductor.aoti_load_package(package_path)
-    for num_tokens in (5, 1, 33):  # the export example, a generation step, a context chunk
-        x = torch.randn(num_tokens, 64)
-        with torch.no_grad():
-            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)

@@ -5,7 +5,8 @@ int8_linear against exact float64 arithmetic and ``int8_linear_reference`` on th
 ``int8_sq_linear_reference``: its activation quantization (IEEE division, round half to even, clamp) and
 its int32 accumulation are exact, and the epilogue (one float32 conversion, one multiply by
 ``input_scale * weight_scale[o]``, one bias add, one cast) performs the reference's roundings in the
-reference's order, so there is nothing left to tolerate. Also: every ISA path, bad inputs, AOTInductor.
+reference's order, so there is nothing left to tolerate. Also: every ISA path, bad inputs, and one
+AOTInductor package calling all three quantized GEMMs (int4_linear too).
 
 Tolerance of int8_linear: float32 outputs within 2e-6 x sum_c |x_c * w_c| of the float64 dot product of
 the same operands (another summation order, and the per-row scale applied after the sum instead of to
@@ -22,7 +23,12 @@ import sys
 import pytest
 import torch
 
-from kilnlm.plugins.reference import int8_linear_reference, int8_sq_linear_reference, quantize_int8_reference
+from kilnlm.plugins.reference import (
+    int8_linear_reference,
+    int8_sq_linear_reference,
+    pack_int4,
+    quantize_int8_reference,
+)
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -185,11 +191,17 @@ def test_capped_isa_paths_match_reference(isa):
     assert result.stdout.strip().endswith("ok")
 
 
-class ToyInt8Block(torch.nn.Module):
-    """x -> SmoothQuant W8A8 projection -> GELU -> weight-only W8A16 projection, weights as buffers."""
+class ToyQuantizedBlock(torch.nn.Module):
+    """x -> int4 W4A16 projection (pre_quant_scale, bias) -> SmoothQuant W8A8 projection -> GELU -> weight-
+    only W8A16 projection, weights as buffers: all three quantized GEMMs in one package."""
 
     def __init__(self):
         super().__init__()
+        gen = torch.Generator().manual_seed(21)
+        self.register_buffer("w_int4", pack_int4(torch.randint(-8, 8, (64, 64), generator=gen)))
+        self.register_buffer("s_int4", torch.rand(64, 2, generator=gen) * 0.05)
+        self.register_buffer("pqs_int4", torch.rand(64, generator=gen) + 0.5)
+        self.register_buffer("b_int4", torch.randn(64, generator=gen))
         for prefix, (shape, extras) in {"sq": ((96, 64), True), "wo": ((64, 96), False)}.items():
             weight, scales, pqs, bias = make_layer(*shape, with_pqs=extras, with_bias=True, seed=len(prefix) + shape[0])
             self.register_buffer(f"w_{prefix}", weight)
@@ -200,18 +212,21 @@ class ToyInt8Block(torch.nn.Module):
         self.register_buffer("input_scale", torch.tensor(0.03))
 
     def forward(self, x):
+        x = torch.ops.kilnlm.int4_linear(x, self.w_int4, self.s_int4, self.pqs_int4, self.b_int4, 32)
         h = torch.ops.kilnlm.int8_sq_linear(x, self.w_sq, self.s_sq, self.input_scale, self.pqs_sq, self.b_sq)
         return torch.ops.kilnlm.int8_linear(torch.nn.functional.gelu(h), self.w_wo, self.s_wo, self.b_wo)
 
 
-def test_compiles_with_aot_inductor(tmp_path):
-    model = ToyInt8Block().eval()
+def test_quantized_ops_compile_with_aot_inductor(tmp_path):
+    """int4_linear, int8_sq_linear and int8_linear called from an AOTInductor package with a dynamic token
+    count: the package equals eager execution for the export example, a generation step and a chunk."""
+    model = ToyQuantizedBlock().eval()
     example = (torch.randn(5, 64),)
     with torch.no_grad():
         exported = torch.export.export(model, example, dynamic_shapes=({0: torch.export.Dim("num_tokens", max=512)},))
-        package_path = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "int8.pt2"))
+        package_path = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "quant.pt2"))
     compiled = torch._inductor.aoti_load_package(package_path)
-    for num_tokens in (5, 1, 33):  # the export example, a generation step, a context chunk
+    for num_tokens in (5, 1, 33):
         x = torch.randn(num_tokens, 64)
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
