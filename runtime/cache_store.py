@@ -237,6 +237,28 @@ class ObjectStore:
             except FileNotFoundError:
                 pass
 
+    def abort_stale_uploads(self, prefix: str, min_age_s: float, dry_run: bool = False) -> list[str]:
+        """S3: abort the multipart uploads below ``prefix`` started more than ``min_age_s`` seconds ago (a
+        publish killed mid-upload leaves one; its parts are stored, and billed, until it is aborted).
+        Returns their object paths. A local store has none."""
+        if self.local:
+            return []
+        bucket, _, root_key = self.root.partition("/")
+        full_prefix = f"{root_key}/{prefix}" if root_key else prefix
+        now, stale, markers = datetime.now(timezone.utc), [], {}
+        with self._errors(prefix):
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=full_prefix, **markers)
+                for upload in page.get("Uploads", []):
+                    if (now - upload["Initiated"]).total_seconds() < min_age_s:
+                        continue
+                    stale.append(upload["Key"][len(root_key) + 1:] if root_key else upload["Key"])
+                    if not dry_run:
+                        self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                if not page.get("IsTruncated"):
+                    return stale
+                markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
     # -- errors -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _errors(self, rel: str) -> Iterator[None]:

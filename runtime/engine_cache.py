@@ -475,8 +475,9 @@ class EngineCache:
 
     def gc(self, dry_run: bool = False, min_age_s: float = 3600.0) -> list[str]:
         """Remove entries that no name points to, leftovers of unfinished publishes (blobs without a
-        manifest, blobs a manifest does not list) and pointers to missing keys -- each only if older than
-        ``min_age_s`` seconds, so a publish in progress is never collected. Returns the keys removed
+        manifest, blobs a manifest does not list, S3 multipart uploads never completed) and pointers to
+        missing keys -- each only if older than ``min_age_s`` seconds, so a publish in progress is never
+        collected. Returns the keys removed
         (with ``dry_run``: that would be removed), entries and leftovers alike."""
         now = datetime.now(timezone.utc)
         pointers = self._pointers()
@@ -506,6 +507,10 @@ class EngineCache:
                 removed.append(key)
                 for o in orphans if not dry_run else ():
                     self.store.remove(o.path)
+        for path in self.store.abort_stale_uploads(ENGINES, min_age_s, dry_run):  # S3 uploads killed midway
+            key = path.split("/")[1]
+            if key not in removed:
+                removed.append(key)
         live = set(by_key) - gone
         for name, version, pointer in pointers:  # pointers to keys that are gone (removed by hand)
             if pointer["key"] not in live and not dry_run:
