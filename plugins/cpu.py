@@ -108,8 +108,9 @@ def _build_in_progress(build_dir: Path, stale_after_s: float = 600.0) -> bool:
 
 
 def load_cpu_kernels() -> str:
-    """Build (first time only) and load the C++ CPU kernels of ``kilnlm::paged_attention`` and
-    ``kilnlm::fp8_linear``; idempotent and thread-safe. Returns the shared library's path.
+    """Build (first time only) and load the C++ CPU kernels of the ``kilnlm`` ops (``paged_attention``,
+    ``fp8_linear``, ``int4_linear``, ``int8_linear``, ``int8_sq_linear``); idempotent and thread-safe.
+    Returns the shared library's path.
 
     After this call ``torch.ops.kilnlm.*`` dispatch to the C++ kernels for CPU tensors (in eager mode
     and from AOTInductor packages, which call ops through the dispatcher). Call it before loading a

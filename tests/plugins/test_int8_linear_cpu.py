@@ -36,6 +36,11 @@ int8_linear = torch.ops.kilnlm.int8_linear
 int8_sq_linear = torch.ops.kilnlm.int8_sq_linear
 
 
+def test_cpu_kernels_are_registered():
+    for op in ("int4_linear", "int8_linear", "int8_sq_linear"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{op}", "CPU"), op
+
+
 def make_layer(out_features: int, in_features: int, *, with_pqs: bool, with_bias: bool, seed: int):
     """Random int8 weight over the full range [-128, 127], per-channel scales, optional pqs and bias."""
     gen = torch.Generator().manual_seed(seed)
