@@ -19,7 +19,9 @@ go first and the manifest last, created only if absent, so
 - two publishers of one key (even with engines that differ byte-wise, e.g. non-deterministic compiles)
   write disjoint blobs; the first manifest wins and names only blobs its publisher uploaded.
 
-Never imports kilnlm.builder or transformers (serving-only installs resolve cached engines at load time).
+References (keys, ``name:version``, ``<cache URL>/<ref>``) are parsed by :mod:`kilnlm.runtime.cache_refs`;
+the object layer is :mod:`kilnlm.runtime.cache_store`. Never imports kilnlm.builder or transformers
+(serving-only installs resolve cached engines at load time).
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
+from kilnlm.runtime.cache_refs import (KEY_PREFIX_RE, KEY_RE, LATEST, check_name, parse_ref, split_cache_ref,
+                                       split_name_version, version_order)
 from kilnlm.runtime.cache_store import ObjectInfo, ObjectStore
 from kilnlm.runtime.errors import CacheError
 from kilnlm.runtime.manifest import MANIFEST_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, read_manifest, verify_files
@@ -43,11 +46,7 @@ log = logging.getLogger(__name__)
 
 ENGINES = "engines"
 NAMES = "names"
-LATEST = "latest"
 CHUNK_BYTES = 8 << 20  # streaming read size when hashing objects
-_KEY = re.compile(r"^[0-9a-f]{64}$")
-_KEY_PREFIX = re.compile(r"^[0-9a-f]{8,63}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass
@@ -74,71 +73,12 @@ class CacheEntry:
                 "source_checkpoint_digest": self.manifest.source_checkpoint_digest}
 
 
-@dataclass
-class _Ref:
-    """A parsed reference inside a cache: a key (or key prefix), or a name and version."""
-
-    key: str | None = None
-    name: str | None = None
-    version: str | None = None
-
-
 def _utc_iso(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _check_name(name: str, what: str = "name") -> None:
-    if not _NAME.match(name or ""):
-        raise CacheError(f"engine {what} {name!r} is not valid: use letters, digits, '.', '_' and '-' "
-                         "(starting with a letter or digit, at most 128 characters)")
-
-
-def _parse_ref(ref: str) -> _Ref:
-    """``<key>`` | ``sha256:<key>`` | ``<key prefix of 8+ hex digits>`` | ``name:version`` | ``name``."""
-    ref = ref.strip()
-    if ref.startswith("sha256:") and _KEY.match(ref[7:]):
-        return _Ref(key=ref[7:])
-    if _KEY.match(ref):
-        return _Ref(key=ref)
-    if ":" in ref:
-        name, version = ref.split(":", 1)
-        _check_name(name)
-        _check_name(version, "version")
-        return _Ref(name=name, version=version)
-    _check_name(ref, "reference")
-    return _Ref(name=ref, version=LATEST)
-
-
-def split_name_version(text: str) -> tuple[str, str | None]:
-    """``'NAME'`` -> ``('NAME', None)``; ``'NAME:VERSION'`` -> ``('NAME', 'VERSION')``. Raises
-    :class:`CacheError` for invalid characters or the reserved version ``latest``."""
-    name, sep, version = text.strip().partition(":")
-    _check_name(name)
-    if not sep:
-        return name, None
-    _check_name(version, "version")
-    if version == LATEST:
-        raise CacheError(f"{name}:latest is maintained by kilnlm (it follows the last tag): give a version, e.g. {name}:1")
-    return name, version
-
-
-def split_cache_ref(ref: str) -> tuple[str, str]:
-    """Split a full cache reference into (cache URL, reference inside the cache).
-
-    ``'s3://bucket/prefix/smollm2:3'`` -> ``('s3://bucket/prefix', 'smollm2:3')``;
-    ``'/dir/cache/<key>'`` -> ``('/dir/cache', '<key>')``. Raises :class:`CacheError` for a reference
-    without a cache part or whose last part is not a key, ``name`` or ``name:version``."""
-    text = str(ref).strip().rstrip("/")
-    cache, sep, inner = text.rpartition("/")
-    if not sep or not inner or not cache or cache.endswith(":/") or cache.endswith(":"):
-        raise CacheError(f"cache reference {ref!r} is not <cache>/<name>[:<version>] or <cache>/<key>: "
-                         "write e.g. s3://bucket/prefix/smollm2:3 or /path/to/cache/smollm2")
-    _parse_ref(inner)
-    return cache, inner
 
 
 class EngineCache:
@@ -218,13 +158,13 @@ class EngineCache:
 
     def _resolve(self, ref: str) -> tuple[str, str | None]:
         """(key, the manifest SHA-256 a name pointer recorded or None)."""
-        parsed = _parse_ref(ref)
+        parsed = parse_ref(ref)
         if parsed.key:
             if self.store.info(self._manifest_path(parsed.key)) is None:
                 raise CacheError(f"no engine with key {parsed.key} in cache {self.url}: "
                                  f"`kilnlm cache ls --cache {self.url}` lists what it holds")
             return parsed.key, None
-        if _KEY_PREFIX.match(ref.strip()):
+        if KEY_PREFIX_RE.match(ref.strip()):
             matches = [k for k in self.store.list_children(ENGINES)
                        if k.startswith(ref.strip()) and self.store.info(self._manifest_path(k)) is not None]
             if len(matches) > 1:
@@ -241,7 +181,7 @@ class EngineCache:
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             raise CacheError(f"{self.store.describe(self._pointer_path(parsed.name, parsed.version))} is not a valid "
                              f"name pointer: tag the version again (kilnlm cache tag KEY {parsed.name}:{parsed.version})") from None
-        if not isinstance(key, str) or not _KEY.match(key) or self.store.info(self._manifest_path(key)) is None:
+        if not isinstance(key, str) or not KEY_RE.match(key) or self.store.info(self._manifest_path(key)) is None:
             raise CacheError(f"{parsed.name}:{parsed.version} points to key {key!r}, which is not (or no longer) in cache "
                              f"{self.url}: tag another key or push the engine again")
         return key, pointer.get("manifest_sha256")
@@ -252,7 +192,7 @@ class EngineCache:
 
     def lookup(self, key: str) -> CacheEntry | None:
         """The complete entry stored under ``key``, or None (absent, or a publish that never finished)."""
-        if not _KEY.match(key):
+        if not KEY_RE.match(key):
             raise CacheError(f"{key!r} is not a cache key (64 hex digits)")
         stored = self._read_manifest(key)
         if stored is None:
@@ -265,7 +205,7 @@ class EngineCache:
         pointers = self._pointers()
         out = []
         for key in self.store.list_children(ENGINES):
-            if not _KEY.match(key):
+            if not KEY_RE.match(key):
                 continue
             try:
                 stored = self._read_manifest(key)
@@ -367,14 +307,14 @@ class EngineCache:
         publisher's blobs become orphans."""
         engine_dir = Path(engine_dir)
         if name is not None:
-            _check_name(name)
+            check_name(name)
         if version is not None:
-            _check_name(version, "version")
+            check_name(version, "version")
         manifest = read_manifest(engine_dir)
         verify_files(engine_dir, manifest)
         raw = (engine_dir / MANIFEST_NAME).read_bytes()
         key = manifest.cache_key or _sha256(raw)
-        if not _KEY.match(key):
+        if not KEY_RE.match(key):
             raise CacheError(f"{engine_dir / MANIFEST_NAME}: cache_key {key!r} is not 64 hex digits: rebuild the engine")
         if self.store.info(self._manifest_path(key)) is None:
             for rel, meta in sorted(manifest.files.items(), key=lambda item: (item[1]["size"], item[0])):
@@ -401,13 +341,13 @@ class EngineCache:
         (tagging is idempotent: rebuilding or re-pushing an engine does not mint versions), else the next
         integer version. Raises :class:`CacheError` if ``key`` is not a complete entry or ``version`` is
         ``latest``."""
-        _check_name(name)
+        check_name(name)
         if version is not None:
-            _check_name(version, "version")
+            check_name(version, "version")
             if version == LATEST:
                 raise CacheError(f"{name}:latest is maintained by kilnlm (it follows the last tag): give a version, e.g. {name}:1")
-        parsed = _parse_ref(key)
-        if parsed.key is None and not _KEY_PREFIX.match(key.strip()):
+        parsed = parse_ref(key)
+        if parsed.key is None and not KEY_PREFIX_RE.match(key.strip()):
             raise CacheError(f"{key!r} is not a cache key: `kilnlm cache ls` shows the keys")
         key = self.resolve(key)
         stored = self._read_manifest(key)
@@ -418,7 +358,7 @@ class EngineCache:
             self.store.write_bytes(self._pointer_path(name, version), _json(pointer))
         else:
             same = [v for n, v, p in self._pointers() if n == name and v != LATEST and p["key"] == key]
-            version = max(same, key=_version_order) if same else self._create_next_version(name, pointer)
+            version = max(same, key=version_order) if same else self._create_next_version(name, pointer)
         self.store.write_bytes(self._pointer_path(name, LATEST), _json({**pointer, "version": version}))
         return version
 
@@ -438,8 +378,8 @@ class EngineCache:
         """Remove ``ref``: ``name:version`` removes that pointer (``name:latest`` removes the version it
         points to; latest then moves to the newest remaining version); a key removes the entry and every
         name that points to it. A bare ``name`` is refused (say which version, or use the key)."""
-        parsed = _parse_ref(ref)
-        if parsed.key is None and not _KEY_PREFIX.match(ref.strip()) and ":" not in ref:
+        parsed = parse_ref(ref)
+        if parsed.key is None and not KEY_PREFIX_RE.match(ref.strip()) and ":" not in ref:
             raise CacheError(f"`rm {ref}` is ambiguous: remove one version ({ref}:<version>, {ref}:latest) or the key")
         if parsed.name is not None and ":" in ref:
             raw = self.store.read_bytes(self._pointer_path(parsed.name, parsed.version))
@@ -470,7 +410,7 @@ class EngineCache:
         if not versions:
             self.store.remove(self._pointer_path(name, LATEST))
         elif current not in {v for _, v, _ in versions}:
-            _, version, pointer = max(versions, key=lambda item: (item[0], _version_order(item[1])))
+            _, version, pointer = max(versions, key=lambda item: (item[0], version_order(item[1])))
             self.store.write_bytes(self._pointer_path(name, LATEST), _json({**pointer, "version": version}))
 
     def gc(self, dry_run: bool = False, min_age_s: float = 3600.0) -> list[str]:
@@ -490,7 +430,7 @@ class EngineCache:
             if any((now - o.modified).total_seconds() < min_age_s for o in objects):
                 continue
             try:
-                stored = self._read_manifest(key) if _KEY.match(key) else None
+                stored = self._read_manifest(key) if KEY_RE.match(key) else None
             except CacheError as exc:
                 log.warning("gc: leaving %s alone: %s", key, exc)
                 continue
@@ -520,10 +460,6 @@ class EngineCache:
 
 def _json(data: dict) -> bytes:
     return (json.dumps(data, sort_keys=True) + "\n").encode()
-
-
-def _version_order(version: str) -> tuple:
-    return (0, int(version), "") if version.isdigit() else (1, 0, version)
 
 
 def _move_into_place(tmp: Path, output: Path) -> None:
