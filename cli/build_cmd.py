@@ -75,7 +75,7 @@ def _build(args: argparse.Namespace, opts):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.build import BuildOptions
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[kilnlm build] %(message)s")
     if args.name and not args.cache:
