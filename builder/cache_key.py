@@ -148,5 +148,4 @@ def compute_cache_key(opts) -> CacheKey:
     return CacheKey(key=hashlib.sha256(canonical.encode()).hexdigest(), inputs=json.loads(canonical))
 
 
-__all__ = ["CacheKey", "EXCLUDED_FIELDS", "checkpoint_content_digest", "compute_cache_key", "normalized_build_config",
-           "kilnlm_source_digest", "toolchain_for_key"]
+__all__ = ["CacheKey", "EXCLUDED_FIELDS", "checkpoint_content_digest", "compute_cache_key", "normalized_build_config"]

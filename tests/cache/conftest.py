@@ -7,7 +7,6 @@ credentials, region), so s3fs -- and any subprocess (the ``kilnlm`` CLI, tritons
 
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 from dataclasses import dataclass

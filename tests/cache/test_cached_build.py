@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import kilnlm.builder.cached_build as cached_build
 from kilnlm.cli.main import main
 from kilnlm.runtime.engine import Engine, verify_engine
