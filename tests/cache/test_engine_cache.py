@@ -281,3 +281,48 @@ def test_refs_and_names():
     assert split_name_version("m") == ("m", None) and split_name_version("m:v1.2") == ("m", "v1.2")
     with pytest.raises(CacheError, match="latest"):
         split_name_version("m:latest")
+
+
+RACING_PUBLISHER = r'''
+import sys, time
+from pathlib import Path
+from kilnlm.runtime import cache_store
+from kilnlm.runtime.engine_cache import EngineCache
+
+url, engine, rendezvous, me = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+real_upload = cache_store.ObjectStore.upload_file
+
+def upload_file(self, local_path, rel):
+    if local_path.name == "model.pt2":  # both processes get here before either writes its manifest
+        (rendezvous / me).touch()
+        deadline = time.monotonic() + 60
+        while len(list(rendezvous.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    real_upload(self, local_path, rel)
+
+cache_store.ObjectStore.upload_file = upload_file
+print(EngineCache(url).publish(engine, "race").key)
+'''
+
+
+def test_two_publishing_processes_end_with_one_valid_entry(cache_url, fake_engine, tmp_path):
+    """The same race as above between two processes (two CI builders)."""
+    import subprocess
+    import sys
+
+    engines = [fake_engine("one", KEY_A, b"one", 1 << 20), fake_engine("two", KEY_A, b"two", 1 << 20)]
+    script, rendezvous = tmp_path / "race.py", tmp_path / "rendezvous"
+    script.write_text(RACING_PUBLISHER)
+    rendezvous.mkdir()
+    procs = [subprocess.Popen([sys.executable, str(script), cache_url, str(e), str(rendezvous), str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i, e in enumerate(engines)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
+    assert [out.strip() for out, _ in outputs] == [KEY_A, KEY_A]
+    assert sorted(p.name for p in rendezvous.iterdir()) == ["0", "1"]
+    cache = EngineCache(cache_url)
+    assert [e.key for e in cache.entries()] == [KEY_A]
+    cache.verify("race")
+    out = tmp_path / "out"
+    cache.fetch("race", out)
+    assert sum(sha256_file(e / "model.pt2") == sha256_file(out / "model.pt2") for e in engines) == 1
