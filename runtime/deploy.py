@@ -329,9 +329,11 @@ def deploy(config: DeployConfig) -> DeployResult:
     with tempfile.TemporaryDirectory(prefix="kilnlm-deploy-") as scratch_dir:
         engine = _verify_engine_ref(config, Path(scratch_dir))
         write_sync = not sync_dir.exists()
+        created_repository = not repository.exists()
         repository.mkdir(parents=True, exist_ok=True)
         staging = _staging_root(repository) if created_model else \
             Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=model_dir))
+        deployed = False
         try:
             staged_model = staging / name
             if created_model:
@@ -351,10 +353,13 @@ def deploy(config: DeployConfig) -> DeployResult:
                 _rename_new(staged_model, model_dir, "the model")
             else:
                 _rename_new(staging / str(version), model_dir / str(version), f"version {version}")
+            deployed = True
             if write_sync and not sync_dir.exists():  # (a concurrent deploy of NAME may have written it)
                 _rename_new(staging / sync_dir.name, sync_dir, "the sync model")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            if created_repository and not deployed and not any(repository.iterdir()):
+                repository.rmdir()  # leave no empty repository behind a failed deploy
     return DeployResult(model_dir=model_dir, version=version, version_dir=model_dir / str(version),
                         mode=mode, engine_ref=engine.engine_ref, cache_key=engine.cache_key,
                         created_model=created_model, sync_model_dir=sync_dir if write_sync else None)

@@ -154,7 +154,10 @@ def materialize_cached_engine(engine_ref: str, cache_key: str | None, engine_cac
     if local.exists():
         stale = engine_cache_dir / f".stale-{key}-{uuid.uuid4().hex[:8]}"
         log(f"kilnlm: {local} does not verify; fetching {engine_ref} again")
-        os.replace(local, stale)
+        try:
+            os.replace(local, stale)
+        except FileNotFoundError:
+            pass  # another loader moved the same damaged copy aside first
         shutil.rmtree(stale, ignore_errors=True)
     engine_cache_dir.mkdir(parents=True, exist_ok=True)
     log(f"kilnlm: fetching {engine_ref} (key {key}) into {local}")
