@@ -140,3 +140,19 @@ def test_template_is_found_and_rendered(tmp_path):
     assert re.search(r'^name:\s*"smollm2"', text, re.M) and parameter(text, "engine_dir") == ""
     with pytest.raises(DeployError, match="KILNLM_MODEL_REPOSITORY_TEMPLATE"):
         locate_template(tmp_path)
+
+
+def test_pyproject_ships_the_template_as_package_data():
+    """An installed kilnlm (not only this checkout) must find the template: every file of the template
+    that deploy copies matches a package-data pattern of ``kilnlm.model_repository``."""
+    import fnmatch
+    import tomllib
+
+    repo_root = Path(__file__).resolve().parents[2]
+    setuptools = tomllib.loads((repo_root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "kilnlm.model_repository" in setuptools["packages"]
+    assert setuptools["package-dir"]["kilnlm.model_repository"] == "model_repository"
+    patterns = setuptools["package-data"]["kilnlm.model_repository"]
+    for rel in ("kilnlm/config.pbtxt", "kilnlm/1/model.py", "kilnlm_sync/config.pbtxt", "kilnlm_sync/1/model.py"):
+        assert (repo_root / "model_repository" / rel).is_file()
+        assert any(fnmatch.fnmatch(rel, pattern) for pattern in patterns), rel
