@@ -12,8 +12,9 @@
 //   weight) through at::mm; bfloat16 x with AVX512-BF16 -> bfloat16 q (exact) through VDPBF16PS
 //   (fp8_bf16_gemm.h), the scale applied after the float32 sum.
 // - int8_sq_linear, any token count: int8 x int8 products summed exactly in int32 by a register-blocked
-//   micro-kernel (AVX512-VNNI VPDPBUSD where the CPU has it, int8_vnni_gemm.h; else sign extension to int16
-//   + VPMADDWD), over tiles of rows so a tile stays in cache while every token block passes over it.
+//   micro-kernel (from 4 tokens AVX512-VNNI VPDPBUSD where the CPU has it, int8_vnni_gemm.h; else sign
+//   extension to int16 + VPMADDWD), over tiles of rows so a tile stays in cache while every token block
+//   passes over it.
 //   Bit-exact with the reference.
 // All parallelize over output rows with at::parallel_for.
 
@@ -92,6 +93,10 @@ namespace {
 // output rows.
 constexpr int64_t kMaxDirectTokensF32Gemm = 16;
 constexpr int64_t kMaxDirectTokensBf16Gemm = 4;
+// int8_sq_linear: below this many tokens the VPMADDWD GEMV, which reads each weight byte once, beats the
+// VNNI kernel, which sums every row tile once more for its offset correction (cold-weight decode sweep of
+// scripts/bench_plugins.py: ~6 vs ~10 ms per 30 layers).
+constexpr int64_t kMinVnniTokens = 4;
 constexpr int64_t kTileRows = 64;
 
 // AVX512-VNNI (VPDPBUSD): the int8_sq_linear context-phase GEMM (int8_vnni_gemm.h). KILNLM_CPU_ISA=avx512
@@ -287,7 +292,7 @@ template <typename scalar_t>
 void int8_sq_gemm(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
                   const float* row_scale, const float* bias, scalar_t* out) {
 #if defined(__x86_64__)
-  if (cpu_has_avx512_vnni())
+  if (num_tokens >= kMinVnniTokens && cpu_has_avx512_vnni())
     return int8_sq_gemm_vnni<scalar_t>(w, in, out_features, xq, num_tokens, row_scale, bias, out);
 #endif
   const GemmI32Fn gemm = gemm_i32_fn();
