@@ -1,0 +1,283 @@
+"""Integer formats (int4_awq, int4_wo, int8_wo, int8_sq) built from the tiny random Llama: engine numerics
+against the same network on the reference ops and against the fp32 engine, packed sizes, determinism, the
+exported unified checkpoint, and refusals through the CLI.
+
+The tiny engines here run float32 activations (``--dtype float32``, which every integer op accepts) so that
+the engine-vs-reference comparison is tight: with bfloat16 activations the two paths' roundings differ by a
+few bf16 steps per layer and would hide a real layout bug of the same size. The default bfloat16 path is
+covered by the SmolLM2 test at the end and by the quality tests (tests/builder/test_quality.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from factories import greedy_generate, make_engine_inputs, make_tiny_checkpoint
+
+from kilnlm.cli.main import main
+from kilnlm.plugins import PLUGIN_VERSIONS
+from kilnlm.runtime.abi import kv_cache_shape
+
+FORMATS = ("int4_awq", "int4_wo", "int8_wo", "int8_sq")
+OPS = {"int4_awq": "int4_linear", "int4_wo": "int4_linear", "int8_wo": "int8_linear", "int8_sq": "int8_sq_linear"}
+TINY_LIMITS = dict(max_batch_size=8, max_seq_len=256, max_num_tokens=256, tokens_per_block=16)
+PROMPTS = [[1, 9519, 28, 314, 1345, 42, 7, 11], [500, 600, 700], list(range(1000, 1041)), [77]]
+# Engine (C++ kernels, AOTInductor) vs the eager network on the reference ops, float32 activations: both
+# accumulate in float32 over the same packed integers and scales; only summation order differs.
+REF_ATOL = 2e-3
+# Engine vs the fp32 engine: the error of the quantization itself, on random N(0, 0.08) weights, which
+# have no outlier structure for AWQ / SmoothQuant to exploit and are the worst case for round-to-nearest:
+# int4 (group 32) moves each weight by ~9% of its standard deviation, int8 by ~0.5%; int8_sq also rounds
+# every activation to 8 bits with one per-tensor scale, and AWQ / SmoothQuant calibrate on 4 x 64 tokens
+# only. Bound: the relative RMS error of each logits row, ||engine - fp32|| / ||fp32||, about 1.3x the
+# measured worst row (int4_awq 0.37, int4_wo < 0.35, int8_wo < 0.03, int8_sq 0.19). Real-model quality is
+# measured as perplexity on SmolLM2 (tests/builder/test_quality.py).
+FP32_REL_ERR = {"int4_awq": 0.5, "int4_wo": 0.45, "int8_wo": 0.04, "int8_sq": 0.25}
+
+
+def format_options(qformat: str, **extra) -> dict:
+    """Build options of a small, fast tiny-Llama engine in ``qformat`` (group size 32: hidden size 64)."""
+    opts = dict(TINY_LIMITS, qformat=qformat, dtype="float32")
+    if qformat.startswith("int4"):
+        opts["group_size"] = 32
+    if qformat in ("int4_awq", "int8_sq"):
+        opts.update(calib_num_samples=4, calib_seq_len=64)
+    opts.update(extra)
+    return opts
+
+
+def require_kernel(qformat: str) -> None:
+    import kilnlm.plugins as plugins
+
+    plugins.load_cpu_kernels()
+    op = OPS[qformat]
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{op}", "CPU"):
+        pytest.skip(f"kilnlm::{op} has no CPU kernel in this checkout (plugins/csrc): its engine cannot run")
+
+
+@pytest.fixture(scope="module")
+def int_engine(tiny_llama_dir, tmp_path_factory):
+    """``int_engine(qformat) -> Path``: one tiny float32-activation engine per format, built on first use."""
+    from kilnlm.builder.build import BuildOptions, build_engine
+
+    built: dict[str, Path] = {}
+
+    def get(qformat: str) -> Path:
+        require_kernel(qformat)
+        if qformat not in built:
+            out = tmp_path_factory.mktemp("int_engines") / qformat
+            build_engine(BuildOptions(checkpoint=tiny_llama_dir, output=out, **format_options(qformat)))
+            built[qformat] = out
+        return built[qformat]
+
+    return get
+
+
+def eager_network(checkpoint: Path, **options):
+    """The builder's eager network (quantization included) for build ``options``."""
+    from kilnlm.builder.build import DTYPES, BuildOptions, build_network, resolve_dtype
+    from kilnlm.builder.checkpoint import load_checkpoint
+    from kilnlm.builder.network.llama import model_config_from_hf
+
+    import kilnlm.plugins as plugins
+
+    plugins.load_cpu_kernels()  # paged_attention runs its C++ kernel in eager mode too
+    opts = BuildOptions(checkpoint=checkpoint, output=checkpoint / "unused", **options)
+    ck = load_checkpoint(checkpoint)
+    dtype = DTYPES[resolve_dtype(opts.qformat, opts.dtype)]
+    return build_network(opts, ck, model_config_from_hf(ck.config), dtype).eval()
+
+
+def use_reference_ops(network: torch.nn.Module) -> None:
+    """Route every integer linear of ``network`` through the plain-torch reference of its op."""
+    from kilnlm.builder.network.layers import Int4Linear, Int8Linear, Int8SqLinear
+    from kilnlm.plugins import reference as ref
+
+    for m in network.modules():
+        if isinstance(m, Int4Linear):
+            m.forward = lambda x, m=m: ref.int4_linear_reference(x, m.weight, m.weight_scale, m.pre_quant_scale, m.bias, m.group_size)
+        elif isinstance(m, Int8Linear):
+            m.forward = lambda x, m=m: ref.int8_linear_reference(x, m.weight, m.weight_scale, m.bias)
+        elif isinstance(m, Int8SqLinear):
+            m.forward = lambda x, m=m: ref.int8_sq_linear_reference(x, m.weight, m.weight_scale, m.input_scale,
+                                                                   m.pre_quant_scale, m.bias)
+
+
+def engine_logits(engine_dir: Path) -> torch.Tensor:
+    """Last-token logits ``[len(PROMPTS), vocab] float32`` of one packed context batch."""
+    from kilnlm.runtime.engine import Engine
+
+    engine = Engine.load(engine_dir)
+    build = engine.manifest.build
+    inputs = make_engine_inputs([(p, 0) for p in PROMPTS], build.tokens_per_block, build.max_blocks_per_seq)
+    return engine.forward(inputs, engine.allocate_kv_cache(len(PROMPTS) * build.max_blocks_per_seq))
+
+
+@pytest.mark.parametrize("qformat", FORMATS)
+def test_engine_matches_the_network_on_reference_ops(int_engine, tiny_llama_dir, qformat):
+    engine_dir = int_engine(qformat)
+    from kilnlm.runtime.manifest import read_manifest
+
+    manifest = read_manifest(engine_dir)
+    assert manifest.build.qformat == qformat
+    assert manifest.plugins == {name: PLUGIN_VERSIONS[name] for name in ("paged_attention", OPS[qformat])}
+    logits = engine_logits(engine_dir)
+
+    network = eager_network(tiny_llama_dir, **format_options(qformat))
+    use_reference_ops(network)
+    build = manifest.build
+    inputs = make_engine_inputs([(p, 0) for p in PROMPTS], build.tokens_per_block, build.max_blocks_per_seq)
+    m = manifest.model
+    kv_cache = torch.zeros(kv_cache_shape(m.num_layers, len(PROMPTS) * build.max_blocks_per_seq, build.tokens_per_block,
+                                          m.num_kv_heads, m.head_dim), dtype=torch.float32)
+    with torch.no_grad():
+        reference = network(*inputs.as_args(kv_cache))
+    torch.testing.assert_close(logits, reference, atol=REF_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("qformat", FORMATS)
+def test_engine_stays_close_to_the_fp32_engine(int_engine, tiny_engine_dir, qformat):
+    logits = engine_logits(int_engine(qformat))
+    fp32 = engine_logits(tiny_engine_dir)
+    rel_err = (logits - fp32).norm(dim=-1) / fp32.norm(dim=-1)
+    assert float(rel_err.max()) < FP32_REL_ERR[qformat], rel_err
+
+
+def test_int4_linears_take_under_0_3x_their_bf16_bytes(smollm2_hf_dir, tmp_path):
+    """int4_wo network of a tiny Llama wide enough for group size 128: every quantized linear's buffers
+    (packed weight, scales, pre_quant_scale) against 2 bytes per weight; embedding / LM head stay bf16."""
+    from kilnlm.builder.network.layers import Int4Linear
+
+    ckpt = make_tiny_checkpoint(tmp_path / "wide", smollm2_hf_dir, "llama", hidden_size=128, intermediate_size=256,
+                                head_dim=32)
+    network = eager_network(ckpt, qformat="int4_wo", dtype="bfloat16", group_size=128)
+    linears = [m for m in network.modules() if isinstance(m, Int4Linear)]
+    assert len(linears) == 2 * 4  # per layer: qkv, o_proj, gate_up, down
+    for m in linears:
+        out_features, in_features = m.weight.shape[0], m.weight.shape[1] * 2
+        packed_bytes = sum(b.numel() * b.element_size() for b in m.buffers())
+        assert packed_bytes <= 0.3 * 2 * out_features * in_features, (packed_bytes, out_features, in_features)
+        assert m.weight.dtype == torch.uint8 and m.weight_scale.dtype == torch.float32
+    assert network.lm_head_t.dtype == torch.bfloat16  # tied embedding / LM head: 16-bit
+
+
+@pytest.mark.parametrize("qformat", ["int4_awq", "int8_sq"])
+def test_calibration_is_deterministic(tiny_llama_dir, qformat):
+    """Two quantizations of the same inputs give bit-identical weights, scales and folded norms.
+
+    Compared on the network's buffers rather than on model.pt2: AOTInductor's package is not
+    byte-reproducible (measured: two builds of the same network differ in ``.data/serialization_id``, a
+    random id, and in a compile-command comment inductor appends to the generated C++ only when it
+    compiled it rather than reusing its cache); its compiled code and weights are identical."""
+    first = eager_network(tiny_llama_dir, **format_options(qformat)).state_dict()
+    second = eager_network(tiny_llama_dir, **format_options(qformat)).state_dict()
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_quantized_lm_head(tiny_llama_dir):
+    """--quantize-lm-head (int8_wo): the LM head is an int8 linear and the tied embedding keeps a float copy
+    of its own (``--dtype``, float32 here); the logits move by about int8's rounding error only."""
+    from kilnlm.builder.network.layers import Int8Linear
+
+    network = eager_network(tiny_llama_dir, **format_options("int8_wo", quantize_lm_head=True))
+    assert isinstance(network.lm_head, Int8Linear) and network.lm_head.weight.shape == (49152, 64)
+    assert network.embed_tokens.dtype == torch.float32 and network.lm_head_t is None
+    use_reference_ops(network)
+    plain = eager_network(tiny_llama_dir, **format_options("int8_wo"))
+    use_reference_ops(plain)
+    inputs = make_engine_inputs([(PROMPTS[0], 0)], 16, 16)
+    kv = torch.zeros(kv_cache_shape(2, 16, 16, 2, 16))
+    with torch.no_grad():
+        quantized_head, float_head = network(*inputs.as_args(kv.clone())), plain(*inputs.as_args(kv.clone()))
+    assert float((quantized_head - float_head).norm() / float_head.norm()) < 0.03
+
+
+def test_export_checkpoint_is_modelopts_unified_format(tiny_llama_dir, tmp_path, capsys):
+    """`kilnlm build --export-checkpoint DIR` writes config.json with its quantization section,
+    hf_quant_config.json and safetensors with packed weights and scales."""
+    from safetensors import safe_open
+
+    require_kernel("int4_awq")
+    export = tmp_path / "export"
+    status = main(["build", "--checkpoint", str(tiny_llama_dir), "--output", str(tmp_path / "engine"), "--quiet",
+                   "--qformat", "int4_awq", "--group-size", "32", "--calib-size", "4", "--calib-max-seq-len", "64",
+                   "--max-seq-len", "256", "--max-num-tokens", "256", "--export-checkpoint", str(export)])
+    assert status == 0, capsys.readouterr().err
+    config = json.loads((export / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "modelopt"
+    assert config["quantization_config"]["quant_algo"] == "W4A16_AWQ"
+    quant = json.loads((export / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "W4A16_AWQ" and quant["group_size"] == 32
+    assert (export / "tokenizer.json").is_file()
+    with safe_open(str(next(export.glob("*.safetensors"))), framework="pt") as f:
+        names = set(f.keys())
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        scale = f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale")
+        o_pre = f.get_tensor("model.layers.0.self_attn.o_proj.pre_quant_scale")
+    assert q.dtype == torch.uint8 and q.shape == (64 // 2, 64)  # ModelOpt packs two output rows per byte
+    assert scale.dtype == torch.float32 and scale.shape == (64, 64 // 32)
+    assert o_pre.shape == (64,)
+    # AWQ's q/k/v scale went into input_layernorm, so q/k/v carry none.
+    assert "model.layers.0.self_attn.q_proj.pre_quant_scale" not in names
+    assert "model.embed_tokens.weight" in names
+
+
+def run_build(capsys, *args: str) -> tuple[int, str]:
+    status = main(["build", *args])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--qformat", "int4_wo", "--group-size", "48"], ["--group-size 48 does not divide", "valid group sizes for this model: 16, 32, 64"]),
+    (["--qformat", "int4_wo", "--calib-data", "x.txt"], ["--calib-data given but --qformat int4_wo does not calibrate"]),
+    (["--qformat", "int8_sq", "--quantize-lm-head"], ["--quantize-lm-head works with the weight-only formats"]),
+    (["--qformat", "int8_wo", "--group-size", "64"], ["--group-size applies to the int4 formats"]),
+    (["--qformat", "fp8", "--export-checkpoint", "exp"], ["--export-checkpoint writes ModelOpt's unified checkpoint"]),
+    (["--qformat", "int8_sq", "--calib-data", "missing.txt"], ["--calib-data missing.txt does not exist"]),
+])
+def test_cli_refusals(tiny_llama_dir, tmp_path, capsys, monkeypatch, args, fragments):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "engine"
+    status, err = run_build(capsys, "--checkpoint", str(tiny_llama_dir), "--output", str(out), "--quiet",
+                            "--max-seq-len", "256", "--max-num-tokens", "256", *args)
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kilnlm build: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content, name, fragment", [
+    ("", "empty.txt", "holds no text"),
+    ('{"body": "x"}\n', "records.jsonl", 'no string "text" field'),
+])
+def test_cli_refuses_unusable_calibration_files(tiny_llama_dir, tmp_path, capsys, content, name, fragment):
+    path = tmp_path / name
+    path.write_text(content)
+    status, err = run_build(capsys, "--checkpoint", str(tiny_llama_dir), "--output", str(tmp_path / "engine"),
+                            "--qformat", "int4_awq", "--group-size", "32", "--calib-data", str(path))
+    assert status == 2 and fragment in err and str(path) in err
+
+
+@pytest.mark.e2e
+def test_int4_awq_smollm2_knows_the_capital_of_france(smollm2_format_engine):
+    from transformers import AutoTokenizer
+
+    from kilnlm.runtime.engine import Engine
+
+    require_kernel("int4_awq")
+    engine = Engine.load(smollm2_format_engine("int4_awq"))
+    assert engine.manifest.build.dtype == "bfloat16" and "int4_linear" in engine.manifest.plugins
+    tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    generated = greedy_generate(engine, list(prompt_ids), 24, engine.manifest.generation.eos_token_ids)
+    answer = tokenizer.decode(generated, skip_special_tokens=True)
+    assert "Paris" in answer, answer
