@@ -120,7 +120,9 @@ def normalized_build_config(opts) -> dict[str, Any]:
     build.check_quant_options(opts)
     config = {f.name: _normalize(getattr(opts, f.name), f.name) for f in fields(opts) if f.name not in EXCLUDED_FIELDS}
     config["dtype"] = build.resolve_dtype(opts.qformat, opts.dtype)
-    for name, default in (("calib_num_samples", build.DEFAULT_CALIB_NUM_SAMPLES), ("calib_seq_len", build.DEFAULT_CALIB_SEQ_LEN)):
+    defaults = (("calib_num_samples", build.default_calib_num_samples(opts.qformat)),
+                ("calib_seq_len", build.DEFAULT_CALIB_SEQ_LEN))
+    for name, default in defaults:
         if name in config and config[name] is None:
             config[name] = default
     if "calib_data" in config and config["calib_data"] is None:

@@ -43,8 +43,11 @@ def build_with_cache(opts: BuildOptions, cache_url: str, name: str | None = None
     tag_name, tag_version = split_name_version(name) if name else (None, None)
     cache = EngineCache(cache_url)
     key = compute_cache_key(opts)
-    entry = cache.lookup(key.key)
+    # --export-checkpoint writes ModelOpt's quantized checkpoint, which only a build produces: skip the lookup.
+    entry = cache.lookup(key.key) if opts.export_checkpoint is None else None
     hit = entry is not None
+    if opts.export_checkpoint is not None:
+        say(f"--export-checkpoint needs the quantization itself: building {key.key} without a cache lookup")
     if hit:
         manifest = cache.fetch(key.key, opts.output, overwrite=opts.overwrite)
         say(f"cache hit {key.key}: fetched into {opts.output}")

