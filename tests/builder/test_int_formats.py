@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from factories import greedy_generate, make_engine_inputs, make_tiny_checkpoint
+from factories import make_engine_inputs, make_tiny_checkpoint
 
 from kilnlm.cli.main import main
 from kilnlm.plugins import PLUGIN_VERSIONS
@@ -264,20 +264,3 @@ def test_cli_refuses_unusable_calibration_files(tiny_llama_dir, tmp_path, capsys
     status, err = run_build(capsys, "--checkpoint", str(tiny_llama_dir), "--output", str(tmp_path / "engine"),
                             "--qformat", "int4_awq", "--group-size", "32", "--calib-data", str(path))
     assert status == 2 and fragment in err and str(path) in err
-
-
-@pytest.mark.e2e
-def test_int4_awq_smollm2_knows_the_capital_of_france(smollm2_format_engine):
-    from transformers import AutoTokenizer
-
-    from kilnlm.runtime.engine import Engine
-
-    require_kernel("int4_awq")
-    engine = Engine.load(smollm2_format_engine("int4_awq"))
-    assert engine.manifest.build.dtype == "bfloat16" and "int4_linear" in engine.manifest.plugins
-    tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
-    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=False)
-    generated = greedy_generate(engine, list(prompt_ids), 24, engine.manifest.generation.eos_token_ids)
-    answer = tokenizer.decode(generated, skip_special_tokens=True)
-    assert "Paris" in answer, answer

@@ -119,7 +119,18 @@ def formats_server(smollm2_format_engine, launcher, tmp_path_factory):
         yield http_url, skipped
 
 
-@pytest.mark.parametrize("model", list(FORMATS))
+# Engines that answer wrongly today (greedy, measured 2026-11-22): the same formats miss their perplexity
+# bounds in tests/builder/test_quality.py. Strict: a correct answer fails here until the marker is removed.
+KNOWN_WRONG = {
+    "kilnlm_int8_sq": "int8_sq (ModelOpt default SmoothQuant alpha) answers 'The capital of France is France.'",
+    "kilnlm_int4_awq": "int4_awq (group 64, 8 calibration samples) answers 'La France, la femme...'",
+}
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[m])) if m in KNOWN_WRONG else m
+    for m in FORMATS
+])
 def test_format_answers_paris(formats_server, model):
     http_url, skipped = formats_server
     if model in skipped:
