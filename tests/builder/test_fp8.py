@@ -42,12 +42,13 @@ def test_calibration_text_is_deterministic_english(smollm2_hf_dir):
 def test_fp8_engine_weights_are_one_byte(smollm2_engine_fp8_dir):
     """The package holds the decoder linears at 1 byte per weight and embedding (tied LM head) at
     2 bytes: its size is bounded by that sum plus a small margin, far below a bf16 engine's."""
+    from kilnlm.plugins import PLUGIN_VERSIONS
     from kilnlm.runtime.manifest import read_manifest
 
     manifest = read_manifest(smollm2_engine_fp8_dir)
     m = manifest.model
     assert manifest.build.qformat == "fp8" and manifest.build.dtype == "bfloat16"
-    assert manifest.plugins == {"paged_attention": 1, "fp8_linear": 1}
+    assert manifest.plugins == {name: PLUGIN_VERSIONS[name] for name in ("paged_attention", "fp8_linear")}
     q_dim, kv_dim = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     linear_weights = m.num_layers * (m.hidden_size * (q_dim + 2 * kv_dim) + q_dim * m.hidden_size
                                      + 3 * m.hidden_size * m.intermediate_size)
