@@ -67,8 +67,8 @@ class ObjectStore:
                 raise CacheError(f"cache URL {str(url)!r} names no bucket: write s3://bucket/prefix")
             try:
                 import s3fs
-            except ImportError:
-                raise CacheError("s3:// caches need s3fs: pip install 's3fs' (or kilnlm[s3])") from None
+            except ImportError as exc:
+                raise CacheError(f"s3:// caches need s3fs ({exc}): pip install 's3fs' (or kilnlm[s3])") from None
             self.local = False
             self.root = f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
             self.fs = s3fs.S3FileSystem(

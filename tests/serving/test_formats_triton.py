@@ -123,7 +123,6 @@ def formats_server(smollm2_format_engine, launcher, tmp_path_factory):
 # bounds in tests/builder/test_quality.py. Strict: a correct answer fails here until the marker is removed.
 KNOWN_WRONG = {
     "kilnlm_int8_sq": "int8_sq (ModelOpt default SmoothQuant alpha) answers 'The capital of France is France.'",
-    "kilnlm_int4_awq": "int4_awq (group 64, 8 calibration samples) answers 'La France, la femme...'",
 }
 
 
