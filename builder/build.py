@@ -25,7 +25,7 @@ from kilnlm.builder.errors import BuildError
 from kilnlm.builder.kv_quant import KV_QUANT_MAX, resolve_kv_cache_dtype
 from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
 from kilnlm.builder.toolchain import inductor_cpu_isa
-from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig, write_manifest
+from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig, move_into_place, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def build_engine(opts: BuildOptions, cache_key: CacheKey | None = None) -> Manif
         write_manifest(tmp, manifest)
         if opts.smoke_test:
             _smoke_test(tmp)
-        _move_into_place(tmp, opts.output)
+        move_into_place(tmp, opts.output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -282,13 +282,3 @@ def _smoke_test(engine_dir: Path) -> None:
     if logits.shape != (1, engine.manifest.model.vocab_size) or not torch.isfinite(logits).all():
         raise BuildError(f"smoke test of the built engine failed: logits {tuple(logits.shape)}, finite="
                          f"{bool(torch.isfinite(logits).all())}; report this as a kilnlm bug")
-
-
-def _move_into_place(tmp: Path, output: Path) -> None:
-    if output.exists():
-        trash = output.parent / f".{output.name}.old-{os.getpid()}"
-        os.replace(output, trash)
-        os.replace(tmp, output)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, output)

@@ -40,7 +40,7 @@ from kilnlm.runtime.cache_refs import (KEY_PREFIX_RE, KEY_RE, LATEST, check_name
                                        split_name_version, version_order)
 from kilnlm.runtime.cache_store import ObjectInfo, ObjectStore
 from kilnlm.runtime.errors import CacheError
-from kilnlm.runtime.manifest import MANIFEST_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, read_manifest, verify_files
+from kilnlm.runtime.manifest import MANIFEST_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, move_into_place, read_manifest, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class EngineCache:
                     self._copy_object(key, rel, meta, f)
             (tmp / MANIFEST_NAME).write_bytes(raw)
             read_manifest(tmp)  # format version and structure, as the runtime will read it
-            _move_into_place(tmp, output)
+            move_into_place(tmp, output)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -460,17 +460,6 @@ class EngineCache:
 
 def _json(data: dict) -> bytes:
     return (json.dumps(data, sort_keys=True) + "\n").encode()
-
-
-def _move_into_place(tmp: Path, output: Path) -> None:
-    """Rename the finished directory ``tmp`` to ``output``, replacing an existing ``output``."""
-    if output.exists():
-        trash = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
-        os.replace(output, trash)
-        os.replace(tmp, output)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, output)
 
 
 __all__ = ["CacheEntry", "CacheError", "EngineCache", "split_cache_ref", "split_name_version"]

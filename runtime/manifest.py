@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,3 +193,16 @@ def verify_files(engine_dir: str | os.PathLike, manifest: Manifest) -> None:
             )
     if manifest.engine_file not in manifest.files:
         raise EngineError(f"{root / MANIFEST_NAME} lists no compiled engine file {manifest.engine_file!r}: rebuild the engine")
+
+
+def move_into_place(tmp: Path, output: Path) -> None:
+    """Rename the finished engine directory ``tmp`` to ``output`` (same file system), replacing an
+    existing ``output``: the old one is renamed aside first and removed after, so ``output`` is never a
+    half-written directory."""
+    if output.exists():
+        trash = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
+        os.replace(output, trash)
+        os.replace(tmp, output)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, output)
