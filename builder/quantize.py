@@ -3,8 +3,8 @@
 ModelOpt inserts max-calibrating quantizers into every linear of a transformers model
 (``mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)``); running real English text through it
 records each linear's weight amax and input (activation) amax. The builder turns those into static
-per-tensor scales ``amax / 448`` (see :class:`kilnlm.builder.network.layers.Fp8Linear`); fused linears
-take the max over their parts. Calibration text (:mod:`kilnlm.builder.calibration`) defaults to
+per-tensor scales ``amax / 448`` (see :class:`kilnlm.builder.network.layers.Fp8Linear`); each part of a
+fused linear keeps its own weight scale. Calibration text (:mod:`kilnlm.builder.calibration`) defaults to
 the standard library's ``pydoc_data.topics`` (the Python language reference), so builds need no network and
 are deterministic. The integer formats live in :mod:`kilnlm.builder.quantize_int`.
 """

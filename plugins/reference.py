@@ -144,9 +144,9 @@ def fp8_linear_reference(
     """Reference of ``kilnlm::fp8_linear``.
 
     x: ``[T, in_features]`` float32 / bfloat16; weight: ``[out_features, in_features]`` float8_e4m3fn;
-    weight_scale, input_scale: 0-dim float32; bias: ``[out_features]`` (any float dtype) or None.
-    Returns ``[T, out_features]`` in x's dtype:
-    ``y = (quantize(x) @ weight.T) * (input_scale * weight_scale) + bias``, accumulated in float32.
+    input_scale: 0-dim float32; weight_scale: 0-dim or ``[out_features]`` float32 (per output row);
+    bias: ``[out_features]`` (any float dtype) or None. Returns ``[T, out_features]`` in x's dtype:
+    ``y = (quantize(x) @ weight.T) * (input_scale * weight_scale[o]) + bias``, accumulated in float32.
     """
     x_q = quantize_fp8_reference(x, input_scale)
     y = (x_q.float() @ weight.float().T) * (input_scale.float() * weight_scale.float())

@@ -26,10 +26,11 @@ block_tables, slot_mapping, scale, kv_scale=None) -> out``
 
 ``fp8_linear(x, weight, weight_scale, input_scale, bias?) -> y``
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features] float8_e4m3fn``;
-    ``weight_scale``, ``input_scale`` 0-dim float32 per-tensor scales; ``bias [out_features]`` or None.
-    Numerics of a Hopper FP8 GEMM: ``x_q = fp8_e4m3(clamp(x / input_scale, -448, 448))`` (round to
-    nearest even), ``y = (x_q @ weight.T) * (input_scale * weight_scale) + bias`` accumulated in float32,
-    returned in x's dtype.
+    ``input_scale`` 0-dim float32 (per-tensor, static); ``weight_scale`` 0-dim float32 (per-tensor) or
+    ``[out_features]`` float32 (version 2: one scale per output row, which lets each part of a fused QKV /
+    gate-up GEMM keep its own per-tensor scale); ``bias [out_features]`` or None. Numerics of a Hopper FP8
+    GEMM: ``x_q = fp8_e4m3(clamp(x / input_scale, -448, 448))`` (round to nearest even), ``y = (x_q @
+    weight.T) * (input_scale * weight_scale[o]) + bias`` accumulated in float32, returned in x's dtype.
 
 ``int4_linear(x, weight, weight_scale, pre_quant_scale?, bias?, group_size) -> y``   (W4A16: int4_awq, int4_wo)
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features // 2] uint8``: two
@@ -65,17 +66,19 @@ import torch
 # compiled against and the runtime refuses engines whose plugin versions it does not implement.
 PLUGIN_VERSIONS: dict[str, int] = {
     "paged_attention": 2,  # 2: optional trailing kv_scale (8-bit KV pools); 1's 12-argument calls unchanged
-    "fp8_linear": 1,
+    "fp8_linear": 2,  # 2: weight_scale may be [out_features] (per-part scales of fused linears)
     "int4_linear": 1,
     "int8_linear": 1,
     "int8_sq_linear": 1,
 }
 
 # Versions of a plugin that this kilnlm still runs (older engines whose calls the current kernels serve
-# unchanged). paged_attention 1 -> 2 only added a trailing optional argument with a default.
+# unchanged). paged_attention 1 -> 2 only added a trailing optional argument with a default; fp8_linear
+# 1 -> 2 only widened weight_scale's accepted shapes.
 PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
     **{name: (version,) for name, version in PLUGIN_VERSIONS.items()},
     "paged_attention": (1, 2),
+    "fp8_linear": (1, 2),  # version 1's 0-dim weight_scale is still accepted
 }
 
 _LIB = torch.library.Library("kilnlm", "DEF")

@@ -21,15 +21,10 @@ FP8_E4M3_MAX = 448.0
 
 @dataclass(frozen=True)
 class Fp8Amax:
-    """Calibrated absolute maxima of one linear (or of the parts of a fused linear, max-reduced)."""
+    """Calibrated absolute maxima of one linear: its weight's and its input's (both per tensor)."""
 
     weight_amax: float
     input_amax: float
-
-    @staticmethod
-    def merge(parts: list["Fp8Amax"]) -> "Fp8Amax":
-        """Fused linears (QKV, gate/up) share one weight scale and one input scale: the max of the parts."""
-        return Fp8Amax(max(p.weight_amax for p in parts), max(p.input_amax for p in parts))
 
 
 class RMSNorm(nn.Module):
@@ -64,20 +59,32 @@ class Linear(nn.Module):
 
 
 class Fp8Linear(nn.Module):
-    """FP8 linear through ``torch.ops.kilnlm.fp8_linear``: float8_e4m3fn weight with a per-tensor
-    ``weight_scale`` and a static per-tensor ``input_scale`` (both 0-dim float32 = amax / 448).
+    """FP8 linear through ``torch.ops.kilnlm.fp8_linear``: float8_e4m3fn weight with per-tensor weight
+    scales and one static per-tensor ``input_scale`` (scale = amax / 448, ModelOpt's FP8 recipe).
 
-    x: ``[T, in_features]`` bfloat16; returns ``[T, out_features]`` bfloat16."""
+    A fused linear (QKV, gate/up) keeps each part's own weight scale: ``weight_scale`` is then
+    ``[out_features]`` float32, constant over each part's rows, so every part is quantized exactly as the
+    unfused linear would be; a single linear has a 0-dim ``weight_scale``. The parts read the same input,
+    so they share its scale (the max of their input amax, which calibration records equal).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, amax: Fp8Amax, dtype: torch.dtype):
+    x: ``[T, in_features]`` bfloat16; returns ``[T, out_features]`` bfloat16.
+    Raises :class:`BuildError` if an amax is zero, negative or not finite."""
+
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, amax: list[Fp8Amax], dtype: torch.dtype):
         super().__init__()
-        if amax.weight_amax <= 0 or amax.input_amax <= 0 or not math.isfinite(amax.weight_amax * amax.input_amax):
-            raise BuildError(f"FP8 calibration gave an unusable amax {amax}: check the calibration data")
-        weight_scale = torch.tensor(amax.weight_amax / FP8_E4M3_MAX, dtype=torch.float32)
-        input_scale = torch.tensor(amax.input_amax / FP8_E4M3_MAX, dtype=torch.float32)
-        q = (weight.float() / weight_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        for a in amax:
+            if a.weight_amax <= 0 or a.input_amax <= 0 or not math.isfinite(a.weight_amax * a.input_amax):
+                raise BuildError(f"FP8 calibration gave an unusable amax {a}: check the calibration data")
+        part_scales = [torch.tensor(a.weight_amax / FP8_E4M3_MAX, dtype=torch.float32) for a in amax]
+        q = torch.cat([(w.float() / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+                       for w, s in zip(weights, part_scales)])
+        if len(part_scales) == 1:
+            weight_scale = part_scales[0]
+        else:
+            weight_scale = torch.cat([s.expand(w.shape[0]) for w, s in zip(weights, part_scales)])
+        input_scale = torch.tensor(max(a.input_amax for a in amax) / FP8_E4M3_MAX, dtype=torch.float32)
         self.register_buffer("weight", q.contiguous())
-        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("weight_scale", weight_scale.contiguous())
         self.register_buffer("input_scale", input_scale)
         self.register_buffer("bias", None if bias is None else bias.to(dtype).contiguous())
 
@@ -92,14 +99,13 @@ def make_linear(
     amax: list[Fp8Amax] | None = None,
 ) -> nn.Module:
     """One linear from the row-concatenation of ``weights`` (a fused QKV / gate-up projection, or a
-    single weight). ``amax`` (one per part) selects FP8 with shared scales; None keeps ``dtype``."""
-    weight = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]
+    single weight). ``amax`` (one per part) selects FP8 with per-part weight scales; None keeps ``dtype``."""
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
     if amax is None:
-        return Linear(weight, bias, dtype)
-    return Fp8Linear(weight, bias, Fp8Amax.merge(amax), dtype)
+        return Linear(torch.cat(weights, dim=0) if len(weights) > 1 else weights[0], bias, dtype)
+    return Fp8Linear(weights, bias, amax, dtype)
 
 
 @dataclass

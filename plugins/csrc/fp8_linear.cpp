@@ -1,7 +1,9 @@
 // kilnlm::fp8_linear, CPU kernel (schema and numerics: kilnlm/plugins/schema.py).
 //
 //   x [T, in] f32/bf16 --quantize (x / input_scale, clamp ±448, RNE to E4M3)--> x_q (held as exact floats)
-//   y [T, out] = (x_q @ weight.T) * (input_scale * weight_scale) + bias, accumulated in float32
+//   y [T, out] = (x_q @ weight.T) * (input_scale * weight_scale[o]) + bias, accumulated in float32
+//   (weight_scale 0-dim: one per-tensor scale; [out]: one per output row, e.g. each part of a fused QKV
+//   keeps its own per-tensor scale)
 //
 // The weight [out, in] float8_e4m3fn is read directly as bytes, never dequantized as a whole:
 // - few tokens (generation phase): a fused dequantize-and-FMA GEMV over output rows, each byte read
@@ -109,11 +111,14 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   TORCH_CHECK(weight.is_contiguous(), "kilnlm::fp8_linear: weight must be contiguous (call .contiguous() when building)");
   TORCH_CHECK(weight.size(1) == x.size(1), "kilnlm::fp8_linear: x has ", x.size(1), " features but weight expects ",
               weight.size(1));
-  for (const at::Tensor* s : {&weight_scale, &input_scale}) {
-    TORCH_CHECK(s->numel() == 1 && s->scalar_type() == at::kFloat && s->device().is_cpu(),
-                "kilnlm::fp8_linear: weight_scale and input_scale must be 0-dim float32 CPU tensors, got ",
-                s->scalar_type(), " ", s->sizes());
-  }
+  TORCH_CHECK(input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat && input_scale.device().is_cpu(),
+              "kilnlm::fp8_linear: input_scale must be a 0-dim float32 CPU tensor, got ", input_scale.scalar_type(), " ",
+              input_scale.sizes());
+  const bool per_row = weight_scale.dim() == 1 && weight_scale.size(0) == weight.size(0);
+  TORCH_CHECK((weight_scale.dim() == 0 || per_row) && weight_scale.scalar_type() == at::kFloat &&
+                  weight_scale.device().is_cpu(),
+              "kilnlm::fp8_linear: weight_scale must be a 0-dim or [out_features=", weight.size(0),
+              "] float32 CPU tensor, got ", weight_scale.scalar_type(), " ", weight_scale.sizes());
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->device().is_cpu(),
                 "kilnlm::fp8_linear: bias must be [out_features=", weight.size(0), "], got ", bias->sizes());
@@ -144,13 +149,13 @@ void quantize_activations(const at::Tensor& x, float input_scale, float* xq) {
   });
 }
 
-// out[t, o] = acc[t, o] * scale (+ bias[o]) in out's dtype (two roundings, as the reference).
+// out[t, o] = acc[t, o] * scale[o] (+ bias[o]) in out's dtype (two roundings, as the reference).
 template <typename scalar_t>
-void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end, float scale,
-              const float* bias, scalar_t* out, int64_t out_stride) {
+void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end,
+              const float* scale, const float* bias, scalar_t* out, int64_t out_stride) {
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t o = col_begin; o < col_end; ++o) {
-      float y = acc[t * acc_stride + (o - col_begin)] * scale;
+      float y = acc[t * acc_stride + (o - col_begin)] * scale[o];
       if (bias != nullptr) y = y + bias[o];
       out[t * out_stride + o] = static_cast<scalar_t>(y);
     }
@@ -159,7 +164,7 @@ void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t 
 
 // Generation phase (few tokens): fused dequantize-and-FMA GEMV, each weight byte read once per call.
 template <typename scalar_t>
-void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, float scale,
+void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
                 const float* bias, scalar_t* out) {
   const float* lut = fp8_lut().value;
   const GemvFn gemv = gemv_fn();
@@ -186,7 +191,7 @@ bool use_bf16_gemm() { return kiln::cpu_has_avx512_bf16(); }
 // (never a dequantized copy of the whole weight) and multiply: with AVX512-BF16, tiles and activations
 // as (exact) bfloat16 through bf16_gemm_nt; otherwise float32 tiles through at::mm.
 template <typename scalar_t>
-void run_tiled(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, float scale,
+void run_tiled(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
                const float* bias, scalar_t* out) {
   const float* lut = fp8_lut().value;
   const DequantFn dequant = dequant_fn();
@@ -240,7 +245,12 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   if (num_tokens == 0 || out_features == 0) return out;
 
   const float s_in = input_scale.item<float>();
-  const float scale = s_in * weight_scale.item<float>();
+  // scale[o] = input_scale * weight_scale[o], one float32 product per output row as the reference.
+  std::vector<float> scale_buf(static_cast<size_t>(out_features));
+  const at::Tensor w_scale = weight_scale.contiguous();
+  const float* ws = w_scale.data_ptr<float>();
+  for (int64_t o = 0; o < out_features; ++o) scale_buf[o] = s_in * ws[weight_scale.dim() == 0 ? 0 : o];
+  const float* scale = scale_buf.data();
   at::Tensor bias;
   if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;

@@ -1,4 +1,4 @@
-"""FP8 engines: ModelOpt-calibrated per-tensor scales, 1-byte weights, and a real answer from SmolLM2."""
+"""FP8 engines: ModelOpt-calibrated per-tensor scales (per part of fused linears), 1-byte weights, and a real answer from SmolLM2."""
 
 from __future__ import annotations
 
@@ -10,19 +10,27 @@ from factories import greedy_generate
 from kilnlm.builder.network.layers import FP8_E4M3_MAX, Fp8Amax, make_linear
 
 
-def test_fused_fp8_linear_shares_max_scales():
+def test_fused_fp8_linear_keeps_each_parts_scale():
+    """A fused linear quantizes each part with that part's own per-tensor scale (as the unfused linears
+    would be, ModelOpt's recipe): weight_scale is [out_features], constant over each part's rows."""
     torch.manual_seed(0)
     parts = [torch.randn(8, 16), 3 * torch.randn(4, 16)]
     amax = [Fp8Amax(float(p.abs().max()), 2.0) for p in parts]
     linear = make_linear(parts, [None, None], torch.bfloat16, amax)
     assert linear.weight.dtype == torch.float8_e4m3fn and linear.weight.element_size() == 1
     assert linear.weight.shape == (12, 16)
-    expected_scale = max(a.weight_amax for a in amax) / FP8_E4M3_MAX
-    assert float(linear.weight_scale) == pytest.approx(expected_scale)
+    expected_scales = torch.cat([torch.full((8,), amax[0].weight_amax / FP8_E4M3_MAX),
+                                 torch.full((4,), amax[1].weight_amax / FP8_E4M3_MAX)])
+    assert linear.weight_scale.shape == (12,)
+    torch.testing.assert_close(linear.weight_scale, expected_scales)
     assert float(linear.input_scale) == pytest.approx(2.0 / FP8_E4M3_MAX)
-    dequantized = linear.weight.float() * linear.weight_scale
+    for part, a, rows in zip(parts, amax, (slice(0, 8), slice(8, 12))):
+        alone = make_linear([part], [None], torch.bfloat16, [a])
+        assert alone.weight_scale.dim() == 0
+        assert torch.equal(linear.weight[rows].view(torch.uint8), alone.weight.view(torch.uint8))
+    dequantized = linear.weight.float() * linear.weight_scale[:, None]
     # E4M3 keeps 3 mantissa bits: relative error at most 2^-4 of the value (plus subnormals near 0).
-    torch.testing.assert_close(dequantized, torch.cat(parts), atol=expected_scale * 2**-6 * 8, rtol=2**-4)
+    torch.testing.assert_close(dequantized, torch.cat(parts), atol=float(expected_scales.max()) * 2**-6 * 8, rtol=2**-4)
 
 
 def test_calibration_text_is_deterministic_english(smollm2_hf_dir):

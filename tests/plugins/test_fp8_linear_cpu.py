@@ -99,6 +99,29 @@ def test_matches_fp32_matmul_of_quantized_operands(num_tokens, dtype, with_bias)
         torch.testing.assert_close(y.float(), expected.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 16, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_row_weight_scales_match_the_reference(num_tokens, dtype):
+    """weight_scale [out_features] (version 2, the per-part scales of a fused linear): every output row
+    is scaled by its own scale, on the GEMV and the tiled paths; float32 bit-exact with the reference's
+    per-row product, and equal to running each row block with its 0-dim scale."""
+    gen = torch.Generator().manual_seed(11 * num_tokens)
+    in_features, out_features = 200, 72
+    x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(dtype)
+    weight = random_fp8_weight(out_features, in_features, gen)
+    weight_scale = torch.cat([torch.full((40,), 0.003), torch.full((32,), 0.0007)])
+    input_scale = torch.tensor(0.05)
+    y = fp8_linear(x, weight, weight_scale, input_scale, None)
+    expected = fp8_linear_reference(x, weight, weight_scale, input_scale, None)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(y.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    for rows, scale in ((slice(0, 40), 0.003), (slice(40, 72), 0.0007)):
+        alone = fp8_linear(x, weight[rows].contiguous(), torch.tensor(scale), input_scale, None)
+        assert torch.equal(y[:, rows], alone)
+
+
 def test_smollm2_shaped_generation_gemv():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 576, generator=gen)
@@ -120,11 +143,12 @@ def test_empty_batch():
         (dict(x=torch.zeros(2, 16, dtype=torch.float64)), "x must be float32 or bfloat16"),
         (dict(weight=torch.zeros(8, 16, dtype=torch.bfloat16)), "weight must be a 2-D float8_e4m3fn"),
         (dict(x=torch.zeros(2, 15)), "x has 15 features but weight expects 16"),
-        (dict(input_scale=torch.tensor([1.0, 2.0])), "must be 0-dim float32"),
-        (dict(weight_scale=torch.tensor(1.0, dtype=torch.float64)), "must be 0-dim float32"),
+        (dict(input_scale=torch.tensor([1.0, 2.0])), "input_scale must be a 0-dim float32"),
+        (dict(weight_scale=torch.tensor(1.0, dtype=torch.float64)), "weight_scale must be a 0-dim or \\[out_features=8\\] float32"),
+        (dict(weight_scale=torch.ones(7)), "weight_scale must be a 0-dim or \\[out_features=8\\] float32"),
         (dict(bias=torch.zeros(7)), "bias must be \\[out_features=8\\]"),
     ],
-    ids=["x-dtype", "weight-dtype", "in-features", "scale-shape", "scale-dtype", "bias-shape"],
+    ids=["x-dtype", "weight-dtype", "in-features", "scale-shape", "scale-dtype", "weight-scale-rows", "bias-shape"],
 )
 def test_bad_inputs_raise_clear_errors(kwargs, message):
     args = dict(x=torch.zeros(2, 16), weight=torch.zeros(8, 16).to(torch.float8_e4m3fn),
