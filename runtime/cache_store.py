@@ -47,6 +47,16 @@ class ObjectInfo:
     modified: datetime
 
 
+def _ssl_import_problem() -> str:
+    """Why Python's ``ssl`` module cannot be imported ("" when it can): urllib3 swallows that error and
+    s3fs then fails with an unrelated-looking ImportError, so the real cause is added to the message."""
+    try:
+        import ssl  # noqa: F401
+    except ImportError as exc:
+        return f"; Python's ssl module cannot be imported: {exc}"
+    return ""
+
+
 class ObjectStore:
     """Objects below ``url`` (a local directory, ``file://`` URL or ``s3://bucket/prefix``)."""
 
@@ -68,7 +78,8 @@ class ObjectStore:
             try:
                 import s3fs
             except ImportError as exc:
-                raise CacheError(f"s3:// caches need s3fs ({exc}): pip install 's3fs' (or kilnlm[s3])") from None
+                raise CacheError(f"s3:// caches need s3fs ({exc}{_ssl_import_problem()}): pip install 's3fs' "
+                                 "(or kilnlm[s3])") from None
             self.local = False
             self.root = f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
             self.fs = s3fs.S3FileSystem(

@@ -73,10 +73,10 @@ def start_deployed_server(launcher, tmp_path):
         while not _serving._ready(server.http_url):
             if process.poll() is not None:
                 pytest.fail(f"tritonserver exited with status {process.returncode} while starting; "
-                            f"its log:\n{server.log_tail()}")
+                            f"its log:\n{server.failure_report()}")
             if time.monotonic() > deadline_s:
                 pytest.fail(f"tritonserver was not ready after {_serving.SERVER_START_TIMEOUT_S:.0f} s; "
-                            f"its log:\n{server.log_tail()}")
+                            f"its log:\n{server.failure_report()}")
             time.sleep(0.5)
         return server
 

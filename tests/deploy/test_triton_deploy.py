@@ -65,7 +65,7 @@ def _wait_for_versions(server, model: str, ready: int, gone: int) -> None:
     deadline_s = time.monotonic() + VERSION_SWITCH_TIMEOUT_S
     while not (_version_ready(server, model, ready) and not _version_ready(server, model, gone)):
         assert time.monotonic() < deadline_s, \
-            f"version {ready} of {model} not served alone after {VERSION_SWITCH_TIMEOUT_S:.0f} s:\n{server.log_tail()}"
+            f"version {ready} of {model} not served alone after {VERSION_SWITCH_TIMEOUT_S:.0f} s:\n{server.failure_report()}"
         time.sleep(0.5)
 
 
@@ -81,7 +81,7 @@ def test_triton_serves_an_engine_deployed_from_s3_and_rolls_back(s3_server, smol
 
     server = start_deployed_server(repo, {ENGINE_CACHE_DIR_ENV: str(served_cache)}, repository_poll_s=1)
 
-    assert (served_cache / entry.key / "manifest.json").is_file(), server.log_tail()
+    assert (served_cache / entry.key / "manifest.json").is_file(), server.failure_report()
     assert verify_engine(served_cache / entry.key).files == verify_engine(smollm2_engine_fp8_dir).files
     assert f"fetching {cache_url}/smollm2:1" in server.log_tail(200_000)
     assert not [p for p in repo.rglob("__pycache__") if p.is_dir()]  # (polling: a changed model)

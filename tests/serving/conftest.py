@@ -54,6 +54,14 @@ class TritonServer:
     def log_tail(self, num_chars: int = 20_000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
+    def failure_report(self, num_chars: int = 12_000) -> str:
+        """The log's tail, then its error lines (Triton's ``E`` lines, model-load failures) from the whole
+        log: they come last so that a truncated CI excerpt still shows why a model did not load."""
+        log = self.log_path.read_text(errors="replace")
+        errors = [line for line in log.splitlines()
+                  if re.match(r"^E\d{4} ", line) or "Failed to initialize" in line or "Traceback" in line]
+        return f"{log[-num_chars:]}\n--- error lines of the tritonserver log ---\n" + "\n".join(errors)[-8_000:]
+
     def metrics(self) -> dict[str, float]:
         """The ``kilnlm_*`` samples on the metrics endpoint: {"name{labels}": value}."""
         with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
@@ -107,10 +115,10 @@ def triton_server(smollm2_engine_fp32_dir, launcher, tmp_path_factory):
         while not _ready(server.http_url):
             if process.poll() is not None:
                 pytest.fail(f"tritonserver exited with status {process.returncode} while starting; "
-                            f"its log:\n{server.log_tail()}")
+                            f"its log:\n{server.failure_report()}")
             if time.monotonic() > deadline_s:
                 pytest.fail(f"tritonserver was not ready after {SERVER_START_TIMEOUT_S:.0f} s; "
-                            f"its log:\n{server.log_tail()}")
+                            f"its log:\n{server.failure_report()}")
             time.sleep(0.5)
         yield server
     finally:
