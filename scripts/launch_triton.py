@@ -94,6 +94,7 @@ class PreparedServer:
     model_repository: Path
     backend_directory: Path
     library_dirs: tuple[Path, ...]
+    stub_path_dirs: tuple[Path, ...] = ()  # go first on PATH: the stub's own interpreter (see stub_interpreter_dir)
 
 
 def _pytriton_root() -> Path | None:
@@ -167,6 +168,36 @@ def assemble_backend_directory(tritonserver: Path, dest: Path) -> Path:
     return out.parent
 
 
+def stub_interpreter_dir(stub: Path, dest: Path) -> Path | None:
+    """A folder holding ``python3``, a link to the interpreter whose libpython ``stub`` embeds (found with
+    ``ldd``: ``<prefix>/lib/.../libpython3.X.so`` -> ``<prefix>/bin/python3.X``); None when it cannot tell.
+
+    Why: the stub starts an isolated interpreter with an empty argv[0], so CPython looks ``python3`` up on
+    PATH to find its prefix. With a virtual environment first on PATH whose base is another build of
+    Python (pyenv, conda), the stub would take that build's standard library, and its C extension modules
+    fail to load in the stub's libpython (``ssl``: "undefined symbol"). This folder goes first on the
+    server's PATH so the stub finds its own standard library."""
+    try:
+        out = subprocess.run(["ldd", str(stub)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"libpython(\d+\.\d+)\S*\s+=>\s+(\S+)", out)
+    if match is None:
+        return None
+    version, library = match.group(1), Path(match.group(2)).resolve()
+    interpreter = next((p / "bin" / f"python{version}" for p in library.parents
+                        if (p / "bin" / f"python{version}").is_file()), None)
+    if interpreter is None:
+        return None
+    folder = Path(dest) / "stub_python"
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / "python3"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(interpreter.resolve())
+    return folder
+
+
 _PARAM_RE = re.compile(
     r'(key:\s*"' + ENGINE_DIR_PARAMETER + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"', re.S)
 
@@ -236,7 +267,10 @@ def prepare_server(config: ServerConfig) -> PreparedServer:
     else:
         repository = prepare_repository(config.model_repository, work_dir / "model_repository",
                                         config.engine_dir)
-    return PreparedServer(tritonserver, repository, backend_directory, _library_dirs(tritonserver))
+    stub = backend_directory / "python" / STUB_NAME
+    stub_dir = stub_interpreter_dir(stub, work_dir) if stub.is_file() else None
+    return PreparedServer(tritonserver, repository, backend_directory, _library_dirs(tritonserver),
+                          () if stub_dir is None else (stub_dir,))
 
 
 def server_command(config: ServerConfig, prepared: PreparedServer) -> list[str]:
@@ -263,13 +297,16 @@ def server_command(config: ServerConfig, prepared: PreparedServer) -> list[str]:
 
 def server_environment(prepared: PreparedServer, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for tritonserver: ``base`` (default os.environ) plus PYTHONPATH from this
-    interpreter's sys.path, so the backend stub imports the same packages (venv, kilnlm), and
-    LD_LIBRARY_PATH with the pytriton library folders."""
+    interpreter's sys.path, so the backend stub imports the same packages (venv, kilnlm), the stub's
+    interpreter folder first on PATH (:func:`stub_interpreter_dir`), and LD_LIBRARY_PATH with the pytriton
+    library folders."""
     env = dict(os.environ if base is None else base)
     python_path = [p for p in sys.path if p and Path(p).exists()]
     if env.get("PYTHONPATH"):
         python_path.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(python_path))
+    if prepared.stub_path_dirs:
+        env["PATH"] = os.pathsep.join([*map(str, prepared.stub_path_dirs), *filter(None, [env.get("PATH")])])
     lib_path = [str(p) for p in prepared.library_dirs]
     if env.get("LD_LIBRARY_PATH"):
         lib_path.append(env["LD_LIBRARY_PATH"])

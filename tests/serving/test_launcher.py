@@ -132,3 +132,32 @@ def test_tritonserver_failure_status_is_passed_through(tmp_path):
                              "--tritonserver", str(binary)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 3
     assert "failed to load all models" in result.stderr
+
+
+def test_stub_finds_its_own_interpreter_first_on_path(launcher, tmp_path):
+    """pytriton's stub embeds the system's libpython and finds its standard library by looking ``python3``
+    up on PATH. The launcher puts a ``python3`` linked to that libpython's interpreter first on the
+    server's PATH, ahead of a virtual environment of another Python build (whose ``_ssl`` module cannot
+    load in the stub: what broke s3:// engines in CI, where the venv's bin comes first on PATH)."""
+    import re
+
+    try:
+        tritonserver = launcher.find_tritonserver()
+    except launcher.LaunchError as exc:
+        pytest.skip(f"no tritonserver here: {exc}")
+    backends = launcher.assemble_backend_directory(tritonserver, tmp_path)
+    stub = backends / "python" / launcher.STUB_NAME
+    ldd = subprocess.run(["ldd", str(stub)], capture_output=True, text=True, timeout=30).stdout
+    linked = re.search(r"libpython(\d+\.\d+)", ldd)
+    if linked is None:
+        pytest.skip("this tritonserver's stub does not link a shared libpython")
+    folder = launcher.stub_interpreter_dir(stub, tmp_path)
+    assert folder is not None and (folder / "python3").is_symlink()
+    version = subprocess.run([str(folder / "python3"), "-I", "-c",
+                              "import ssl, sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip() == linked.group(1)
+    prepared = launcher.PreparedServer(tritonserver, tmp_path, backends, (), (folder,))
+    env = launcher.server_environment(prepared, base={"PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/bin"})
+    assert env["PATH"].split(os.pathsep)[:2] == [str(folder), str(Path(sys.executable).parent)]

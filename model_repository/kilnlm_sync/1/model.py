@@ -21,10 +21,6 @@ def _add_launcher_python_path() -> None:
     entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     packages = [p for p in entries if os.path.isdir(p) and not os.path.exists(os.path.join(p, "os.py"))
                 and not p.rstrip("/").endswith("lib-dynload") and p not in sys.path]
-    try:  # bind the stdlib's ssl (urllib3 / s3fs need it) before other interpreters' folders come first
-        import ssl  # noqa: F401
-    except ImportError:
-        pass  # a Python without ssl still serves local engines; an s3:// engine then says why it cannot
     sys.path[0:0] = packages
     for p in packages:
         site.addsitedir(p)
