@@ -66,6 +66,8 @@ class BuildOptions:
     calib_num_samples: int | None = None  # calibrated formats: samples (default 24)
     calib_seq_len: int | None = None  # calibrated formats: tokens per sample (default 256)
     quantize_lm_head: bool = False  # int4_awq / int4_wo / int8_wo: the LM head through the same format
+    per_token: bool = False  # int8_sq: dynamic per-token activation scales instead of the calibrated per-tensor one
+    smoothquant_alpha: float | None = None  # int8_sq: SmoothQuant's migration strength alpha (default ModelOpt's, 1.0)
     export_checkpoint: Path | None = None  # integer formats: also write ModelOpt's unified HF checkpoint here
     compile: CompileOptions = field(default_factory=CompileOptions)
 
@@ -110,6 +112,11 @@ def check_quant_options(opts: BuildOptions) -> None:
     if opts.quantize_lm_head and q not in LM_HEAD_QFORMATS:
         raise BuildError(f"--quantize-lm-head works with the weight-only formats ({', '.join(LM_HEAD_QFORMATS)}), not "
                          f"--qformat {q}: drop it or pick one of those")
+    if (opts.per_token or opts.smoothquant_alpha is not None) and q != "int8_sq":
+        raise BuildError(f"--per-token / --smoothquant-alpha apply to --qformat int8_sq, not {q}: drop them")
+    if opts.smoothquant_alpha is not None and not 0.0 <= opts.smoothquant_alpha <= 1.0:
+        raise BuildError(f"--smoothquant-alpha {opts.smoothquant_alpha}: it must be within [0, 1] (0.5 is SmoothQuant's "
+                         "usual choice with --per-token)")
     if opts.export_checkpoint is not None and q not in INT_QFORMATS:
         raise BuildError(f"--export-checkpoint writes ModelOpt's unified checkpoint for {', '.join(INT_QFORMATS)}, not "
                          f"--qformat {q}: drop it or pick one of those")
@@ -244,7 +251,7 @@ def build_network(opts: BuildOptions, ck: Checkpoint, model_cfg: ModelConfig, dt
     if opts.qformat in INT_QFORMATS:
         t0 = time.perf_counter()
         cfg = IntQuantConfig(opts.qformat, opts.group_size, opts.quantize_lm_head, _calibration_config(opts),
-                             opts.export_checkpoint)
+                             opts.export_checkpoint, opts.per_token, opts.smoothquant_alpha)
         state, quant = quantize_int(ck, cfg)
         log.info("%s quantization (ModelOpt) took %.1f s", opts.qformat, time.perf_counter() - t0)
         return LlamaNetwork(model_cfg, state, dtype, quant=quant)

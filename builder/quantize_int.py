@@ -63,6 +63,8 @@ class IntQuantConfig:
     quantize_lm_head: bool = False  # --quantize-lm-head
     calib: CalibrationConfig = field(default_factory=CalibrationConfig)
     export_dir: Path | None = None  # --export-checkpoint: keep the unified checkpoint here
+    per_token: bool = False  # int8_sq --per-token: dynamic per-token activation scales at run time
+    smoothquant_alpha: float | None = None  # int8_sq --smoothquant-alpha (None: ModelOpt's recipe default)
 
 
 def linear_in_features(hf_config) -> dict[str, int]:
@@ -106,9 +108,10 @@ def default_group_size(hf_config, quantize_lm_head: bool, preferred: int = 128) 
     return preferred
 
 
-def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool) -> dict:
-    """A deep copy of ModelOpt's recipe for ``qformat`` with the int4 block size set to ``group_size`` and,
-    with ``quantize_lm_head``, the LM head's weight quantizer enabled."""
+def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool, smoothquant_alpha: float | None = None) -> dict:
+    """A deep copy of ModelOpt's recipe for ``qformat`` with the int4 block size set to ``group_size``,
+    with ``quantize_lm_head``, the LM head's weight quantizer enabled, and for int8_sq SmoothQuant's alpha
+    set to ``smoothquant_alpha`` (None keeps the recipe's)."""
     import modelopt.torch.quantization as mtq
 
     base = {"int4_awq": mtq.INT4_AWQ_CFG, "int4_wo": mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
@@ -123,6 +126,8 @@ def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool) -> di
         recipe["quant_cfg"] = [e for e in entries if e.get("quantizer_name") != "*lm_head*"]
         recipe["quant_cfg"] += [{"quantizer_name": "*lm_head*weight_quantizer", "cfg": copy.deepcopy(weight_cfg)},
                                 {"quantizer_name": "*lm_head*input_quantizer", "enable": False}]
+    if qformat == "int8_sq" and smoothquant_alpha is not None:
+        recipe["algorithm"] = {"method": "smoothquant", "alpha": float(smoothquant_alpha)}
     return recipe
 
 
@@ -169,14 +174,15 @@ def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.T
     else:
         log.info("quantizing %s (ModelOpt, round-to-nearest from the weights; no calibration data)", cfg.qformat)
     torch.manual_seed(0)
-    model = mtq.quantize(model, modelopt_recipe(cfg.qformat, group_size or 128, cfg.quantize_lm_head), loop)
+    model = mtq.quantize(model, modelopt_recipe(cfg.qformat, group_size or 128, cfg.quantize_lm_head,
+                                                cfg.smoothquant_alpha), loop)
     with tempfile.TemporaryDirectory(prefix="kilnlm-export-") as tmp:
         export_dir = Path(cfg.export_dir) if cfg.export_dir is not None else Path(tmp)
         export_unified_checkpoint(model, ck.tokenizer, export_dir)
         if cfg.export_dir is not None:
             log.info("wrote the unified HF checkpoint (ModelOpt format) to %s", export_dir)
         state, linears, group_size = read_unified_checkpoint(export_dir, cfg.qformat)
-    quant = IntQuantization(cfg.qformat, group_size, linears)
+    quant = IntQuantization(cfg.qformat, group_size, linears, per_token=cfg.per_token)
     if cfg.quantize_lm_head and "lm_head" not in linears:
         raise BuildError("ModelOpt did not quantize the LM head although --quantize-lm-head was given: report this as a kilnlm bug")
     if cfg.qformat == "int8_sq":

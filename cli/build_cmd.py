@@ -37,6 +37,12 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="int4_awq / int4_wo / int8_wo: quantize the LM head too (default: off; the embedding and LM "
                         "head stay 16-bit)")
+    p.add_argument("--per-token", action="store_true",
+                   help="int8_sq: quantize activations with dynamic per-token scales (each token's amax / 127, as "
+                        "TensorRT-LLM's --per_token) instead of one calibrated per-tensor scale (default: off)")
+    p.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
+                   help="int8_sq: SmoothQuant's migration strength in [0, 1], how much of the activations' range moves "
+                        "into the weights; 0.5 suits --per-token (default: ModelOpt's recipe, 1.0)")
     p.add_argument("--export-checkpoint", type=Path, default=None, metavar="DIR",
                    help="integer formats: also write the quantized checkpoint in ModelOpt's unified Hugging Face "
                         "format (config.json with quantization_config, hf_quant_config.json, safetensors with "
@@ -89,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         tokens_per_block=args.tokens_per_block, overwrite=args.overwrite, group_size=args.group_size,
         calib_data=args.calib_data, calib_num_samples=args.calib_size, calib_seq_len=args.calib_max_seq_len,
         quantize_lm_head=args.quantize_lm_head, export_checkpoint=args.export_checkpoint,
+        per_token=args.per_token, smoothquant_alpha=args.smoothquant_alpha,
     ))
     if not args.quiet:
         size_bytes = sum(f["size"] for f in manifest.files.values())

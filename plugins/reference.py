@@ -220,8 +220,9 @@ def int8_linear_reference(
 
 
 def quantize_int8_reference(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """Per-tensor INT8 activation quantization: ``clamp(round_half_even(x / input_scale), -128, 127)``,
-    computed in float32. x: any shape, float32 / bfloat16; input_scale: 0-dim float32. Returns int8."""
+    """INT8 activation quantization: ``clamp(round_half_even(x / input_scale), -128, 127)``, computed in
+    float32. x: any shape, float32 / bfloat16; input_scale: 0-dim float32 (per tensor) or broadcastable to
+    x (e.g. ``[T, 1]`` per token). Returns int8."""
     return torch.round(x.float() / input_scale.float()).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
 
 
@@ -232,18 +233,25 @@ def int8_sq_linear_reference(
     input_scale: torch.Tensor,
     pre_quant_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """Reference of ``kilnlm::int8_sq_linear`` (SmoothQuant W8A8, Xiao et al. 2023).
 
     x: ``[T, in_features]`` float32 / bfloat16; weight ``[out_features, in_features]`` int8; weight_scale
     ``[out_features]`` float32; input_scale 0-dim float32; pre_quant_scale ``[in_features]`` float32 or
-    None; bias or None. The int8 x int8 products are summed exactly (float64 holds every int32 sum here).
-    Returns ``[T, out_features]`` in x's dtype.
+    None; bias or None. ``per_token``: each row's own scale ``amax_t / 127`` (float32; 1 for an all-zero
+    row) replaces input_scale. The int8 x int8 products are summed exactly (float64 holds every int32
+    sum here). Returns ``[T, out_features]`` in x's dtype.
     """
     xf = x.float() if pre_quant_scale is None else x.float() * pre_quant_scale.float()
-    x_q = quantize_int8_reference(xf, input_scale)
+    if per_token:
+        amax = xf.abs().amax(dim=-1, keepdim=True) if xf.shape[-1] else xf.new_zeros(xf.shape[0], 1)
+        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))  # [T, 1]
+    else:
+        scale = input_scale.float()
+    x_q = quantize_int8_reference(xf, scale)
     acc = x_q.double() @ weight.double().T  # exact integer sums
-    y = acc.float() * (input_scale.float() * weight_scale.float())
+    y = acc.float() * (scale * weight_scale.float())
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

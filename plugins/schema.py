@@ -48,14 +48,17 @@ block_tables, slot_mapping, scale, kv_scale=None) -> out``
     ``weight_scale [out_features] float32`` (per output channel); ``bias [out_features]`` or None.
     ``y = x @ (weight * weight_scale[:, None]).T + bias``, accumulated in float32, returned in x's dtype.
 
-``int8_sq_linear(x, weight, weight_scale, input_scale, pre_quant_scale?, bias?) -> y``   (W8A8: int8_sq)
+``int8_sq_linear(x, weight, weight_scale, input_scale, pre_quant_scale?, bias?, per_token=False) -> y``   (W8A8: int8_sq)
     SmoothQuant (Xiao et al. 2023) GEMM. x ``[T, in_features]`` float32 / bfloat16; ``weight
     [out_features, in_features] int8`` (smoothed, per-channel quantized); ``weight_scale [out_features]
     float32``; ``input_scale`` 0-dim float32 (per-tensor, calibrated); ``pre_quant_scale [in_features]
     float32`` or None (the smoothing factor ``1 / s`` when it was not folded into the preceding norm);
     ``bias`` or None. ``x_q = clamp(round_half_even((x * pre_quant_scale) / input_scale), -128, 127)``
     as int8, ``y = (x_q @ weight.T)`` accumulated exactly in int32, times ``input_scale *
-    weight_scale[o]``, plus bias, returned in x's dtype.
+    weight_scale[o]``, plus bias, returned in x's dtype. ``per_token`` (version 2, default False):
+    dynamic per-token activation scales instead (TensorRT-LLM's ``--per_token``): row t uses
+    ``s_t = max_c |x[t, c] * pre_quant_scale[c]| / 127`` (1 for an all-zero row) in place of
+    ``input_scale``, which is then ignored; ``y[t, o] = acc * (s_t * weight_scale[o])``.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ PLUGIN_VERSIONS: dict[str, int] = {
     "fp8_linear": 2,  # 2: weight_scale may be [out_features] (per-part scales of fused linears)
     "int4_linear": 1,
     "int8_linear": 1,
-    "int8_sq_linear": 1,
+    "int8_sq_linear": 2,  # 2: optional trailing per_token (dynamic per-token activation scales)
 }
 
 # Versions of a plugin that this kilnlm still runs (older engines whose calls the current kernels serve
@@ -79,6 +82,7 @@ PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
     **{name: (version,) for name, version in PLUGIN_VERSIONS.items()},
     "paged_attention": (1, 2),
     "fp8_linear": (1, 2),  # version 1's 0-dim weight_scale is still accepted
+    "int8_sq_linear": (1, 2),  # version 1's calls (no per_token) are unchanged
 }
 
 _LIB = torch.library.Library("kilnlm", "DEF")
@@ -92,7 +96,7 @@ _LIB.define("int4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? p
             "int group_size) -> Tensor")
 _LIB.define("int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
 _LIB.define("int8_sq_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, "
-            "Tensor? pre_quant_scale, Tensor? bias) -> Tensor")
+            "Tensor? pre_quant_scale, Tensor? bias, bool per_token=False) -> Tensor")
 
 
 @torch.library.register_fake("kilnlm::paged_attention")
@@ -117,5 +121,5 @@ def _int8_linear_fake(x, weight, weight_scale, bias):
 
 
 @torch.library.register_fake("kilnlm::int8_sq_linear")
-def _int8_sq_linear_fake(x, weight, weight_scale, input_scale, pre_quant_scale, bias):
+def _int8_sq_linear_fake(x, weight, weight_scale, input_scale, pre_quant_scale, bias, per_token=False):
     return x.new_empty((x.shape[0], weight.shape[0]))

@@ -89,19 +89,19 @@ SMOLLM2_INT4_GROUP_SIZE = 64
 
 @pytest.fixture(scope="session")
 def smollm2_format_engine(request, smollm2_hf_dir, tmp_path_factory):
-    """``smollm2_format_engine(qformat, kv_cache_dtype="auto") -> Path``: a SmolLM2 engine with the CLI's
-    default limits (int4 formats: ``--group-size 64``). Skips (naming what is missing) when this kilnlm's builder does not offer the qformat or
+    """``smollm2_format_engine(qformat, kv_cache_dtype="auto", **options) -> Path``: a SmolLM2 engine with the
+    CLI's default limits (int4 formats: ``--group-size 64``) and any further ``BuildOptions`` fields. Skips (naming what is missing) when this kilnlm's builder does not offer the qformat or
     ``--kv-cache-dtype``; a build that fails is a test failure."""
     from dataclasses import fields
 
     from kilnlm.builder.build import QFORMATS, BuildOptions
 
-    built: dict[tuple[str, str], Path] = {}
+    built: dict[tuple, Path] = {}
 
-    def get(qformat: str, kv_cache_dtype: str = "auto") -> Path:
-        key = (qformat, kv_cache_dtype)
+    def get(qformat: str, kv_cache_dtype: str = "auto", **extra) -> Path:
+        key = (qformat, kv_cache_dtype, *sorted(extra.items()))
         if key not in built:
-            if kv_cache_dtype == "auto" and qformat in ("fp32", "fp8"):
+            if kv_cache_dtype == "auto" and qformat in ("fp32", "fp8") and not extra:
                 built[key] = request.getfixturevalue(f"smollm2_engine_{qformat}_dir")
                 return built[key]
             if qformat not in QFORMATS:
@@ -112,7 +112,9 @@ def smollm2_format_engine(request, smollm2_hf_dir, tmp_path_factory):
                 if "kv_cache_dtype" not in {f.name for f in fields(BuildOptions)}:
                     pytest.skip(f"--kv-cache-dtype {kv_cache_dtype} has not landed in kilnlm.builder.build.BuildOptions")
                 options["kv_cache_dtype"] = kv_cache_dtype
-            name = f"smollm2_{qformat}" + (f"_kv_{kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
+            options.update(extra)
+            name = f"smollm2_{qformat}" + (f"_kv_{kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + \
+                "".join(f"_{k}_{v}" for k, v in sorted(extra.items()))
             built[key] = build_test_engine(smollm2_hf_dir, tmp_path_factory.mktemp("engines") / name,
                                            qformat=qformat, **options)
         return built[key]

@@ -135,6 +135,7 @@ class IntQuantization:
     qformat: str  # int4_awq | int4_wo | int8_wo | int8_sq
     group_size: int | None
     linears: dict[str, QuantizedWeights]
+    per_token: bool = False  # int8_sq: dynamic per-token activation scales (int8_sq_linear's per_token)
 
 
 def _shared_pre_quant_scale(parts: list[QuantizedWeights]) -> torch.Tensor | None:
@@ -204,12 +205,14 @@ class Int8Linear(nn.Module):
 class Int8SqLinear(nn.Module):
     """SmoothQuant W8A8 linear through ``torch.ops.kilnlm.int8_sq_linear`` (int8_sq): per-channel int8
     weight, static per-tensor int8 activation scale, optional unfolded ``pre_quant_scale``. Fused parts
-    read one input, so they share one ``input_scale`` (the max of the parts').
+    read one input, so they share one ``input_scale`` (the max of the parts'). ``per_token``: dynamic
+    per-token activation scales instead (the calibrated ``input_scale`` is kept but unused).
 
     x: ``[T, in_features]`` float32 / bfloat16; returns ``[T, out_features]`` in x's dtype."""
 
-    def __init__(self, parts: list[QuantizedWeights], dtype: torch.dtype):
+    def __init__(self, parts: list[QuantizedWeights], dtype: torch.dtype, per_token: bool = False):
         super().__init__()
+        self.per_token = per_token
         if any(p.input_scale is None for p in parts):
             raise BuildError("int8_sq linear without a calibrated input_scale: report this as a kilnlm bug")
         self.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())  # [out, in] int8
@@ -220,18 +223,18 @@ class Int8SqLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kilnlm.int8_sq_linear(x, self.weight, self.weight_scale, self.input_scale,
-                                               self.pre_quant_scale, self.bias)
+                                               self.pre_quant_scale, self.bias, self.per_token)
 
 
 def make_quantized_linear(parts: list[QuantizedWeights], qformat: str, group_size: int | None,
-                          dtype: torch.dtype) -> nn.Module:
+                          dtype: torch.dtype, per_token: bool = False) -> nn.Module:
     """One integer-format linear from the parts of a fused projection (or a single linear)."""
     if qformat in ("int4_awq", "int4_wo"):
         return Int4Linear(parts, group_size, dtype)
     if qformat == "int8_wo":
         return Int8Linear(parts, dtype)
     if qformat == "int8_sq":
-        return Int8SqLinear(parts, dtype)
+        return Int8SqLinear(parts, dtype, per_token)
     raise BuildError(f"no quantized linear for qformat {qformat!r}: report this as a kilnlm bug")
 
 

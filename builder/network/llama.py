@@ -105,7 +105,8 @@ class LlamaNetwork(nn.Module):
         def linear(prefix: str, names: tuple[str, ...], bias: bool) -> nn.Module:
             full = [f"{prefix}.{n}" for n in names]
             if quant is not None and full[0] in quant.linears:
-                return make_quantized_linear([_quantized_of(quant, n) for n in full], quant.qformat, quant.group_size, dtype)
+                return make_quantized_linear([_quantized_of(quant, n) for n in full], quant.qformat, quant.group_size, dtype,
+                                             quant.per_token)
             weights = [sd.take(f"{n}.weight") for n in full]
             biases = [sd.take(f"{n}.bias") if bias else None for n in full]
             amax = None if fp8_amax is None else [_amax_of(fp8_amax, n) for n in full]

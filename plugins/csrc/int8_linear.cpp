@@ -4,6 +4,7 @@
 //   int8_linear     y [T, out] = x @ (q * weight_scale[:, None]).T + bias        (float32 accumulation)
 //   int8_sq_linear  x_q = clamp(round_half_even((x * pre_quant_scale) / input_scale), -128, 127)
 //                   y = float(x_q @ q.T) * (input_scale * weight_scale[o]) + bias (exact int32 accumulation)
+//                   per_token: input_scale replaced by each token's own amax_t / 127 (dynamic)
 //
 // The int8 weight [out, in] is read directly, never dequantized as a whole:
 // - int8_linear, few tokens (generation phase): fused convert-and-FMA GEMV (int8_kernels.h), each weight
@@ -152,14 +153,18 @@ void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-// out[t, o] = acc[t, o - col_begin] * row_scale[o] (or 1) (+ bias[o]) in out's dtype.
+// out[t, o] = acc[t, o - col_begin] * row_scale[o] (or 1) (+ bias[o]) in out's dtype; with token_scale,
+// acc * (token_scale[t] * row_scale[o]) (per-token dynamic activation scales, one float32 product as the
+// reference).
 template <typename scalar_t, typename acc_t>
 void epilogue(const acc_t* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end,
-              const float* row_scale, const float* bias, scalar_t* out, int64_t out_stride) {
+              const float* row_scale, const float* bias, scalar_t* out, int64_t out_stride,
+              const float* token_scale = nullptr) {
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t o = col_begin; o < col_end; ++o) {
       float y = static_cast<float>(acc[t * acc_stride + (o - col_begin)]);
-      if (row_scale != nullptr) y = y * row_scale[o];
+      if (token_scale != nullptr) y = y * (token_scale[t] * row_scale[o]);
+      else if (row_scale != nullptr) y = y * row_scale[o];
       if (bias != nullptr) y = y + bias[o];
       out[t * out_stride + o] = static_cast<scalar_t>(y);
     }
@@ -258,16 +263,25 @@ QuantizeFn quantize_fn() {
   return generic::quantize_int8_rows;
 }
 
-// x_q[t, c] = clamp(round_half_even(float(x[t, c]) * pqs[c] / input_scale), -128, 127), as int16 (VPMADDWD's
+// x_q[t, c] = clamp(round_half_even(float(x[t, c]) * pqs[c] / s), -128, 127), as int16 (VPMADDWD's
 // operand); bit-exact with quantize_int8_reference (IEEE multiply, IEEE division, rounding to nearest even).
+// s = input_scale, or with token_scale (per-token dynamic scales) s = token_scale[t] = amax_t / 127, written
+// by this function, amax_t = max_c |x[t, c] * pqs[c]| (1 for an all-zero row).
 template <typename scalar_t>
-void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int16_t* dst) {
+void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int16_t* dst, float* token_scale = nullptr) {
   const int64_t in = x.size(1);
   std::vector<float> xs(static_cast<size_t>(x.numel()));
   to_float<scalar_t>(x, pqs, xs.data());
   const QuantizeFn quantize = quantize_fn();
   at::parallel_for(0, x.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
-    quantize(xs.data() + t0 * in, (t1 - t0) * in, input_scale, dst + t0 * in);
+    if (token_scale == nullptr) return quantize(xs.data() + t0 * in, (t1 - t0) * in, input_scale, dst + t0 * in);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = xs.data() + t * in;
+      float amax = 0.f;
+      for (int64_t c = 0; c < in; ++c) amax = std::max(amax, std::fabs(row[c]));
+      token_scale[t] = amax > 0.f ? amax / 127.f : 1.f;
+      quantize(row, in, token_scale[t], dst + t * in);
+    }
   });
 }
 
@@ -275,7 +289,7 @@ void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int
 // With AVX512-VNNI: x_q + 128 as bytes, then VPDPBUSD dot products (int8_vnni_gemm.h), exact as well.
 template <typename scalar_t>
 void int8_sq_gemm_vnni(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
-                       const float* row_scale, const float* bias, scalar_t* out) {
+                       const float* row_scale, const float* bias, scalar_t* out, const float* token_scale) {
   std::vector<uint8_t> xu(static_cast<size_t>(num_tokens * in));  // [T, in] x_q + 128
   for (int64_t i = 0; i < num_tokens * in; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
   std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));  // [T, out]
@@ -283,17 +297,18 @@ void int8_sq_gemm_vnni(const int8_t* w, int64_t in, int64_t out_features, const 
   const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
   at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
     avx512vnni::gemm_vnni_rows(w, in, r0, r1, xu.data(), num_tokens, in, acc_ptr, out_features);
-    epilogue<scalar_t, int32_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, row_scale, bias, out, out_features);
+    epilogue<scalar_t, int32_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, row_scale, bias, out, out_features,
+                                token_scale);
   });
 }
 #endif
 
 template <typename scalar_t>
 void int8_sq_gemm(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
-                  const float* row_scale, const float* bias, scalar_t* out) {
+                  const float* row_scale, const float* bias, scalar_t* out, const float* token_scale) {
 #if defined(__x86_64__)
   if (num_tokens >= kMinVnniTokens && cpu_has_avx512_vnni())
-    return int8_sq_gemm_vnni<scalar_t>(w, in, out_features, xq, num_tokens, row_scale, bias, out);
+    return int8_sq_gemm_vnni<scalar_t>(w, in, out_features, xq, num_tokens, row_scale, bias, out, token_scale);
 #endif
   const GemmI32Fn gemm = gemm_i32_fn();
   std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));
@@ -303,7 +318,8 @@ void int8_sq_gemm(const int8_t* w, int64_t in, int64_t out_features, const int16
     for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) {
       const int64_t t1 = std::min(r1, t0 + kTileRows);
       gemm(w, in, t0, t1, xq, num_tokens, in, acc_ptr, out_features);
-      epilogue<scalar_t, int32_t>(acc_ptr + t0, out_features, num_tokens, t0, t1, row_scale, bias, out, out_features);
+      epilogue<scalar_t, int32_t>(acc_ptr + t0, out_features, num_tokens, t0, t1, row_scale, bias, out, out_features,
+                                  token_scale);
     }
   });
 }
@@ -344,7 +360,7 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
 
 at::Tensor int8_sq_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& weight_scale_in,
                               const at::Tensor& input_scale, const std::optional<at::Tensor>& pre_quant_scale_in,
-                              const std::optional<at::Tensor>& bias_in) {
+                              const std::optional<at::Tensor>& bias_in, bool per_token) {
   const char* op = "kilnlm::int8_sq_linear";
   check_common(op, x_in, weight, weight_scale_in, bias_in);
   TORCH_CHECK(input_scale.numel() == 1 && input_scale.scalar_type() == at::kFloat && input_scale.device().is_cpu(), op,
@@ -361,9 +377,13 @@ at::Tensor int8_sq_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
 
   const float s_in = input_scale.item<float>();
   const at::Tensor weight_scale = weight_scale_in.contiguous(), bias = float_bias(bias_in);
-  // row_scale[o] = input_scale * weight_scale[o], one float32 rounding as the reference.
+  // row_scale[o] = input_scale * weight_scale[o], one float32 rounding as the reference; per token,
+  // weight_scale[o] alone (the epilogue multiplies it by each token's scale).
   std::vector<float> row_scale(static_cast<size_t>(out_features));
-  for (int64_t o = 0; o < out_features; ++o) row_scale[o] = s_in * weight_scale.data_ptr<float>()[o];
+  for (int64_t o = 0; o < out_features; ++o)
+    row_scale[o] = per_token ? weight_scale.data_ptr<float>()[o] : s_in * weight_scale.data_ptr<float>()[o];
+  std::vector<float> token_scale(per_token ? static_cast<size_t>(num_tokens) : 0);  // [T]
+  float* ts = per_token ? token_scale.data() : nullptr;
   at::Tensor pqs;
   if (pre_quant_scale_in.has_value()) pqs = pre_quant_scale_in->to(at::kFloat).contiguous();
   const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
@@ -371,14 +391,14 @@ at::Tensor int8_sq_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   std::vector<int16_t> xq(static_cast<size_t>(num_tokens * in));  // [T, in] int8 values as int16
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int8_sq_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        quantize_int8<float>(x, pqs_ptr, s_in, xq.data());
+        quantize_int8<float>(x, pqs_ptr, s_in, xq.data(), ts);
         int8_sq_gemm<float>(weight.data_ptr<int8_t>(), in, out_features, xq.data(), num_tokens, row_scale.data(),
-                            bias_ptr, out.data_ptr<float>());
+                            bias_ptr, out.data_ptr<float>(), ts);
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        quantize_int8<at::BFloat16>(x, pqs_ptr, s_in, xq.data());
+        quantize_int8<at::BFloat16>(x, pqs_ptr, s_in, xq.data(), ts);
         int8_sq_gemm<at::BFloat16>(weight.data_ptr<int8_t>(), in, out_features, xq.data(), num_tokens, row_scale.data(),
-                                   bias_ptr, out.data_ptr<at::BFloat16>());
+                                   bias_ptr, out.data_ptr<at::BFloat16>(), ts);
       }));
   return out;
 }

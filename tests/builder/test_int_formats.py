@@ -104,7 +104,7 @@ def use_reference_ops(network: torch.nn.Module) -> None:
             m.forward = lambda x, m=m: ref.int8_linear_reference(x, m.weight, m.weight_scale, m.bias)
         elif isinstance(m, Int8SqLinear):
             m.forward = lambda x, m=m: ref.int8_sq_linear_reference(x, m.weight, m.weight_scale, m.input_scale,
-                                                                   m.pre_quant_scale, m.bias)
+                                                                   m.pre_quant_scale, m.bias, m.per_token)
 
 
 def engine_logits(engine_dir: Path) -> torch.Tensor:
@@ -145,6 +145,39 @@ def test_engine_stays_close_to_the_fp32_engine(int_engine, tiny_engine_dir, qfor
     fp32 = engine_logits(tiny_engine_dir)
     rel_err = (logits - fp32).norm(dim=-1) / fp32.norm(dim=-1)
     assert float(rel_err.max()) < FP32_REL_ERR[qformat], rel_err
+
+
+def test_int8_sq_per_token_engine_matches_the_network_on_reference_ops(tiny_llama_dir, tiny_engine_dir, tmp_path):
+    """int8_sq --per-token --smoothquant-alpha 0.5: every int8_sq_linear call of the engine carries
+    per_token (the engine equals the eager network on the per-token reference), it differs from the
+    per-tensor engine, and it stays within int8_sq's error bound of the fp32 engine."""
+    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.runtime.manifest import read_manifest
+
+    require_kernel("int8_sq")
+    options = format_options("int8_sq", per_token=True, smoothquant_alpha=0.5)
+    engine_dir = tmp_path / "engine"
+    build_engine(BuildOptions(checkpoint=tiny_llama_dir, output=engine_dir, **options))
+    manifest = read_manifest(engine_dir)
+    assert manifest.plugins["int8_sq_linear"] == PLUGIN_VERSIONS["int8_sq_linear"] == 2
+    logits = engine_logits(engine_dir)
+
+    network = eager_network(tiny_llama_dir, **options)
+    from kilnlm.builder.network.layers import Int8SqLinear
+
+    sq_linears = [m for m in network.modules() if isinstance(m, Int8SqLinear)]
+    assert sq_linears and all(m.per_token for m in sq_linears)
+    use_reference_ops(network)
+    build = manifest.build
+    inputs = make_engine_inputs([(p, 0) for p in PROMPTS], build.tokens_per_block, build.max_blocks_per_seq)
+    m = manifest.model
+    kv_cache = torch.zeros(kv_cache_shape(m.num_layers, len(PROMPTS) * build.max_blocks_per_seq, build.tokens_per_block,
+                                          m.num_kv_heads, m.head_dim), dtype=torch.float32)
+    with torch.no_grad():
+        reference = network(*inputs.as_args(kv_cache))
+    torch.testing.assert_close(logits, reference, atol=REF_ATOL, rtol=0)
+    fp32 = engine_logits(tiny_engine_dir)
+    assert float(((logits - fp32).norm(dim=-1) / fp32.norm(dim=-1)).max()) < FP32_REL_ERR["int8_sq"]
 
 
 def test_int4_linears_take_under_0_3x_their_bf16_bytes(smollm2_hf_dir, tmp_path):
@@ -238,6 +271,8 @@ def run_build(capsys, *args: str) -> tuple[int, str]:
     (["--qformat", "int4_wo", "--calib-data", "x.txt"], ["--calib-data given but --qformat int4_wo does not calibrate"]),
     (["--qformat", "int8_sq", "--quantize-lm-head"], ["--quantize-lm-head works with the weight-only formats"]),
     (["--qformat", "int8_wo", "--group-size", "64"], ["--group-size applies to the int4 formats"]),
+    (["--qformat", "int8_wo", "--per-token"], ["--per-token / --smoothquant-alpha apply to --qformat int8_sq"]),
+    (["--qformat", "int8_sq", "--smoothquant-alpha", "1.5"], ["--smoothquant-alpha 1.5: it must be within [0, 1]"]),
     (["--qformat", "fp8", "--export-checkpoint", "exp"], ["--export-checkpoint writes ModelOpt's unified checkpoint"]),
     (["--qformat", "int8_sq", "--calib-data", "missing.txt"], ["--calib-data missing.txt does not exist"]),
 ])

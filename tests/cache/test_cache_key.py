@@ -28,6 +28,8 @@ ENGINE_CHANGES = {
     "calib_num_samples": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_num_samples": 8}),
     "calib_seq_len": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_seq_len": 64}),
     "quantize_lm_head": ({"qformat": "int4_wo"}, {"qformat": "int4_wo", "quantize_lm_head": True}),
+    "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": True}),
+    "smoothquant_alpha": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "smoothquant_alpha": 0.5}),
     "compile": ({}, {"compile": CompileOptions(inductor_configs={"freezing": False})}),
 }
 

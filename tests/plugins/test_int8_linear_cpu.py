@@ -89,6 +89,39 @@ def test_int8_sq_linear_is_bit_exact(shape, num_tokens, dtype, extras):
     assert torch.equal(y, expected)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 17, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "pqs+bias"])
+def test_int8_sq_linear_per_token_is_bit_exact(shape, num_tokens, dtype, extras):
+    """per_token (version 2): rows of very different magnitudes, one all zero, each quantized with its own
+    amax / 127 -- bit-exact with the reference on the GEMV and the GEMM paths; input_scale is ignored."""
+    weight, scales, pqs, bias = make_layer(*shape, with_pqs=extras, with_bias=extras, seed=num_tokens + shape[1])
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, shape[1], generator=gen) * torch.logspace(-3, 3, num_tokens)[:, None]
+    x[num_tokens // 2] = 0.0
+    x = x.to(dtype)
+    y = int8_sq_linear(x, weight, scales, torch.tensor(0.025), pqs, bias, True)
+    expected = int8_sq_linear_reference(x, weight, scales, torch.tensor(0.025), pqs, bias, per_token=True)
+    assert y.dtype == dtype
+    assert torch.equal(y, expected)
+    assert torch.equal(y, int8_sq_linear(x, weight, scales, torch.tensor(7.0), pqs, bias, True))
+    # Each row alone gives the same result (its scale depends on nothing else).
+    assert torch.equal(y[-1:], int8_sq_linear(x[-1:].contiguous(), weight, scales, torch.tensor(1.0), pqs, bias, True))
+
+
+def test_int8_sq_per_token_keeps_small_rows_that_a_tensor_scale_flushes():
+    """The point of per-token scales: next to a row 1000x larger, a small row keeps ~8 bits with its own
+    scale, while the shared per-tensor scale (set by the large row) rounds it to zero."""
+    in_features = 64
+    eye = torch.eye(in_features, dtype=torch.int8)
+    x = torch.stack([torch.linspace(-1, 1, in_features) * 1000, torch.linspace(-1, 1, in_features)])
+    per_tensor = int8_sq_linear(x, eye, torch.ones(in_features), x.abs().max() / 127, None, None)
+    per_token = int8_sq_linear(x, eye, torch.ones(in_features), torch.tensor(1.0), None, None, True)
+    assert torch.equal(per_tensor[1], torch.zeros(in_features))
+    assert (per_token[1] - x[1]).abs().max() <= 0.5 / 127 + 1e-7
+
+
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_int8_sq_activation_rounding_ties_and_saturation(num_tokens):
     """x / input_scale landing exactly on .5 (both parities, both signs) and beyond +-128: an identity
