@@ -117,6 +117,18 @@ def engine_logits(engine_dir: Path) -> torch.Tensor:
     return engine.forward(inputs, engine.allocate_kv_cache(len(PROMPTS) * build.max_blocks_per_seq))
 
 
+def reference_logits(network, manifest) -> torch.Tensor:
+    """The eager ``network`` on the plain-torch reference ops, fed the PROMPTS batch the engine gets in
+    :func:`engine_logits` (float32 KV cache of the engine's shape)."""
+    use_reference_ops(network)
+    build, m = manifest.build, manifest.model
+    inputs = make_engine_inputs([(p, 0) for p in PROMPTS], build.tokens_per_block, build.max_blocks_per_seq)
+    kv_cache = torch.zeros(kv_cache_shape(m.num_layers, len(PROMPTS) * build.max_blocks_per_seq, build.tokens_per_block,
+                                          m.num_kv_heads, m.head_dim), dtype=torch.float32)
+    with torch.no_grad():
+        return network(*inputs.as_args(kv_cache))
+
+
 @pytest.mark.parametrize("qformat", FORMATS)
 def test_engine_matches_the_network_on_reference_ops(int_engine, tiny_llama_dir, qformat):
     engine_dir = int_engine(qformat)
@@ -128,15 +140,7 @@ def test_engine_matches_the_network_on_reference_ops(int_engine, tiny_llama_dir,
     logits = engine_logits(engine_dir)
 
     network = eager_network(tiny_llama_dir, **format_options(qformat))
-    use_reference_ops(network)
-    build = manifest.build
-    inputs = make_engine_inputs([(p, 0) for p in PROMPTS], build.tokens_per_block, build.max_blocks_per_seq)
-    m = manifest.model
-    kv_cache = torch.zeros(kv_cache_shape(m.num_layers, len(PROMPTS) * build.max_blocks_per_seq, build.tokens_per_block,
-                                          m.num_kv_heads, m.head_dim), dtype=torch.float32)
-    with torch.no_grad():
-        reference = network(*inputs.as_args(kv_cache))
-    torch.testing.assert_close(logits, reference, atol=REF_ATOL, rtol=0)
+    torch.testing.assert_close(logits, reference_logits(network, manifest), atol=REF_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("qformat", FORMATS)
@@ -149,8 +153,8 @@ def test_engine_stays_close_to_the_fp32_engine(int_engine, tiny_engine_dir, qfor
 
 def test_int8_sq_per_token_engine_matches_the_network_on_reference_ops(tiny_llama_dir, tiny_engine_dir, tmp_path):
     """int8_sq --per-token --smoothquant-alpha 0.5: every int8_sq_linear call of the engine carries
-    per_token (the engine equals the eager network on the per-token reference), it differs from the
-    per-tensor engine, and it stays within int8_sq's error bound of the fp32 engine."""
+    per_token (the engine equals the eager network on the per-token reference), and it stays within
+    int8_sq's error bound of the fp32 engine."""
     from kilnlm.builder.build import BuildOptions, build_engine
     from kilnlm.runtime.manifest import read_manifest
 
@@ -167,15 +171,7 @@ def test_int8_sq_per_token_engine_matches_the_network_on_reference_ops(tiny_llam
 
     sq_linears = [m for m in network.modules() if isinstance(m, Int8SqLinear)]
     assert sq_linears and all(m.per_token for m in sq_linears)
-    use_reference_ops(network)
-    build = manifest.build
-    inputs = make_engine_inputs([(p, 0) for p in PROMPTS], build.tokens_per_block, build.max_blocks_per_seq)
-    m = manifest.model
-    kv_cache = torch.zeros(kv_cache_shape(m.num_layers, len(PROMPTS) * build.max_blocks_per_seq, build.tokens_per_block,
-                                          m.num_kv_heads, m.head_dim), dtype=torch.float32)
-    with torch.no_grad():
-        reference = network(*inputs.as_args(kv_cache))
-    torch.testing.assert_close(logits, reference, atol=REF_ATOL, rtol=0)
+    torch.testing.assert_close(logits, reference_logits(network, manifest), atol=REF_ATOL, rtol=0)
     fp32 = engine_logits(tiny_engine_dir)
     assert float(((logits - fp32).norm(dim=-1) / fp32.norm(dim=-1)).max()) < FP32_REL_ERR["int8_sq"]
 
