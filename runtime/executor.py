@@ -28,6 +28,7 @@ from kilnlm.runtime.detokenizer import IncrementalDetokenizer, find_stop, num_he
 from kilnlm.runtime.errors import KilnError, RequestError
 from kilnlm.runtime.inputs import InputBuilder, InputLimits
 from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from kilnlm.runtime.openmp import release_calling_thread_workers
 from kilnlm.runtime.request import FinishReason, Request, RequestStatus, Response, SamplingParams
 from kilnlm.runtime.sampler import Sampler
 from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -111,6 +112,9 @@ class Executor:
         self._last_batch: tuple[int, int, float] = (0, 0, 0.0)  # num_tokens, num_seqs, iteration_s
         self._num_iterations = 0
         self._num_preemptions = 0
+        # This thread's OpenMP workers (the KV-cache allocation above made them) would slow every forward
+        # of the loop thread by 2x or more (kilnlm.runtime.openmp).
+        release_calling_thread_workers()
         self._thread = threading.Thread(target=self._loop, name="kilnlm-executor", daemon=True)
         self._thread.start()
 
