@@ -53,6 +53,14 @@ def parse_ref(ref: str) -> Ref:
     return Ref(name=ref, version=LATEST)
 
 
+def check_tag_version(name: str, version: str) -> None:
+    """Raise :class:`CacheError` unless ``version`` is a valid version a user may tag ``name`` with (not
+    the reserved ``latest``, which kilnlm maintains)."""
+    check_name(version, "version")
+    if version == LATEST:
+        raise CacheError(f"{name}:latest is maintained by kilnlm (it follows the last tag): give a version, e.g. {name}:1")
+
+
 def split_name_version(text: str) -> tuple[str, str | None]:
     """``'NAME'`` -> ``('NAME', None)``; ``'NAME:VERSION'`` -> ``('NAME', 'VERSION')``. Raises
     :class:`CacheError` for invalid characters or the reserved version ``latest``."""
@@ -60,9 +68,7 @@ def split_name_version(text: str) -> tuple[str, str | None]:
     check_name(name)
     if not sep:
         return name, None
-    check_name(version, "version")
-    if version == LATEST:
-        raise CacheError(f"{name}:latest is maintained by kilnlm (it follows the last tag): give a version, e.g. {name}:1")
+    check_tag_version(name, version)
     return name, version
 
 

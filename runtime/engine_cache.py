@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from kilnlm.runtime.cache_refs import (KEY_PREFIX_RE, KEY_RE, LATEST, check_name, parse_ref, split_cache_ref,
-                                       split_name_version, version_order)
+from kilnlm.runtime.cache_refs import (KEY_PREFIX_RE, KEY_RE, LATEST, check_name, check_tag_version, parse_ref,
+                                       split_cache_ref, split_name_version, version_order)
 from kilnlm.runtime.cache_store import ObjectInfo, ObjectStore
 from kilnlm.runtime.errors import CacheError
 from kilnlm.runtime.manifest import MANIFEST_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, move_into_place, read_manifest, verify_files
@@ -343,9 +343,7 @@ class EngineCache:
         ``latest``."""
         check_name(name)
         if version is not None:
-            check_name(version, "version")
-            if version == LATEST:
-                raise CacheError(f"{name}:latest is maintained by kilnlm (it follows the last tag): give a version, e.g. {name}:1")
+            check_tag_version(name, version)
         parsed = parse_ref(key)
         if parsed.key is None and not KEY_PREFIX_RE.match(key.strip()):
             raise CacheError(f"{key!r} is not a cache key: `kilnlm cache ls` shows the keys")
