@@ -1,4 +1,4 @@
-"""kilnlm.plugins: custom ops the engine calls (paged attention, quantized GEMMs).
+"""kilnlm.plugins: custom ops the engine calls (paged attention, the float and quantized GEMMs).
 
 Importing this package declares the op schemas (``schema.py``). ``load_cpu_kernels()`` builds (once,
 cached) and loads the C++ CPU kernels that the CPU target's compiled engines call; ``reference.py``
@@ -9,6 +9,7 @@ from kilnlm.plugins.cpu import KernelBuildError, load_cpu_kernels
 from kilnlm.plugins.reference import (
     apply_rope_reference,
     fp8_linear_reference,
+    gemm_reference,
     int4_linear_reference,
     int8_linear_reference,
     int8_sq_linear_reference,
@@ -28,6 +29,7 @@ __all__ = [
     "PLUGIN_VERSIONS",
     "apply_rope_reference",
     "fp8_linear_reference",
+    "gemm_reference",
     "int4_linear_reference",
     "int8_linear_reference",
     "int8_sq_linear_reference",

@@ -108,7 +108,7 @@ def _build_in_progress(build_dir: Path, stale_after_s: float = 600.0) -> bool:
 
 
 def load_cpu_kernels() -> str:
-    """Build (first time only) and load the C++ CPU kernels of the ``kilnlm`` ops (``paged_attention``,
+    """Build (first time only) and load the C++ CPU kernels of the ``kilnlm`` ops (``paged_attention``, ``gemm``,
     ``fp8_linear``, ``int4_linear``, ``int8_linear``, ``int8_sq_linear``); idempotent and thread-safe.
     Returns the shared library's path.
 

@@ -125,6 +125,18 @@ def quantize_kv_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     raise ValueError(f"8-bit KV cache dtype must be float8_e4m3fn or int8, got {dtype}")
 
 
+def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Reference of ``kilnlm::gemm``: ``x @ weight.T + bias`` in float32, returned in x's dtype.
+
+    x: ``[T, in_features]`` float32 / bfloat16; weight ``[out_features, in_features]`` and bias
+    ``[out_features]`` (or None) in x's dtype. Returns ``[T, out_features]``.
+    """
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 def quantize_fp8_reference(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """Per-tensor activation quantization: ``fp8_e4m3(clamp(x / input_scale, -448, 448))``.
 

@@ -24,6 +24,11 @@ block_tables, slot_mapping, scale, kv_scale=None) -> out``
     ``stored * scale``. ``kv_scale`` None (the default, and version 1's 12-argument form): the pool is
     in q's dtype.
 
+``gemm(x, weight, bias?) -> y``   (16/32-bit float linear layers and the LM head; TensorRT-LLM's GEMM plugin)
+    x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features]`` and ``bias
+    [out_features]`` (or None) in x's dtype. ``y = x @ weight.T + bias``, accumulated in float32, returned
+    in x's dtype (``torch.nn.functional.linear``'s result up to the summation order).
+
 ``fp8_linear(x, weight, weight_scale, input_scale, bias?) -> y``
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features] float8_e4m3fn``;
     ``input_scale`` 0-dim float32 (per-tensor, static); ``weight_scale`` 0-dim float32 (per-tensor) or
@@ -69,6 +74,7 @@ import torch
 # compiled against and the runtime refuses engines whose plugin versions it does not implement.
 PLUGIN_VERSIONS: dict[str, int] = {
     "paged_attention": 2,  # 2: optional trailing kv_scale (8-bit KV pools); 1's 12-argument calls unchanged
+    "gemm": 1,
     "fp8_linear": 2,  # 2: weight_scale may be [out_features] (per-part scales of fused linears)
     "int4_linear": 1,
     "int8_linear": 1,
@@ -91,6 +97,7 @@ _LIB.define(
     "Tensor inv_freq, Tensor cu_seqlens_q, Tensor seq_lens_kv, Tensor block_tables, Tensor slot_mapping, "
     "float scale, Tensor? kv_scale=None) -> Tensor"
 )
+_LIB.define("gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor? bias) -> Tensor")
 _LIB.define("int4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? pre_quant_scale, Tensor? bias, "
             "int group_size) -> Tensor")
@@ -103,6 +110,11 @@ _LIB.define("int8_sq_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor
 def _paged_attention_fake(q, k, v, kv_cache, layer_idx, positions, inv_freq, cu_seqlens_q, seq_lens_kv,
                           block_tables, slot_mapping, scale, kv_scale=None):
     return torch.empty_like(q)
+
+
+@torch.library.register_fake("kilnlm::gemm")
+def _gemm_fake(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.register_fake("kilnlm::fp8_linear")

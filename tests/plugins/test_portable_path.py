@@ -14,9 +14,13 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 SCRIPT = r"""
 import torch
-from kilnlm.plugins import load_cpu_kernels, fp8_linear_reference, paged_attention_reference
+from kilnlm.plugins import load_cpu_kernels, fp8_linear_reference, gemm_reference, paged_attention_reference
 load_cpu_kernels()
 gen = torch.Generator().manual_seed(0)
+for num_tokens in (1, 5):
+    x = torch.randn(num_tokens, 192, generator=gen).bfloat16()
+    w = torch.randn(48, 192, generator=gen).bfloat16()
+    torch.testing.assert_close(torch.ops.kilnlm.gemm(x, w, None), gemm_reference(x, w, None), atol=2e-2, rtol=1e-2)
 for num_tokens in (1, 5, 40):
     x = torch.randn(num_tokens, 200, generator=gen)
     w = (torch.randn(72, 200, generator=gen) * 30).clamp(-448, 448).to(torch.float8_e4m3fn)

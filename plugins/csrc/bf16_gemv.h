@@ -1,0 +1,105 @@
+// Generation-phase GEMV / small GEMM on CPUs with AVX512-BF16, shared by gemm.cpp (bfloat16 weights) and
+// fp8_linear.cpp (FP8 weights, converted to bfloat16 in registers). Compiled under
+// `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")` and included inside a namespace after
+// every system / torch header, next to fp8_bf16_gemm.h (reduce16).
+//
+// y[t, r] = sum_k x[t, k] * w[r, k] for a few tokens t: each 16-row block of w is read from memory once
+// and multiplied with VDPBF16PS (pairwise bf16 products, exact in float32, accumulated in float32)
+// against every token, in groups of 4 / 2 / 1 tokens while the block sits in L1/L2. Decode is bound by
+// the bytes of weights read, so the weights are streamed once per call with software prefetch ahead.
+
+// 32 consecutive weights of a row as bfloat16 pairs.
+struct Bf16Weights {
+  using elem_t = uint16_t;
+  static constexpr float kValueScale = 1.0f;  // loads the exact weight values
+  static inline __m512bh load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+};
+
+// FP8 E4M3 bytes -> bfloat16 of 2^-8 times their value, exactly: the byte becomes the IEEE half
+// `s 0 eeee mmm 0000000` (2^-8 * value for normals and subnormals alike, see fp8_kernels.h), F16C
+// widens it exactly to float32, and a float with at most 4 significant bits is exact in bfloat16 (and a
+// normal bfloat16: the smallest, 2^-17, is far above VDPBF16PS's denormal flush).
+struct Fp8Weights {
+  using elem_t = uint8_t;
+  static constexpr float kValueScale = 256.0f;  // the loads are 2^-8 times the weights
+  static inline __m512bh load(const uint8_t* p) {
+    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // elements 0..15 from lo, 16..31 from hi
+  }
+};
+
+constexpr int64_t kGemvBlockRows = 16;     // weight rows per block: 16 accumulators for 1x16, 2x8, 4x4
+constexpr int64_t kGemvPrefetchBlocks = 2;  // how many blocks ahead the first token group prefetches
+
+// sums[t * NR + r] = dot(x_t, w_r) for NT tokens x NR rows (NT * NR == 16); x: NT rows of k bf16 bits,
+// x_stride apart; w: NR rows of k weights, contiguous; k a multiple of 32. `prefetch` (or null): rows
+// of a later block, one cache line per row per step, so that DRAM streams ahead of the dot products.
+template <class W, int NT, int NR>
+static inline void gemv_tile(const uint16_t* x, int64_t x_stride, const typename W::elem_t* w, int64_t k, float* sums,
+                             const typename W::elem_t* prefetch) {
+  static_assert(NT * NR == 16, "reduce16 sums exactly 16 accumulators");
+  __m512 acc[NT][NR];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < NR; ++r) acc[t][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 32) {
+    __m512bh xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + i);
+    if (prefetch != nullptr && (i * static_cast<int64_t>(sizeof(typename W::elem_t))) % 64 == 0)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * k + i), _MM_HINT_T0);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh wv = W::load(w + r * k + i);
+      for (int t = 0; t < NT; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv[t], wv);
+    }
+  }
+  float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
+  reduce16(&acc[0][0], reduced);
+  for (int n = 0; n < 16; ++n) sums[n] = reduced[4 * (n % 4) + n / 4];
+}
+
+// For weight rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens, calls
+// store(t, r, s) once with s = dot(x_t, w_r) of the loaded weights (1 / W::kValueScale times the true dot;
+// the caller's epilogue multiplies it back).
+template <class W, class Store>
+static void gemv_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const typename W::elem_t* w,
+                      int64_t num_rows_total, int64_t k, int64_t r0, int64_t r1, Store&& store) {
+  float sums[16];
+  for (int64_t r = r0; r < r1; r += kGemvBlockRows) {
+    const typename W::elem_t* wb = w + r * k;
+    const int64_t ahead = r + kGemvPrefetchBlocks * kGemvBlockRows;
+    const typename W::elem_t* pf = ahead + kGemvBlockRows <= num_rows_total ? w + ahead * k : nullptr;
+    int64_t t = 0;
+    for (; t + 4 <= num_tokens; t += 4) {
+      for (int64_t sub = 0; sub < kGemvBlockRows; sub += 4) {
+        gemv_tile<W, 4, 4>(x + t * x_stride, x_stride, wb + sub * k, k, sums, t == 0 && pf ? pf + sub * k : nullptr);
+        for (int n = 0; n < 16; ++n) store(t + n / 4, r + sub + n % 4, sums[n]);
+      }
+    }
+    for (; t + 2 <= num_tokens; t += 2) {
+      for (int64_t sub = 0; sub < kGemvBlockRows; sub += 8) {
+        gemv_tile<W, 2, 8>(x + t * x_stride, x_stride, wb + sub * k, k, sums, t == 0 && pf ? pf + sub * k : nullptr);
+        for (int n = 0; n < 16; ++n) store(t + n / 8, r + sub + n % 8, sums[n]);
+      }
+    }
+    if (t < num_tokens) {
+      gemv_tile<W, 1, 16>(x + t * x_stride, x_stride, wb, k, sums, t == 0 ? pf : nullptr);
+      for (int n = 0; n < 16; ++n) store(t, r + n, sums[n]);
+    }
+  }
+}
+
+// The rows [r0, r1) one at a time (the last num_rows % 16 rows of a layer).
+template <class W, class Store>
+static void gemv_rows_tail(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const typename W::elem_t* w,
+                           int64_t k, int64_t r0, int64_t r1, Store&& store) {
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + t * x_stride + i), W::load(w + r * k + i));
+      store(t, r, _mm512_reduce_add_ps(acc));
+    }
+  }
+}

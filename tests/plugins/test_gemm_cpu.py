@@ -1,0 +1,72 @@
+"""The C++ kilnlm::gemm kernel (the 16/32-bit float linear layers and the LM head).
+
+bfloat16 with up to 16 tokens and in_features a multiple of 32 runs kilnlm's own AVX512-BF16 kernel
+where the CPU has it (the development and CI machines do); float32, more tokens or other shapes go to
+at::linear: the token sweep crosses that boundary. Both are checked against exact float64 dot products of the same
+bfloat16 operands: float32 accumulation in another summation order (a few float32 ulps of the
+accumulated magnitude) plus the output's rounding to bfloat16 (half a bfloat16 ulp, <= 2^-8 relative).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kilnlm.plugins.reference import gemm_reference
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+gemm = torch.ops.kilnlm.gemm
+
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (37, 64), (40, 200)]  # SmolLM2 QKV / gate-up / down, odd ones
+SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
+
+
+def check_against_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    bound = 2e-6 * (x.double().abs() @ w.double().abs().T) + 1e-7
+    if x.dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * exact.abs()
+    assert y.dtype == x.dtype and y.shape == exact.shape
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), f"max error {float(err.max()):.3g}, max excess {float((err - bound).max()):.3g}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 16, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
+def test_gemm_matches_exact_dot_products(shape, num_tokens, dtype, with_bias):
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(num_tokens * 7 + out_features)
+    x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(dtype)
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    y = gemm(x, w, bias)
+    check_against_exact(y, x, w, bias)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(y, gemm_reference(x, w, bias), **tol)
+
+
+def test_strided_rows_and_the_tied_lm_head_layout():
+    """x may be a row-strided view (a slice of a fused projection); the weight is the plain [out, in]
+    tensor the embedding also gathers rows from."""
+    gen = torch.Generator().manual_seed(5)
+    fused = torch.randn(3, 2 * 576, generator=gen).bfloat16()
+    x = fused[:, :576]  # stride (1152, 1)
+    table = (torch.randn(1000, 576, generator=gen) * 0.05).bfloat16()
+    y = gemm(x, table, None)
+    check_against_exact(y, x.contiguous(), table, None)
+    assert torch.equal(y, gemm(x.contiguous(), table, None))
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None), "weight must be a 2-D"),
+    ((torch.randn(2, 8), torch.randn(4, 6), None), "x has 8 features but weight expects 6"),
+    ((torch.randn(2, 8), torch.randn(4, 8), torch.randn(3)), "bias must be"),
+    ((torch.randn(2, 3, 8), torch.randn(4, 8), None), "x must be"),
+    ((torch.randn(2, 8).half(), torch.randn(4, 8).half(), None), "float32 or bfloat16"),
+], ids=["dtype-mismatch", "in-features", "bias-shape", "x-rank", "half"])
+def test_bad_inputs_are_refused_with_a_message(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        gemm(*args)
