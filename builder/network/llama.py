@@ -122,36 +122,33 @@ class LlamaNetwork(nn.Module):
                                        RMSNorm(sd.take(f"{p}.post_attention_layernorm.weight"), eps, dtype), mlp))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(sd.take("model.norm.weight"), cfg.rms_norm_eps, dtype)
-        # The LM head is stored transposed, lm_head_t [hidden, vocab], and applied with a plain mm: given a
-        # [vocab, hidden] weight, inductor's freezing folds its transpose into a second constant. Tied
-        # embeddings look tokens up in that same tensor (embed = lm_head_t.t()): one copy in the package.
+        # The LM head is a [vocab, hidden] weight applied by kilnlm::gemm (rows read in place, no transposed
+        # copy); tied embeddings look tokens up in that same tensor: one copy in the package.
         embed = sd.take("model.embed_tokens.weight").to(dtype)
         self.lm_head = None
         if quant is not None and "lm_head" in quant.linears:  # --quantize-lm-head: a 16-bit embedding of its own
             self.lm_head = make_quantized_linear([quant.linears["lm_head"]], quant.qformat, quant.group_size, dtype)
-            self.register_buffer("lm_head_t", None)
+            self.register_buffer("lm_head_weight", None)
             self.register_buffer("embed_tokens", embed.contiguous())
         elif cfg.tie_word_embeddings:
-            self.register_buffer("lm_head_t", embed.t().contiguous())
+            self.register_buffer("lm_head_weight", embed.contiguous())
             self.register_buffer("embed_tokens", None)
         else:
-            self.register_buffer("lm_head_t", sd.take("lm_head.weight").to(dtype).t().contiguous())
+            self.register_buffer("lm_head_weight", sd.take("lm_head.weight").to(dtype).contiguous())
             self.register_buffer("embed_tokens", embed.contiguous())
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         sd.check_all_used()
 
     def forward(self, input_ids, positions, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping,
                 logits_indices, kv_cache):
-        if self.embed_tokens is None:  # tied: gather columns of lm_head_t (a .t() view would be folded into a copy)
-            h = self.lm_head_t.index_select(1, input_ids).t()  # [T, hidden]
-        else:
-            h = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        embed = self.lm_head_weight if self.embed_tokens is None else self.embed_tokens  # tied: the LM head
+        h = F.embedding(input_ids, embed)  # [T, hidden]
         for layer in self.layers:
             h = layer(h, positions, self.inv_freq, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping, kv_cache)
         h = self.norm(h.index_select(0, logits_indices))  # [B, hidden]
         if self.lm_head is not None:
             return self.lm_head(h).float()  # [B, vocab]
-        return torch.mm(h, self.lm_head_t).float()  # [B, vocab]
+        return torch.ops.kilnlm.gemm(h, self.lm_head_weight, None).float()  # [B, vocab]
 
 
 def _quantized_of(quant: IntQuantization, name: str):

@@ -191,7 +191,7 @@ def test_int4_linears_take_under_0_3x_their_bf16_bytes(smollm2_hf_dir, tmp_path)
         packed_bytes = sum(b.numel() * b.element_size() for b in m.buffers())
         assert packed_bytes <= 0.3 * 2 * out_features * in_features, (packed_bytes, out_features, in_features)
         assert m.weight.dtype == torch.uint8 and m.weight_scale.dtype == torch.float32
-    assert network.lm_head_t.dtype == torch.bfloat16  # tied embedding / LM head: 16-bit
+    assert network.lm_head_weight.dtype == torch.bfloat16  # tied embedding / LM head: 16-bit
 
 
 @pytest.mark.parametrize("qformat", ["int4_awq", "int8_sq"])
@@ -216,7 +216,7 @@ def test_quantized_lm_head(tiny_llama_dir):
 
     network = eager_network(tiny_llama_dir, **format_options("int8_wo", quantize_lm_head=True))
     assert isinstance(network.lm_head, Int8Linear) and network.lm_head.weight.shape == (49152, 64)
-    assert network.embed_tokens.dtype == torch.float32 and network.lm_head_t is None
+    assert network.embed_tokens.dtype == torch.float32 and network.lm_head_weight is None
     use_reference_ops(network)
     plain = eager_network(tiny_llama_dir, **format_options("int8_wo"))
     use_reference_ops(plain)
