@@ -6,8 +6,10 @@
 //   keeps its own per-tensor scale)
 //
 // The weight [out, in] float8_e4m3fn is read directly as bytes, never dequantized as a whole:
-// - few tokens (generation phase): a fused dequantize-and-FMA GEMV over output rows, each byte read
-//   once per call (memory bound: ~1 byte per weight);
+// - few tokens (generation phase): a fused dequantize-and-multiply GEMV over output rows, each byte read
+//   once per call (memory bound: ~1 byte per weight); with AVX512-BF16 the bytes become exact bfloat16 in
+//   registers and meet the (exact bfloat16) quantized activations in VDPBF16PS (bf16_gemv.h, ~30 GB/s of
+//   FP8 weights on 2 cores), else float32 FMAs (AVX2 / scalar);
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local
 //   buffer and multiplied: as exact bfloat16 with AVX512-BF16 dot products (fp8_bf16_gemm.h) where the
 //   CPU has them, else as float32 with at::mm.
@@ -52,10 +54,27 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")
 namespace avx512bf16 {
 namespace {
 #include "fp8_bf16_gemm.h"
+#include "bf16_gemv.h"
+
+// y[t, o] = (sum * 256) * scale[o] (+ bias[o]) in scalar_t for rows [r0, r1): the FP8 loads are 2^-8
+// times the weights, so sum * 256 is exactly the float32 accumulator of the reference, and the
+// epilogue rounds as the reference does (see epilogue in fp8_linear.cpp).
+template <typename scalar_t>
+void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
+                   const float* scale, const float* bias, scalar_t* out, int64_t r0, int64_t r1) {
+  auto store = [&](int64_t t, int64_t o, float sum) {
+    float y = (sum * Fp8Weights::kValueScale) * scale[o];
+    if (bias != nullptr) y = y + bias[o];
+    out[t * out_features + o] = static_cast<scalar_t>(y);
+  };
+  const int64_t full_end = r0 + (r1 - r0) / kGemvBlockRows * kGemvBlockRows;
+  gemv_rows<Fp8Weights>(xb, num_tokens, in, w, out_features, in, r0, full_end, store);
+  gemv_rows_tail<Fp8Weights>(xb, num_tokens, in, w, in, full_end, r1, store);
+}
 }  // namespace
 }  // namespace avx512bf16
 #pragma GCC pop_options
@@ -162,10 +181,33 @@ void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t 
   }
 }
 
-// Generation phase (few tokens): fused dequantize-and-FMA GEMV, each weight byte read once per call.
+bool use_bf16_gemm() { return kiln::cpu_has_avx512_bf16(); }
+
+// bfloat16 bits of floats holding E4M3 values (exact: such floats have at most 4 significant bits).
+void exact_bf16_row(const float* src, int64_t n, uint16_t* dst) {
+  std::vector<uint32_t> bits(static_cast<size_t>(n));
+  std::memcpy(bits.data(), src, static_cast<size_t>(n) * sizeof(float));
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(bits[i] >> 16);
+}
+
+// Generation phase (few tokens): fused dequantize-and-multiply GEMV, each weight byte read once per call
+// -- with AVX512-BF16 (and in_features a multiple of 32) through bf16_gemv.h, else through the AVX2 /
+// scalar float32 GEMV.
 template <typename scalar_t>
 void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
                 const float* bias, scalar_t* out) {
+#if defined(__x86_64__)
+  if (use_bf16_gemm() && in % 32 == 0) {
+    std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
+    for (int64_t t = 0; t < num_tokens; ++t) exact_bf16_row(xq + t * in, in, xb.data() + t * in);
+    const int64_t block = avx512bf16::kGemvBlockRows;
+    at::parallel_for(0, (out_features + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+      avx512bf16::gemv_fp8_rows<scalar_t>(xb.data(), num_tokens, w, out_features, in, scale, bias, out, b0 * block,
+                                          std::min(out_features, b1 * block));
+    });
+    return;
+  }
+#endif
   const float* lut = fp8_lut().value;
   const GemvFn gemv = gemv_fn();
   std::vector<float> acc(static_cast<size_t>(num_tokens * out_features));
@@ -177,15 +219,6 @@ void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float*
     epilogue<scalar_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, scale, bias, out, out_features);
   });
 }
-
-// bfloat16 bits of floats holding E4M3 values (exact: such floats have at most 4 significant bits).
-void exact_bf16_row(const float* src, int64_t n, uint16_t* dst) {
-  std::vector<uint32_t> bits(static_cast<size_t>(n));
-  std::memcpy(bits.data(), src, static_cast<size_t>(n) * sizeof(float));
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(bits[i] >> 16);
-}
-
-bool use_bf16_gemm() { return kiln::cpu_has_avx512_bf16(); }
 
 // Context phase (many tokens): dequantize kTileRows output rows at a time into a thread-local tile
 // (never a dequantized copy of the whole weight) and multiply: with AVX512-BF16, tiles and activations
