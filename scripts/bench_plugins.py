@@ -1,5 +1,7 @@
 """Microbenchmarks of kilnlm's C++ CPU kernels, printed against what limits them.
 
+- gemm (the bf16 linear layers and LM head, ``--only gemm``): a cold-weight pass over SmolLM2's 30 layers
+  and LM head at T = 1 / 4 / 16 / 32 tokens, kilnlm::gemm against F.linear (oneDNN), with GB/s of weights.
 - fp8_linear on SmolLM2-135M's projection shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
   576x1536) at T = 1 / 32 / 256 tokens, against torch's float32 and bfloat16 linear (at::mm / oneDNN) on
   the same shapes. GB/s counts weight bytes read once per call (1 byte per FP8 weight, 2 per bf16, 4 per
@@ -20,7 +22,7 @@
   per token for each pool dtype.
 
 Usage: python scripts/bench_plugins.py [--threads N] [--dtype float32|bfloat16] [--min-time-s 0.2]
-       [--only fp8|quant|attention|kv8]
+       [--only gemm|fp8|quant|attention|kv8]
 """
 
 from __future__ import annotations
@@ -183,6 +185,26 @@ def bench_fp8_decode_sweep(min_time_s: float, num_layers: int = 30) -> None:
               f"{num_weights / t / 1e9:5.1f} G weights/s")
 
 
+def bench_gemm_sweep(min_time_s: float, num_layers: int = 30) -> None:
+    """kilnlm::gemm against F.linear (oneDNN) on cold bf16 weights: SmolLM2's four projections of
+    num_layers distinct layers plus the [49152, 576] LM head (~269 MB, far more than the L3 cache), at the
+    token counts of a decode step with T sequences -- where kMaxDirectTokens in csrc/gemm.cpp comes from."""
+    gen = torch.Generator().manual_seed(4)
+    weights = [(torch.randn(o, i, generator=gen) * 0.05).bfloat16() for _ in range(num_layers)
+               for o, i in SMOLLM2_LINEARS.values()]
+    weights.append((torch.randn(49152, 576, generator=gen) * 0.05).bfloat16())
+    num_bytes = sum(w.numel() * 2 for w in weights)
+    print(f"\ngemm (bf16), cold weights: {num_layers} layers x (qkv, o, gate_up, down) + LM head, "
+          f"{num_bytes / 1e6:.0f} MB per pass")
+    print(f"{'T':>4} | {'F.linear ms':>11} {'GB/s':>6} | {'kilnlm ms':>9} {'GB/s':>6} | {'x':>5}")
+    for num_tokens in (1, 4, 16, 32):
+        xs = {i: torch.randn(num_tokens, i, generator=gen).bfloat16() for i in (576, 1536)}
+        t_aten = time_call_min(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], min_time_s)
+        t_ours = time_call_min(lambda: [torch.ops.kilnlm.gemm(xs[w.shape[1]], w, None) for w in weights], min_time_s)
+        print(f"{num_tokens:>4} | {t_aten * 1e3:11.2f} {num_bytes / t_aten / 1e9:6.1f} | {t_ours * 1e3:9.2f} "
+              f"{num_bytes / t_ours / 1e9:6.1f} | {t_aten / t_ours:5.2f}")
+
+
 def paged_batch(seqs: list[tuple[int, int]], dtype: torch.dtype, tokens_per_block: int):
     """Arguments of paged_attention for sequences (num_cached, num_new), blocks shuffled in the pool."""
     gen = torch.Generator().manual_seed(1)
@@ -267,11 +289,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="attention / quantized-GEMM activation dtype")
     parser.add_argument("--min-time-s", type=float, default=0.2, help="measuring time per case")
-    parser.add_argument("--only", choices=["fp8", "quant", "attention", "kv8"], default=None)
+    parser.add_argument("--only", choices=["gemm", "fp8", "quant", "attention", "kv8"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_cpu_kernels()
     print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
+    if args.only in (None, "gemm"):
+        bench_gemm_sweep(args.min_time_s)
     if args.only in (None, "fp8"):
         bench_fp8_linear(args.min_time_s)
         bench_fp8_decode_sweep(args.min_time_s)
