@@ -103,3 +103,12 @@ static void gemv_rows_tail(const uint16_t* x, int64_t num_tokens, int64_t x_stri
     }
   }
 }
+
+// Any row range [r0, r1): whole 16-row blocks through gemv_rows, the rest through gemv_rows_tail.
+template <class W, class Store>
+static void gemv_any_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const typename W::elem_t* w,
+                          int64_t num_rows_total, int64_t k, int64_t r0, int64_t r1, Store&& store) {
+  const int64_t full_end = r0 + (r1 - r0) / kGemvBlockRows * kGemvBlockRows;
+  gemv_rows<W>(x, num_tokens, x_stride, w, num_rows_total, k, r0, full_end, store);
+  gemv_rows_tail<W>(x, num_tokens, x_stride, w, k, full_end, r1, store);
+}

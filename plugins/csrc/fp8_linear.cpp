@@ -71,9 +71,7 @@ void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int
     if (bias != nullptr) y = y + bias[o];
     out[t * out_features + o] = static_cast<scalar_t>(y);
   };
-  const int64_t full_end = r0 + (r1 - r0) / kGemvBlockRows * kGemvBlockRows;
-  gemv_rows<Fp8Weights>(xb, num_tokens, in, w, out_features, in, r0, full_end, store);
-  gemv_rows_tail<Fp8Weights>(xb, num_tokens, in, w, in, full_end, r1, store);
+  gemv_any_rows<Fp8Weights>(xb, num_tokens, in, w, out_features, in, r0, r1, store);
 }
 }  // namespace
 }  // namespace avx512bf16

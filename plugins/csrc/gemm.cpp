@@ -44,9 +44,7 @@ void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const ui
   auto store = [&](int64_t t, int64_t r, float sum) {
     y[t * n + r] = c10::BFloat16(bias != nullptr ? sum + bias[r] : sum).x;  // round to nearest even
   };
-  const int64_t full_end = r0 + (r1 - r0) / kGemvBlockRows * kGemvBlockRows;
-  gemv_rows<Bf16Weights>(x, num_tokens, x_stride, w, n, k, r0, full_end, store);
-  gemv_rows_tail<Bf16Weights>(x, num_tokens, x_stride, w, k, full_end, r1, store);
+  gemv_any_rows<Bf16Weights>(x, num_tokens, x_stride, w, n, k, r0, r1, store);
 }
 }  // namespace
 }  // namespace avx512bf16
