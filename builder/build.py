@@ -212,7 +212,9 @@ def build_engine(opts: BuildOptions, cache_key: CacheKey | None = None) -> Manif
 
     from kilnlm.plugins import PLUGIN_VERSIONS
 
-    used = ["paged_attention"] + ([LINEAR_PLUGINS[opts.qformat]] if opts.qformat in LINEAR_PLUGINS else [])
+    # gemm: the float linears and the 16-bit LM head (every engine but an integer one with --quantize-lm-head).
+    used = (["paged_attention"] + ([] if opts.quantize_lm_head else ["gemm"])
+            + ([LINEAR_PLUGINS[opts.qformat]] if opts.qformat in LINEAR_PLUGINS else []))
     tmp = opts.output.parent / f".{opts.output.name}.tmp-{os.getpid()}"
     opts.output.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)

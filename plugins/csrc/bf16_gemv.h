@@ -1,5 +1,6 @@
-// Generation-phase GEMV / small GEMM on CPUs with AVX512-BF16, shared by gemm.cpp (bfloat16 weights) and
-// fp8_linear.cpp (FP8 weights, converted to bfloat16 in registers). Compiled under
+// Generation-phase GEMV / small GEMM on CPUs with AVX512-BF16, shared by gemm.cpp (bfloat16 weights),
+// fp8_linear.cpp (FP8 weights) and int8_linear.cpp (int8 weights), the 8-bit ones converted to bfloat16
+// in registers. Compiled under
 // `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")` and included inside a namespace after
 // every system / torch header, next to fp8_bf16_gemm.h (reduce16).
 //
@@ -31,15 +32,67 @@ struct Fp8Weights {
   }
 };
 
+// int8 bytes -> bfloat16, exactly (|q| <= 128 needs at most 8 significant bits).
+struct Int8Weights {
+  using elem_t = int8_t;
+  static constexpr float kValueScale = 1.0f;
+  static inline __m512bh load(const int8_t* p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+
+// Packed int4 (two's complement, column 2j in the low nibble of byte j, 2j + 1 in the high one) -> bf16
+// of q * scale, the group's scale applied before the rounding to bfloat16 (as int4_linear's context-phase
+// tiles): 16 bytes -> 32 weights of one group (group_size a multiple of 32).
+static inline __m512bh int4x32_to_bf16(const uint8_t* p, float scale) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  // [0, 15] -> [-8, 7]: (v ^ 8) - 8
+  const __m128i e0 = _mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(lo, hi), eight), eight);  // columns 0..15
+  const __m128i e1 = _mm_sub_epi8(_mm_xor_si128(_mm_unpackhi_epi8(lo, hi), eight), eight);  // columns 16..31
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e0)), s);
+  const __m512 f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e1)), s);
+  return _mm512_cvtne2ps_pbh(f1, f0);
+}
+
+// The weight rows a GEMV reads: load(r, i) gives columns [i, i + 32) of row r as bfloat16 pairs,
+// address(r, i) where they are stored (for prefetching). kValueScale: the true weights are the loaded
+// values times this (the FP8 loads are scaled by 2^-8).
+template <class W>
+struct PlainRows {  // [rows, k] elements of W::elem_t, row-major
+  const typename W::elem_t* w;
+  int64_t k;
+  static constexpr float kValueScale = W::kValueScale;
+  static constexpr int64_t kBytesPer32 = 32 * sizeof(typename W::elem_t);
+  inline __m512bh load(int64_t r, int64_t i) const { return W::load(w + r * k + i); }
+  inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
+};
+
+struct Int4Rows {  // [rows, k / 2] packed bytes, scales [rows, k / group_size] float32
+  const uint8_t* w;
+  const float* scales;
+  int64_t k, group_size;
+  static constexpr float kValueScale = 1.0f;
+  static constexpr int64_t kBytesPer32 = 16;
+  inline __m512bh load(int64_t r, int64_t i) const {
+    return int4x32_to_bf16(w + (r * k + i) / 2, scales[r * (k / group_size) + i / group_size]);
+  }
+  inline const void* address(int64_t r, int64_t i) const { return w + (r * k + i) / 2; }
+};
+
 constexpr int64_t kGemvBlockRows = 16;     // weight rows per block: 16 accumulators for 1x16, 2x8, 4x4
 constexpr int64_t kGemvPrefetchBlocks = 2;  // how many blocks ahead the first token group prefetches
 
-// sums[t * NR + r] = dot(x_t, w_r) for NT tokens x NR rows (NT * NR == 16); x: NT rows of k bf16 bits,
-// x_stride apart; w: NR rows of k weights, contiguous; k a multiple of 32. `prefetch` (or null): rows
-// of a later block, one cache line per row per step, so that DRAM streams ahead of the dot products.
-template <class W, int NT, int NR>
-static inline void gemv_tile(const uint16_t* x, int64_t x_stride, const typename W::elem_t* w, int64_t k, float* sums,
-                             const typename W::elem_t* prefetch) {
+// sums[t * NR + r] = dot(x_t, w_{r0 + r}) for NT tokens x NR rows (NT * NR == 16); x: NT rows of k bf16
+// bits, x_stride apart; k a multiple of 32. pf_row (or -1): the first of NR rows of a later block, touched
+// one cache line per row per 64 bytes so that DRAM streams ahead of the dot products.
+template <class L, int NT, int NR>
+static inline void gemv_tile(const uint16_t* x, int64_t x_stride, const L& rows, int64_t r0, int64_t k, float* sums,
+                             int64_t pf_row) {
   static_assert(NT * NR == 16, "reduce16 sums exactly 16 accumulators");
   __m512 acc[NT][NR];
   for (int t = 0; t < NT; ++t)
@@ -47,10 +100,10 @@ static inline void gemv_tile(const uint16_t* x, int64_t x_stride, const typename
   for (int64_t i = 0; i < k; i += 32) {
     __m512bh xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + i);
-    if (prefetch != nullptr && (i * static_cast<int64_t>(sizeof(typename W::elem_t))) % 64 == 0)
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * k + i), _MM_HINT_T0);
+    if (pf_row >= 0 && (i / 32 * L::kBytesPer32) % 64 == 0)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(static_cast<const char*>(rows.address(pf_row + r, i)), _MM_HINT_T0);
     for (int r = 0; r < NR; ++r) {
-      const __m512bh wv = W::load(w + r * k + i);
+      const __m512bh wv = rows.load(r0 + r, i);
       for (int t = 0; t < NT; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv[t], wv);
     }
   }
@@ -59,56 +112,48 @@ static inline void gemv_tile(const uint16_t* x, int64_t x_stride, const typename
   for (int n = 0; n < 16; ++n) sums[n] = reduced[4 * (n % 4) + n / 4];
 }
 
-// For weight rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens, calls
-// store(t, r, s) once with s = dot(x_t, w_r) of the loaded weights (1 / W::kValueScale times the true dot;
-// the caller's epilogue multiplies it back).
-template <class W, class Store>
-static void gemv_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const typename W::elem_t* w,
-                      int64_t num_rows_total, int64_t k, int64_t r0, int64_t r1, Store&& store) {
+// For rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens, calls
+// store(t, r, s) once with s = dot(x_t, row r as loaded) (1 / L::kValueScale times the true dot; the
+// caller's epilogue multiplies it back).
+template <class L, class Store>
+static void gemv_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const L& rows, int64_t num_rows_total,
+                      int64_t k, int64_t r0, int64_t r1, Store&& store) {
   float sums[16];
   for (int64_t r = r0; r < r1; r += kGemvBlockRows) {
-    const typename W::elem_t* wb = w + r * k;
     const int64_t ahead = r + kGemvPrefetchBlocks * kGemvBlockRows;
-    const typename W::elem_t* pf = ahead + kGemvBlockRows <= num_rows_total ? w + ahead * k : nullptr;
+    const int64_t pf = ahead + kGemvBlockRows <= num_rows_total ? ahead : -1;
     int64_t t = 0;
     for (; t + 4 <= num_tokens; t += 4) {
       for (int64_t sub = 0; sub < kGemvBlockRows; sub += 4) {
-        gemv_tile<W, 4, 4>(x + t * x_stride, x_stride, wb + sub * k, k, sums, t == 0 && pf ? pf + sub * k : nullptr);
+        gemv_tile<L, 4, 4>(x + t * x_stride, x_stride, rows, r + sub, k, sums, t == 0 && pf >= 0 ? pf + sub : -1);
         for (int n = 0; n < 16; ++n) store(t + n / 4, r + sub + n % 4, sums[n]);
       }
     }
     for (; t + 2 <= num_tokens; t += 2) {
       for (int64_t sub = 0; sub < kGemvBlockRows; sub += 8) {
-        gemv_tile<W, 2, 8>(x + t * x_stride, x_stride, wb + sub * k, k, sums, t == 0 && pf ? pf + sub * k : nullptr);
+        gemv_tile<L, 2, 8>(x + t * x_stride, x_stride, rows, r + sub, k, sums, t == 0 && pf >= 0 ? pf + sub : -1);
         for (int n = 0; n < 16; ++n) store(t + n / 8, r + sub + n % 8, sums[n]);
       }
     }
     if (t < num_tokens) {
-      gemv_tile<W, 1, 16>(x + t * x_stride, x_stride, wb, k, sums, t == 0 ? pf : nullptr);
+      gemv_tile<L, 1, 16>(x + t * x_stride, x_stride, rows, r, k, sums, t == 0 ? pf : -1);
       for (int n = 0; n < 16; ++n) store(t, r + n, sums[n]);
     }
   }
 }
 
-// The rows [r0, r1) one at a time (the last num_rows % 16 rows of a layer).
-template <class W, class Store>
-static void gemv_rows_tail(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const typename W::elem_t* w,
-                           int64_t k, int64_t r0, int64_t r1, Store&& store) {
-  for (int64_t r = r0; r < r1; ++r) {
+// Any row range [r0, r1): whole 16-row blocks through gemv_rows, the rest one row at a time.
+template <class L, class Store>
+static void gemv_any_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const L& rows,
+                          int64_t num_rows_total, int64_t k, int64_t r0, int64_t r1, Store&& store) {
+  const int64_t full_end = r0 + (r1 - r0) / kGemvBlockRows * kGemvBlockRows;
+  gemv_rows(x, num_tokens, x_stride, rows, num_rows_total, k, r0, full_end, store);
+  for (int64_t r = full_end; r < r1; ++r) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t i = 0; i < k; i += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + t * x_stride + i), W::load(w + r * k + i));
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + t * x_stride + i), rows.load(r, i));
       store(t, r, _mm512_reduce_add_ps(acc));
     }
   }
-}
-
-// Any row range [r0, r1): whole 16-row blocks through gemv_rows, the rest through gemv_rows_tail.
-template <class W, class Store>
-static void gemv_any_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const typename W::elem_t* w,
-                          int64_t num_rows_total, int64_t k, int64_t r0, int64_t r1, Store&& store) {
-  const int64_t full_end = r0 + (r1 - r0) / kGemvBlockRows * kGemvBlockRows;
-  gemv_rows<W>(x, num_tokens, x_stride, w, num_rows_total, k, r0, full_end, store);
-  gemv_rows_tail<W>(x, num_tokens, x_stride, w, k, full_end, r1, store);
 }

@@ -67,11 +67,11 @@ template <typename scalar_t>
 void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
                    const float* scale, const float* bias, scalar_t* out, int64_t r0, int64_t r1) {
   auto store = [&](int64_t t, int64_t o, float sum) {
-    float y = (sum * Fp8Weights::kValueScale) * scale[o];
+    float y = (sum * PlainRows<Fp8Weights>::kValueScale) * scale[o];
     if (bias != nullptr) y = y + bias[o];
     out[t * out_features + o] = static_cast<scalar_t>(y);
   };
-  gemv_any_rows<Fp8Weights>(xb, num_tokens, in, w, out_features, in, r0, r1, store);
+  gemv_any_rows(xb, num_tokens, in, PlainRows<Fp8Weights>{w, in}, out_features, in, r0, r1, store);
 }
 }  // namespace
 }  // namespace avx512bf16

@@ -44,7 +44,7 @@ void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const ui
   auto store = [&](int64_t t, int64_t r, float sum) {
     y[t * n + r] = c10::BFloat16(bias != nullptr ? sum + bias[r] : sum).x;  // round to nearest even
   };
-  gemv_any_rows<Bf16Weights>(x, num_tokens, x_stride, w, n, k, r0, r1, store);
+  gemv_any_rows(x, num_tokens, x_stride, PlainRows<Bf16Weights>{w, k}, n, k, r0, r1, store);
 }
 }  // namespace
 }  // namespace avx512bf16

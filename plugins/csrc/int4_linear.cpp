@@ -4,8 +4,10 @@
 //   y [T, out] = xs @ (q * weight_scale[:, c / group_size]).T + bias, accumulated in float32, x's dtype
 //
 // The packed weight [out, in / 2] uint8 is read directly, never dequantized as a whole:
-// - few tokens (generation phase): a fused unpack-and-FMA GEMV over output rows (int4_kernels.h), each
-//   weight byte read once per call: memory bound at half a byte per weight;
+// - few tokens (generation phase): a fused unpack-and-multiply GEMV over output rows, each weight byte read
+//   once per call (memory bound at half a byte per weight): bfloat16 x with AVX512-BF16 through
+//   bf16_gemv.h (q * scale rounded to bfloat16 in registers, as the context phase's tiles, VDPBF16PS),
+//   otherwise float32 FMAs (int4_kernels.h);
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local buffer
 //   and multiplied with all T rows: float32 x -> float32 tiles (exactly the reference's q * scale) through
 //   at::mm; bfloat16 x on CPUs with AVX512-BF16 -> bfloat16 tiles (q * scale rounded once to bfloat16, as
@@ -14,6 +16,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__)
@@ -59,11 +62,22 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")
 namespace avx512bf16 {
 namespace {
 #include "fp8_bf16_gemm.h"
 #include "bf16_tile.h"
+#include "bf16_gemv.h"
+
+// Generation phase, bfloat16 x: y[t, o] = sum (+ bias[o]) for rows [r0, r1), each weight unpacked in
+// registers to bfloat16(q * scale) -- the context phase's bf16 tiles, without the tile.
+void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, const float* scales, int64_t out_features,
+                    int64_t in, int64_t group_size, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
+  auto store = [&](int64_t t, int64_t o, float sum) {
+    out[t * out_features + o] = c10::BFloat16(bias != nullptr ? sum + bias[o] : sum).x;
+  };
+  gemv_any_rows(xb, num_tokens, in, Int4Rows{w, scales, in, group_size}, out_features, in, r0, r1, store);
+}
 }  // namespace
 }  // namespace avx512bf16
 #pragma GCC pop_options
@@ -294,6 +308,20 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
         else run_tiled<float>(problem, isa, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
+#if defined(__x86_64__)
+        if (direct && bf16_gemm && in % 32 == 0 && group_size % 32 == 0) {  // ~12 instructions per 32 weights
+          prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, xs.data());
+          std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));  // x * pre_quant_scale, rounded to bf16
+          for (int64_t t = 0; t < num_tokens; ++t) avx512bf16::to_bf16_padded(xs.data() + t * in, in, xb.data() + t * in, in);
+          auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+          const int64_t block = avx512bf16::kGemvBlockRows;
+          at::parallel_for(0, (out_features + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+            avx512bf16::gemv_int4_rows(xb.data(), num_tokens, problem.w, problem.scales, out_features, in, group_size,
+                                       problem.bias, yb, b0 * block, std::min(out_features, b1 * block));
+          });
+          return;
+        }
+#endif
         prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, permute, xs.data());
         if (direct) run_direct<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
 #if defined(__x86_64__)

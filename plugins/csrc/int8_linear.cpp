@@ -7,8 +7,9 @@
 //                   per_token: input_scale replaced by each token's own amax_t / 127 (dynamic)
 //
 // The int8 weight [out, in] is read directly, never dequantized as a whole:
-// - int8_linear, few tokens (generation phase): fused convert-and-FMA GEMV (int8_kernels.h), each weight
-//   byte read once per call; more tokens (context phase): tiles of kTileRows rows dequantized in a
+// - int8_linear, few tokens (generation phase): fused convert-and-multiply GEMV, each weight byte read
+//   once per call: bfloat16 x with AVX512-BF16 through bf16_gemv.h (q exact in bfloat16, VDPBF16PS),
+//   otherwise float32 FMAs (int8_kernels.h); more tokens (context phase): tiles of kTileRows rows dequantized in a
 //   thread-local buffer and multiplied with all T rows: float32 x -> float32 q * scale (the reference's
 //   weight) through at::mm; bfloat16 x with AVX512-BF16 -> bfloat16 q (exact) through VDPBF16PS
 //   (fp8_bf16_gemm.h), the scale applied after the float32 sum.
@@ -21,6 +22,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__)
@@ -67,11 +69,24 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")
 namespace avx512bf16 {
 namespace {
 #include "fp8_bf16_gemm.h"
 #include "bf16_tile.h"
+#include "bf16_gemv.h"
+
+// int8_linear, generation phase, bfloat16 x: y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), the
+// products of x and q exact in VDPBF16PS and summed in float32 (as int8_linear_tiled_bf16).
+void gemv_int8_rows(const uint16_t* xb, int64_t num_tokens, const int8_t* w, int64_t out_features, int64_t in,
+                    const float* scale, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
+  auto store = [&](int64_t t, int64_t o, float sum) {
+    float y = sum * scale[o];
+    if (bias != nullptr) y = y + bias[o];
+    out[t * out_features + o] = c10::BFloat16(y).x;
+  };
+  gemv_any_rows(xb, num_tokens, in, PlainRows<Int8Weights>{w, in}, out_features, in, r0, r1, store);
+}
 }  // namespace
 }  // namespace avx512bf16
 #pragma GCC pop_options
@@ -347,6 +362,18 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
         else int8_linear_tiled<float>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
+#if defined(__x86_64__)
+        if (direct && bf16_gemm && in % 32 == 0) {  // the weights streamed once, ~2 cycles per 32 weights
+          const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+          auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+          const int64_t block = avx512bf16::kGemvBlockRows;
+          at::parallel_for(0, (out_features + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+            avx512bf16::gemv_int8_rows(xb, num_tokens, w, out_features, in, scale, bias_ptr, yb, b0 * block,
+                                       std::min(out_features, b1 * block));
+          });
+          return;
+        }
+#endif
         to_float<at::BFloat16>(x, nullptr, xs.data());
         at::BFloat16* y = out.data_ptr<at::BFloat16>();
         if (direct) int8_linear_direct<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);

@@ -56,7 +56,7 @@ def test_fp8_engine_weights_are_one_byte(smollm2_engine_fp8_dir):
     manifest = read_manifest(smollm2_engine_fp8_dir)
     m = manifest.model
     assert manifest.build.qformat == "fp8" and manifest.build.dtype == "bfloat16"
-    assert manifest.plugins == {name: PLUGIN_VERSIONS[name] for name in ("paged_attention", "fp8_linear")}
+    assert manifest.plugins == {name: PLUGIN_VERSIONS[name] for name in ("paged_attention", "gemm", "fp8_linear")}
     q_dim, kv_dim = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     linear_weights = m.num_layers * (m.hidden_size * (q_dim + 2 * kv_dim) + q_dim * m.hidden_size
                                      + 3 * m.hidden_size * m.intermediate_size)

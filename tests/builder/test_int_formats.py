@@ -136,7 +136,7 @@ def test_engine_matches_the_network_on_reference_ops(int_engine, tiny_llama_dir,
 
     manifest = read_manifest(engine_dir)
     assert manifest.build.qformat == qformat
-    assert manifest.plugins == {name: PLUGIN_VERSIONS[name] for name in ("paged_attention", OPS[qformat])}
+    assert manifest.plugins == {name: PLUGIN_VERSIONS[name] for name in ("paged_attention", "gemm", OPS[qformat])}
     logits = engine_logits(engine_dir)
 
     network = eager_network(tiny_llama_dir, **format_options(qformat))
