@@ -45,18 +45,27 @@ struct Int8Weights {
 
 // Packed int4 (two's complement, column 2j in the low nibble of byte j, 2j + 1 in the high one) -> bf16
 // of q * scale, the group's scale applied before the rounding to bfloat16 (as int4_linear's context-phase
-// tiles): 16 bytes -> 32 weights of one group (group_size a multiple of 32).
+// tiles): 16 bytes -> 32 weights of one group (group_size a multiple of 32), in the *nibble order* of
+// the chunk: the 16 low nibbles (even columns) first, then the 16 high ones (odd columns) -- the caller
+// permutes x the same way (int4_nibble_order). The 16 possible values bf16(q * scale) form a table that
+// VPERMW indexes with the nibbles, so a weight costs no conversion of its own.
 static inline __m512bh int4x32_to_bf16(const uint8_t* p, float scale) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  // [0, 15] -> [-8, 7]: (v ^ 8) - 8
-  const __m128i e0 = _mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(lo, hi), eight), eight);  // columns 0..15
-  const __m128i e1 = _mm_sub_epi8(_mm_xor_si128(_mm_unpackhi_epi8(lo, hi), eight), eight);  // columns 16..31
-  const __m512 s = _mm512_set1_ps(scale);
-  const __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e0)), s);
-  const __m512 f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(e1)), s);
-  return _mm512_cvtne2ps_pbh(f1, f0);
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x000F)), hi = _mm256_srli_epi16(v, 4);
+  const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);  // nibble -> q
+  const __m256bh table = _mm512_cvtneps_pbh(_mm512_mul_ps(q, _mm512_set1_ps(scale)));
+  return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_castsi256_si512((__m256i)table));
+}
+
+// dst = src (n bf16 values, n a multiple of 32) with each 32-column chunk in int4x32_to_bf16's nibble
+// order: dst[c + j] = src[c + 2j], dst[c + 16 + j] = src[c + 2j + 1].
+static inline void int4_nibble_order(const uint16_t* src, int64_t n, uint16_t* dst) {
+  for (int64_t c = 0; c < n; c += 32)
+    for (int64_t j = 0; j < 16; ++j) {
+      dst[c + j] = src[c + 2 * j];
+      dst[c + 16 + j] = src[c + 2 * j + 1];
+    }
 }
 
 // The weight rows a GEMV reads: load(r, i) gives columns [i, i + 32) of row r as bfloat16 pairs,
@@ -73,15 +82,23 @@ struct PlainRows {  // [rows, k] elements of W::elem_t, row-major
 };
 
 struct Int4Rows {  // [rows, k / 2] packed bytes, scales [rows, k / group_size] float32
+  Int4Rows(const uint8_t* w_, const float* scales_, int64_t k_, int64_t group_size)
+      : w(w_), scales(scales_), half_k(k_ / 2), num_groups(k_ / group_size), group_shift(-1), group(group_size) {
+    for (int s = 0; s < 31; ++s)
+      if ((int64_t{1} << s) == group_size) group_shift = s;  // the usual 32 / 64 / 128: no division per load
+  }
   const uint8_t* w;
   const float* scales;
-  int64_t k, group_size;
+  int64_t half_k, num_groups;
+  int group_shift;
+  int64_t group;
   static constexpr float kValueScale = 1.0f;
   static constexpr int64_t kBytesPer32 = 16;
   inline __m512bh load(int64_t r, int64_t i) const {
-    return int4x32_to_bf16(w + (r * k + i) / 2, scales[r * (k / group_size) + i / group_size]);
+    const int64_t g = group_shift >= 0 ? (i >> group_shift) : i / group;
+    return int4x32_to_bf16(w + r * half_k + i / 2, scales[r * num_groups + g]);
   }
-  inline const void* address(int64_t r, int64_t i) const { return w + (r * k + i) / 2; }
+  inline const void* address(int64_t r, int64_t i) const { return w + r * half_k + i / 2; }
 };
 
 constexpr int64_t kGemvBlockRows = 16;     // weight rows per block: 16 accumulators for 1x16, 2x8, 4x4

@@ -76,7 +76,7 @@ void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, co
   auto store = [&](int64_t t, int64_t o, float sum) {
     out[t * out_features + o] = c10::BFloat16(bias != nullptr ? sum + bias[o] : sum).x;
   };
-  gemv_any_rows(xb, num_tokens, in, Int4Rows{w, scales, in, group_size}, out_features, in, r0, r1, store);
+  gemv_any_rows(xb, num_tokens, in, Int4Rows(w, scales, in, group_size), out_features, in, r0, r1, store);
 }
 }  // namespace
 }  // namespace avx512bf16
@@ -312,7 +312,11 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
         if (direct && bf16_gemm && in % 32 == 0 && group_size % 32 == 0) {  // ~12 instructions per 32 weights
           prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, xs.data());
           std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));  // x * pre_quant_scale, rounded to bf16
-          for (int64_t t = 0; t < num_tokens; ++t) avx512bf16::to_bf16_padded(xs.data() + t * in, in, xb.data() + t * in, in);
+          std::vector<uint16_t> row(static_cast<size_t>(in));
+          for (int64_t t = 0; t < num_tokens; ++t) {
+            avx512bf16::to_bf16_padded(xs.data() + t * in, in, row.data(), in);
+            avx512bf16::int4_nibble_order(row.data(), in, xb.data() + t * in);
+          }
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
           const int64_t block = avx512bf16::kGemvBlockRows;
           at::parallel_for(0, (out_features + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
