@@ -1,7 +1,7 @@
 """Microbenchmarks of kilnlm's C++ CPU kernels, printed against what limits them.
 
 - gemm (the bf16 linear layers and LM head, ``--only gemm``): a cold-weight pass over SmolLM2's 30 layers
-  and LM head at T = 1 / 4 / 16 / 32 tokens, kilnlm::gemm against F.linear (oneDNN), with GB/s of weights.
+  and LM head at T = 1 / 4 / 16 / 32 / 64 / 128 tokens, kilnlm::gemm against F.linear (oneDNN), with GB/s of weights.
 - fp8_linear on SmolLM2-135M's projection shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
   576x1536) at T = 1 / 32 / 256 tokens, against torch's float32 and bfloat16 linear (at::mm / oneDNN) on
   the same shapes. GB/s counts weight bytes read once per call (1 byte per FP8 weight, 2 per bf16, 4 per
@@ -197,7 +197,7 @@ def bench_gemm_sweep(min_time_s: float, num_layers: int = 30) -> None:
     print(f"\ngemm (bf16), cold weights: {num_layers} layers x (qkv, o, gate_up, down) + LM head, "
           f"{num_bytes / 1e6:.0f} MB per pass")
     print(f"{'T':>4} | {'F.linear ms':>11} {'GB/s':>6} | {'kilnlm ms':>9} {'GB/s':>6} | {'x':>5}")
-    for num_tokens in (1, 4, 16, 32):
+    for num_tokens in (1, 4, 16, 32, 64, 128):
         xs = {i: torch.randn(num_tokens, i, generator=gen).bfloat16() for i in (576, 1536)}
         t_aten = time_call_min(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], min_time_s)
         t_ours = time_call_min(lambda: [torch.ops.kilnlm.gemm(xs[w.shape[1]], w, None) for w in weights], min_time_s)

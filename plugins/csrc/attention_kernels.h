@@ -379,9 +379,11 @@ static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int
   return M * (D + 2) + tpb + 2 * tpb * kv_row_stride;
 }
 
-// Query vectors per item from which a bf16 block is converted to float32 once rather than read as bf16
-// by every query vector (the generation phase reads each row about once: converting would only add a
-// store and a load).
+// Query vectors reading each KV row (the item's query tokens x the query heads sharing a KV head) from
+// which a 16/8-bit block is converted to float32 once rather than read in the pool's dtype by each of
+// them. A generation-phase item reads each row `group` times (3 for SmolLM2): converting the block (a
+// store and a reload of 4 bytes per element, 48 KB for a 32-token SmolLM2 block, past L1) costs more
+// than converting on every read.
 constexpr int64_t kConvertBlockMinQueries = 8;
 
 // The online-softmax update of every query vector of the item with one KV block of num_block_tokens
@@ -432,7 +434,8 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     l[i] = 0.f;
   }
   for (int64_t i = 0; i < M * D; ++i) acc[i] = 0.f;
-  const bool convert = sizeof(kv_t) != sizeof(float) && M >= kConvertBlockMinQueries;
+  const int64_t reads_per_row = w.num_q_tokens * (num_heads_item < w.group ? num_heads_item : w.group);
+  const bool convert = sizeof(kv_t) != sizeof(float) && reads_per_row >= kConvertBlockMinQueries;
 
   const kv_t* k_pool = static_cast<const kv_t*>(w.k_base);
   const kv_t* v_pool = static_cast<const kv_t*>(w.v_base);
@@ -444,6 +447,19 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;  // pool row of offset 0
     const kv_t* k_block = k_pool + first_row * row_stride;
     const kv_t* v_block = v_pool + first_row * row_stride;
+    if (j + 1 < num_kv_blocks) {
+      // The next block sits elsewhere in the pool (paged): prefetch its K and V rows while this one is
+      // computed, since the hardware prefetcher only follows each block once it has started.
+      const int64_t next_row = static_cast<int64_t>(w.block_table[j + 1]) * tpb;
+      const int64_t next_tokens = (last_pos + 1 - base_pos - tpb) < tpb ? (last_pos + 1 - base_pos - tpb) : tpb;
+      const char* k_next = reinterpret_cast<const char*>(k_pool + next_row * row_stride);
+      const char* v_next = reinterpret_cast<const char*>(v_pool + next_row * row_stride);
+      const int64_t bytes = next_tokens * row_stride * static_cast<int64_t>(sizeof(kv_t));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k_next + b);
+        __builtin_prefetch(v_next + b);
+      }
+    }
     if (convert) {
       if constexpr (sizeof(kv_t) == 1) {  // 8-bit pools: vector conversion (the scalar FP8 decode branches)
         to_f32(k_block, k_f32, num_block_tokens * row_stride);

@@ -101,15 +101,67 @@ struct Int4Rows {  // [rows, k / 2] packed bytes, scales [rows, k / group_size] 
   inline const void* address(int64_t r, int64_t i) const { return w + r * half_k + i / 2; }
 };
 
+// What happens to a dot product: y[t, r] = (sum * value_scale) * row_scale[r] + bias[r] (each factor
+// optional, in this order: the rounding steps of the ops' references), stored as bfloat16 (round to nearest
+// even) or float32 at out[t * out_stride + r]. Sixteen outputs at a time in vector registers.
+struct GemvEpilogue {
+  float value_scale = 1.0f;         // the row loader's kValueScale (256 for FP8)
+  const float* row_scale = nullptr;  // [rows] per-row factor, or null
+  const float* bias = nullptr;       // [rows], or null
+  void* out = nullptr;
+  bool out_bf16 = true;
+  int64_t out_stride = 0;
+
+  // sums: lane n = t * NR + r holds the dot product of token t0 + t and row r0 + r.
+  template <int NR>
+  inline void store16(int64_t t0, int64_t r0, __m512 v) const {
+    constexpr int NT = 16 / NR;
+    const __m512i row_of_lane = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                 _mm512_set1_epi32(NR - 1));
+    const __mmask16 row_mask = static_cast<__mmask16>((1u << NR) - 1u);
+    if (value_scale != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(value_scale));
+    if (row_scale != nullptr)
+      v = _mm512_mul_ps(v, _mm512_permutexvar_ps(row_of_lane, _mm512_maskz_loadu_ps(row_mask, row_scale + r0)));
+    if (bias != nullptr)
+      v = _mm512_add_ps(v, _mm512_permutexvar_ps(row_of_lane, _mm512_maskz_loadu_ps(row_mask, bias + r0)));
+    if (out_bf16) {
+      alignas(32) uint16_t y[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+      uint16_t* dst = static_cast<uint16_t*>(out);
+      for (int t = 0; t < NT; ++t) __builtin_memcpy(dst + (t0 + t) * out_stride + r0, y + t * NR, NR * sizeof(uint16_t));
+    } else {
+      alignas(64) float y[16];
+      _mm512_store_ps(y, v);
+      float* dst = static_cast<float*>(out);
+      for (int t = 0; t < NT; ++t) __builtin_memcpy(dst + (t0 + t) * out_stride + r0, y + t * NR, NR * sizeof(float));
+    }
+  }
+
+  inline void store1(int64_t t, int64_t r, float sum) const {  // the rows past the last whole block
+    float y = value_scale != 1.0f ? sum * value_scale : sum;
+    if (row_scale != nullptr) y = y * row_scale[r];
+    if (bias != nullptr) y = y + bias[r];
+    if (out_bf16) {
+      uint32_t u;
+      __builtin_memcpy(&u, &y, sizeof(u));
+      const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+      static_cast<uint16_t*>(out)[t * out_stride + r] =
+          nan ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // RNE
+    } else {
+      static_cast<float*>(out)[t * out_stride + r] = y;
+    }
+  }
+};
+
 constexpr int64_t kGemvBlockRows = 16;     // weight rows per block: 16 accumulators for 1x16, 2x8, 4x4
 constexpr int64_t kGemvPrefetchBlocks = 2;  // how many blocks ahead the first token group prefetches
 
-// sums[t * NR + r] = dot(x_t, w_{r0 + r}) for NT tokens x NR rows (NT * NR == 16); x: NT rows of k bf16
-// bits, x_stride apart; k a multiple of 32. pf_row (or -1): the first of NR rows of a later block, touched
-// one cache line per row per 64 bytes so that DRAM streams ahead of the dot products.
+// Lane t * NR + r of the result = dot(x_t, w_{r0 + r}) for NT tokens x NR rows (NT * NR == 16); x: NT rows
+// of k bf16 bits, x_stride apart; k a multiple of 32. pf_row (or -1): the first of NR rows of a later
+// block, touched one cache line per row per 64 bytes so that DRAM streams ahead of the dot products.
 template <class L, int NT, int NR>
-static inline void gemv_tile(const uint16_t* x, int64_t x_stride, const L& rows, int64_t r0, int64_t k, float* sums,
-                             int64_t pf_row) {
+static inline __m512 gemv_tile(const uint16_t* x, int64_t x_stride, const L& rows, int64_t r0, int64_t k,
+                               int64_t pf_row) {
   static_assert(NT * NR == 16, "reduce16 sums exactly 16 accumulators");
   __m512 acc[NT][NR];
   for (int t = 0; t < NT; ++t)
@@ -124,53 +176,46 @@ static inline void gemv_tile(const uint16_t* x, int64_t x_stride, const L& rows,
       for (int t = 0; t < NT; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv[t], wv);
     }
   }
-  float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
+  alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
   reduce16(&acc[0][0], reduced);
-  for (int n = 0; n < 16; ++n) sums[n] = reduced[4 * (n % 4) + n / 4];
+  const __m512i natural = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced));
 }
 
-// For rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens, calls
-// store(t, r, s) once with s = dot(x_t, row r as loaded) (1 / L::kValueScale times the true dot; the
-// caller's epilogue multiplies it back).
-template <class L, class Store>
+// For rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens: y[t, r] by
+// `epilogue` from dot(x_t, row r as loaded) (1 / L::kValueScale times the true dot: the epilogue's
+// value_scale multiplies it back).
+template <class L>
 static void gemv_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const L& rows, int64_t num_rows_total,
-                      int64_t k, int64_t r0, int64_t r1, Store&& store) {
-  float sums[16];
+                      int64_t k, int64_t r0, int64_t r1, const GemvEpilogue& epilogue) {
   for (int64_t r = r0; r < r1; r += kGemvBlockRows) {
     const int64_t ahead = r + kGemvPrefetchBlocks * kGemvBlockRows;
     const int64_t pf = ahead + kGemvBlockRows <= num_rows_total ? ahead : -1;
     int64_t t = 0;
-    for (; t + 4 <= num_tokens; t += 4) {
-      for (int64_t sub = 0; sub < kGemvBlockRows; sub += 4) {
-        gemv_tile<L, 4, 4>(x + t * x_stride, x_stride, rows, r + sub, k, sums, t == 0 && pf >= 0 ? pf + sub : -1);
-        for (int n = 0; n < 16; ++n) store(t + n / 4, r + sub + n % 4, sums[n]);
-      }
-    }
-    for (; t + 2 <= num_tokens; t += 2) {
-      for (int64_t sub = 0; sub < kGemvBlockRows; sub += 8) {
-        gemv_tile<L, 2, 8>(x + t * x_stride, x_stride, rows, r + sub, k, sums, t == 0 && pf >= 0 ? pf + sub : -1);
-        for (int n = 0; n < 16; ++n) store(t + n / 8, r + sub + n % 8, sums[n]);
-      }
-    }
-    if (t < num_tokens) {
-      gemv_tile<L, 1, 16>(x + t * x_stride, x_stride, rows, r, k, sums, t == 0 ? pf : -1);
-      for (int n = 0; n < 16; ++n) store(t, r + n, sums[n]);
-    }
+    for (; t + 4 <= num_tokens; t += 4)
+      for (int64_t sub = 0; sub < kGemvBlockRows; sub += 4)
+        epilogue.store16<4>(t, r + sub, gemv_tile<L, 4, 4>(x + t * x_stride, x_stride, rows, r + sub, k,
+                                                           t == 0 && pf >= 0 ? pf + sub : -1));
+    for (; t + 2 <= num_tokens; t += 2)
+      for (int64_t sub = 0; sub < kGemvBlockRows; sub += 8)
+        epilogue.store16<8>(t, r + sub, gemv_tile<L, 2, 8>(x + t * x_stride, x_stride, rows, r + sub, k,
+                                                           t == 0 && pf >= 0 ? pf + sub : -1));
+    if (t < num_tokens) epilogue.store16<16>(t, r, gemv_tile<L, 1, 16>(x + t * x_stride, x_stride, rows, r, k, t == 0 ? pf : -1));
   }
 }
 
 // Any row range [r0, r1): whole 16-row blocks through gemv_rows, the rest one row at a time.
-template <class L, class Store>
+template <class L>
 static void gemv_any_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const L& rows,
-                          int64_t num_rows_total, int64_t k, int64_t r0, int64_t r1, Store&& store) {
+                          int64_t num_rows_total, int64_t k, int64_t r0, int64_t r1, const GemvEpilogue& epilogue) {
   const int64_t full_end = r0 + (r1 - r0) / kGemvBlockRows * kGemvBlockRows;
-  gemv_rows(x, num_tokens, x_stride, rows, num_rows_total, k, r0, full_end, store);
+  gemv_rows(x, num_tokens, x_stride, rows, num_rows_total, k, r0, full_end, epilogue);
   for (int64_t r = full_end; r < r1; ++r) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t i = 0; i < k; i += 32)
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + t * x_stride + i), rows.load(r, i));
-      store(t, r, _mm512_reduce_add_ps(acc));
+      epilogue.store1(t, r, _mm512_reduce_add_ps(acc));
     }
   }
 }

@@ -60,18 +60,19 @@ namespace {
 #include "fp8_bf16_gemm.h"
 #include "bf16_gemv.h"
 
-// y[t, o] = (sum * 256) * scale[o] (+ bias[o]) in scalar_t for rows [r0, r1): the FP8 loads are 2^-8
-// times the weights, so sum * 256 is exactly the float32 accumulator of the reference, and the
-// epilogue rounds as the reference does (see epilogue in fp8_linear.cpp).
-template <typename scalar_t>
+// y[t, o] = (sum * 256) * scale[o] (+ bias[o]) for rows [r0, r1), bfloat16 or float32 out: the FP8
+// loads are 2^-8 times the weights, so sum * 256 is exactly the float32 accumulator of the reference,
+// and the epilogue rounds as the reference does (see epilogue in fp8_linear.cpp).
 void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
-                   const float* scale, const float* bias, scalar_t* out, int64_t r0, int64_t r1) {
-  auto store = [&](int64_t t, int64_t o, float sum) {
-    float y = (sum * PlainRows<Fp8Weights>::kValueScale) * scale[o];
-    if (bias != nullptr) y = y + bias[o];
-    out[t * out_features + o] = static_cast<scalar_t>(y);
-  };
-  gemv_any_rows(xb, num_tokens, in, PlainRows<Fp8Weights>{w, in}, out_features, in, r0, r1, store);
+                   const float* scale, const float* bias, void* out, bool out_bf16, int64_t r0, int64_t r1) {
+  GemvEpilogue epilogue;
+  epilogue.value_scale = PlainRows<Fp8Weights>::kValueScale;
+  epilogue.row_scale = scale;
+  epilogue.bias = bias;
+  epilogue.out = out;
+  epilogue.out_bf16 = out_bf16;
+  epilogue.out_stride = out_features;
+  gemv_any_rows(xb, num_tokens, in, PlainRows<Fp8Weights>{w, in}, out_features, in, r0, r1, epilogue);
 }
 }  // namespace
 }  // namespace avx512bf16
@@ -200,8 +201,8 @@ void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float*
     for (int64_t t = 0; t < num_tokens; ++t) exact_bf16_row(xq + t * in, in, xb.data() + t * in);
     const int64_t block = avx512bf16::kGemvBlockRows;
     at::parallel_for(0, (out_features + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
-      avx512bf16::gemv_fp8_rows<scalar_t>(xb.data(), num_tokens, w, out_features, in, scale, bias, out, b0 * block,
-                                          std::min(out_features, b1 * block));
+      avx512bf16::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, scale, bias, out,
+                                std::is_same_v<scalar_t, at::BFloat16>, b0 * block, std::min(out_features, b1 * block));
     });
     return;
   }

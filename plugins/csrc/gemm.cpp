@@ -1,8 +1,8 @@
 // kilnlm::gemm, CPU kernel (schema and numerics: kilnlm/plugins/schema.py): the 16/32-bit float linear
 // layers and the LM head, y [T, out] = x [T, in] @ weight [out, in].T + bias, accumulated in float32.
 //
-// - bfloat16, few tokens (generation phase, T <= kMaxDirectTokens), on CPUs with AVX512-BF16: the weight
-//   rows are read once per call, straight from the [out, in] tensor, and multiplied with VDPBF16PS
+// - bfloat16, up to kMaxDirectTokens = 64 tokens (generation steps of up to 64 sequences), on CPUs with
+//   AVX512-BF16: the weight rows are read once per call, straight from the [out, in] tensor, and multiplied with VDPBF16PS
 //   (pairwise bf16 products, exact in float32, accumulated in float32) against every token; the tokens
 //   are taken in groups of 4 / 2 / 1 while a 16-row block of the weight is in L1/L2, so a batch of T
 //   generation tokens reads the weights from memory once (decode is bound by the bytes of weights read;
@@ -41,10 +41,11 @@ namespace {
 // y[t, r] = bf16(sum + bias[r]) for rows [r0, r1).
 void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const uint16_t* w, int64_t n, int64_t k,
                const float* bias, uint16_t* y, int64_t r0, int64_t r1) {
-  auto store = [&](int64_t t, int64_t r, float sum) {
-    y[t * n + r] = c10::BFloat16(bias != nullptr ? sum + bias[r] : sum).x;  // round to nearest even
-  };
-  gemv_any_rows(x, num_tokens, x_stride, PlainRows<Bf16Weights>{w, k}, n, k, r0, r1, store);
+  GemvEpilogue epilogue;
+  epilogue.bias = bias;
+  epilogue.out = y;
+  epilogue.out_stride = n;
+  gemv_any_rows(x, num_tokens, x_stride, PlainRows<Bf16Weights>{w, k}, n, k, r0, r1, epilogue);
 }
 }  // namespace
 }  // namespace avx512bf16
@@ -54,10 +55,10 @@ void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const ui
 namespace {
 
 // Up to this many tokens the direct kernel beats at::linear on SmolLM2's shapes, all 30 layers plus the
-// LM head in turn (weights streamed from DRAM, 2 cores, scripts/bench_plugins.py --only gemm): 2.5x at
-// T = 1 and 4, 1.5x at 16, even at 32; beyond, oneDNN's blocked GEMM reuses each weight block over more
-// rows than this kernel keeps in cache.
-constexpr int64_t kMaxDirectTokens = 16;
+// LM head in turn (weights streamed from DRAM, 2 cores, scripts/bench_plugins.py --only gemm): 2.7x at
+// T = 1, 1.8x at 16, 1.2-1.5x at 32, 1.1-1.3x at 64, 0.95x at 128, where oneDNN's blocked GEMM, reusing
+// each weight block over more rows than this kernel keeps in cache, takes over.
+constexpr int64_t kMaxDirectTokens = 64;
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "kilnlm::gemm (CPU kernel): x and weight must be CPU tensors");

@@ -16,7 +16,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__)
@@ -73,10 +72,11 @@ namespace {
 // registers to bfloat16(q * scale) -- the context phase's bf16 tiles, without the tile.
 void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, const float* scales, int64_t out_features,
                     int64_t in, int64_t group_size, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
-  auto store = [&](int64_t t, int64_t o, float sum) {
-    out[t * out_features + o] = c10::BFloat16(bias != nullptr ? sum + bias[o] : sum).x;
-  };
-  gemv_any_rows(xb, num_tokens, in, Int4Rows(w, scales, in, group_size), out_features, in, r0, r1, store);
+  GemvEpilogue epilogue;
+  epilogue.bias = bias;
+  epilogue.out = out;
+  epilogue.out_stride = out_features;
+  gemv_any_rows(xb, num_tokens, in, Int4Rows(w, scales, in, group_size), out_features, in, r0, r1, epilogue);
 }
 }  // namespace
 }  // namespace avx512bf16

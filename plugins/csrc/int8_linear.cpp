@@ -22,7 +22,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__)
@@ -80,12 +79,12 @@ namespace {
 // products of x and q exact in VDPBF16PS and summed in float32 (as int8_linear_tiled_bf16).
 void gemv_int8_rows(const uint16_t* xb, int64_t num_tokens, const int8_t* w, int64_t out_features, int64_t in,
                     const float* scale, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
-  auto store = [&](int64_t t, int64_t o, float sum) {
-    float y = sum * scale[o];
-    if (bias != nullptr) y = y + bias[o];
-    out[t * out_features + o] = c10::BFloat16(y).x;
-  };
-  gemv_any_rows(xb, num_tokens, in, PlainRows<Int8Weights>{w, in}, out_features, in, r0, r1, store);
+  GemvEpilogue epilogue;
+  epilogue.row_scale = scale;
+  epilogue.bias = bias;
+  epilogue.out = out;
+  epilogue.out_stride = out_features;
+  gemv_any_rows(xb, num_tokens, in, PlainRows<Int8Weights>{w, in}, out_features, in, r0, r1, epilogue);
 }
 }  // namespace
 }  // namespace avx512bf16
