@@ -105,12 +105,16 @@ struct Int4Rows {  // [rows, k / 2] packed bytes, scales [rows, k / group_size] 
 // optional, in this order: the rounding steps of the ops' references), stored as bfloat16 (round to nearest
 // even) or float32 at out[t * out_stride + r]. Sixteen outputs at a time in vector registers.
 struct GemvEpilogue {
-  float value_scale = 1.0f;         // the row loader's kValueScale (256 for FP8)
-  const float* row_scale = nullptr;  // [rows] per-row factor, or null
-  const float* bias = nullptr;       // [rows], or null
-  void* out = nullptr;
-  bool out_bf16 = true;
-  int64_t out_stride = 0;
+  GemvEpilogue(void* out_, int64_t out_stride_, const float* bias_, const float* row_scale_ = nullptr,
+               float value_scale_ = 1.0f, bool out_bf16_ = true)
+      : value_scale(value_scale_), row_scale(row_scale_), bias(bias_), out(out_), out_bf16(out_bf16_),
+        out_stride(out_stride_) {}
+  float value_scale;      // the row loader's kValueScale (256 for FP8)
+  const float* row_scale;  // [rows] per-row factor, or null
+  const float* bias;       // [rows], or null
+  void* out;
+  bool out_bf16;
+  int64_t out_stride;
 
   // sums: lane n = t * NR + r holds the dot product of token t0 + t and row r0 + r.
   template <int NR>

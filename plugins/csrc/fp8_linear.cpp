@@ -65,13 +65,7 @@ namespace {
 // and the epilogue rounds as the reference does (see epilogue in fp8_linear.cpp).
 void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
                    const float* scale, const float* bias, void* out, bool out_bf16, int64_t r0, int64_t r1) {
-  GemvEpilogue epilogue;
-  epilogue.value_scale = PlainRows<Fp8Weights>::kValueScale;
-  epilogue.row_scale = scale;
-  epilogue.bias = bias;
-  epilogue.out = out;
-  epilogue.out_bf16 = out_bf16;
-  epilogue.out_stride = out_features;
+  const GemvEpilogue epilogue(out, out_features, bias, scale, PlainRows<Fp8Weights>::kValueScale, out_bf16);
   gemv_any_rows(xb, num_tokens, in, PlainRows<Fp8Weights>{w, in}, out_features, in, r0, r1, epilogue);
 }
 }  // namespace

@@ -41,11 +41,7 @@ namespace {
 // y[t, r] = bf16(sum + bias[r]) for rows [r0, r1).
 void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const uint16_t* w, int64_t n, int64_t k,
                const float* bias, uint16_t* y, int64_t r0, int64_t r1) {
-  GemvEpilogue epilogue;
-  epilogue.bias = bias;
-  epilogue.out = y;
-  epilogue.out_stride = n;
-  gemv_any_rows(x, num_tokens, x_stride, PlainRows<Bf16Weights>{w, k}, n, k, r0, r1, epilogue);
+  gemv_any_rows(x, num_tokens, x_stride, PlainRows<Bf16Weights>{w, k}, n, k, r0, r1, GemvEpilogue(y, n, bias));
 }
 }  // namespace
 }  // namespace avx512bf16

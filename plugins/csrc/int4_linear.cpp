@@ -72,11 +72,8 @@ namespace {
 // registers to bfloat16(q * scale) -- the context phase's bf16 tiles, without the tile.
 void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, const float* scales, int64_t out_features,
                     int64_t in, int64_t group_size, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
-  GemvEpilogue epilogue;
-  epilogue.bias = bias;
-  epilogue.out = out;
-  epilogue.out_stride = out_features;
-  gemv_any_rows(xb, num_tokens, in, Int4Rows(w, scales, in, group_size), out_features, in, r0, r1, epilogue);
+  gemv_any_rows(xb, num_tokens, in, Int4Rows(w, scales, in, group_size), out_features, in, r0, r1,
+                GemvEpilogue(out, out_features, bias));
 }
 }  // namespace
 }  // namespace avx512bf16

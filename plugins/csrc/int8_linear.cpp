@@ -79,12 +79,8 @@ namespace {
 // products of x and q exact in VDPBF16PS and summed in float32 (as int8_linear_tiled_bf16).
 void gemv_int8_rows(const uint16_t* xb, int64_t num_tokens, const int8_t* w, int64_t out_features, int64_t in,
                     const float* scale, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
-  GemvEpilogue epilogue;
-  epilogue.row_scale = scale;
-  epilogue.bias = bias;
-  epilogue.out = out;
-  epilogue.out_stride = out_features;
-  gemv_any_rows(xb, num_tokens, in, PlainRows<Int8Weights>{w, in}, out_features, in, r0, r1, epilogue);
+  gemv_any_rows(xb, num_tokens, in, PlainRows<Int8Weights>{w, in}, out_features, in, r0, r1,
+                GemvEpilogue(out, out_features, bias, scale));
 }
 }  // namespace
 }  // namespace avx512bf16
