@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "row_blocks.h"
 
 namespace kiln_fp8 {
 namespace generic {
@@ -62,7 +63,7 @@ namespace {
 
 // y[t, o] = (sum * 256) * scale[o] (+ bias[o]) for rows [r0, r1), bfloat16 or float32 out: the FP8
 // loads are 2^-8 times the weights, so sum * 256 is exactly the float32 accumulator of the reference,
-// and the epilogue rounds as the reference does (see epilogue in fp8_linear.cpp).
+// and the epilogue rounds as the reference does (see `epilogue` below).
 void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
                    const float* scale, const float* bias, void* out, bool out_bf16, int64_t r0, int64_t r1) {
   const GemvEpilogue epilogue(out, out_features, bias, scale, PlainRows<Fp8Weights>::kValueScale, out_bf16);
@@ -178,9 +179,11 @@ bool use_bf16_gemm() { return kiln::cpu_has_avx512_bf16(); }
 
 // bfloat16 bits of floats holding E4M3 values (exact: such floats have at most 4 significant bits).
 void exact_bf16_row(const float* src, int64_t n, uint16_t* dst) {
-  std::vector<uint32_t> bits(static_cast<size_t>(n));
-  std::memcpy(bits.data(), src, static_cast<size_t>(n) * sizeof(float));
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(bits[i] >> 16);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, sizeof(bits));
+    dst[i] = static_cast<uint16_t>(bits >> 16);
+  }
 }
 
 // Generation phase (few tokens): fused dequantize-and-multiply GEMV, each weight byte read once per call
@@ -193,10 +196,9 @@ void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float*
   if (use_bf16_gemm() && in % 32 == 0) {
     std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
     for (int64_t t = 0; t < num_tokens; ++t) exact_bf16_row(xq + t * in, in, xb.data() + t * in);
-    const int64_t block = avx512bf16::kGemvBlockRows;
-    at::parallel_for(0, (out_features + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+    kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
       avx512bf16::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, scale, bias, out,
-                                std::is_same_v<scalar_t, at::BFloat16>, b0 * block, std::min(out_features, b1 * block));
+                                std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
     });
     return;
   }

@@ -27,6 +27,7 @@
 #include <optional>
 
 #include "cpu_features.h"
+#include "row_blocks.h"
 
 namespace kiln_gemm {
 
@@ -99,10 +100,8 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t x_stride = x.stride(0);
-  const int64_t block = 16;  // kGemvBlockRows: threads take whole blocks, the last one also the tail rows
-  const int64_t num_blocks = (n + block - 1) / block;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-    avx512bf16::gemm_rows(xp, num_tokens, x_stride, wp, n, k, b, yp, b0 * block, std::min(n, b1 * block));
+  kiln::parallel_row_blocks(n, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
+    avx512bf16::gemm_rows(xp, num_tokens, x_stride, wp, n, k, b, yp, r0, r1);
   });
   return y;
 #else

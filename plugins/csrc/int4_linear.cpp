@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "row_blocks.h"
 
 namespace kiln_int4 {
 namespace generic {
@@ -306,7 +307,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
-        if (direct && bf16_gemm && in % 32 == 0 && group_size % 32 == 0) {  // ~12 instructions per 32 weights
+        if (direct && bf16_gemm && in % 32 == 0 && group_size % 32 == 0) {  // bf16_gemv.h, Int4Rows
           prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, xs.data());
           std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));  // x * pre_quant_scale, rounded to bf16
           std::vector<uint16_t> row(static_cast<size_t>(in));
@@ -315,10 +316,9 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
             avx512bf16::int4_nibble_order(row.data(), in, xb.data() + t * in);
           }
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-          const int64_t block = avx512bf16::kGemvBlockRows;
-          at::parallel_for(0, (out_features + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+          kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
             avx512bf16::gemv_int4_rows(xb.data(), num_tokens, problem.w, problem.scales, out_features, in, group_size,
-                                       problem.bias, yb, b0 * block, std::min(out_features, b1 * block));
+                                       problem.bias, yb, r0, r1);
           });
           return;
         }

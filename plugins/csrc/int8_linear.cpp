@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "row_blocks.h"
 
 namespace kiln_int8 {
 namespace generic {
@@ -358,13 +359,11 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
-        if (direct && bf16_gemm && in % 32 == 0) {  // the weights streamed once, ~2 cycles per 32 weights
+        if (direct && bf16_gemm && in % 32 == 0) {  // bf16_gemv.h: cold SmolLM2 decode sweep at 37-48 GB/s
           const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-          const int64_t block = avx512bf16::kGemvBlockRows;
-          at::parallel_for(0, (out_features + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
-            avx512bf16::gemv_int8_rows(xb, num_tokens, w, out_features, in, scale, bias_ptr, yb, b0 * block,
-                                       std::min(out_features, b1 * block));
+          kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
+            avx512bf16::gemv_int8_rows(xb, num_tokens, w, out_features, in, scale, bias_ptr, yb, r0, r1);
           });
           return;
         }
