@@ -1,6 +1,6 @@
 // Generation-phase GEMV / small GEMM on CPUs with AVX512-BF16, shared by gemm.cpp (bfloat16 weights),
-// fp8_linear.cpp (FP8 weights) and int8_linear.cpp (int8 weights), the 8-bit ones converted to bfloat16
-// in registers. Compiled under
+// fp8_linear.cpp (FP8 weights, its own row loader Fp8Rows), int8_linear.cpp (int8 weights) and
+// int4_linear.cpp (packed int4), the quantized ones converted to bfloat16 in registers. Compiled under
 // `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")` and included inside a namespace after
 // every system / torch header, next to fp8_bf16_gemm.h (reduce16).
 //
@@ -12,30 +12,12 @@
 // 32 consecutive weights of a row as bfloat16 pairs.
 struct Bf16Weights {
   using elem_t = uint16_t;
-  static constexpr float kValueScale = 1.0f;  // loads the exact weight values
   static inline __m512bh load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-};
-
-// FP8 E4M3 bytes -> bfloat16 of 2^-8 times their value, exactly: the byte becomes the IEEE half
-// `s 0 eeee mmm 0000000` (2^-8 * value for normals and subnormals alike, see fp8_kernels.h), F16C
-// widens it exactly to float32, and a float with at most 4 significant bits is exact in bfloat16 (and a
-// normal bfloat16: the smallest, 2^-17, is far above VDPBF16PS's denormal flush).
-struct Fp8Weights {
-  using elem_t = uint8_t;
-  static constexpr float kValueScale = 256.0f;  // the loads are 2^-8 times the weights
-  static inline __m512bh load(const uint8_t* p) {
-    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
-    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-    const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-    return _mm512_cvtne2ps_pbh(hi, lo);  // elements 0..15 from lo, 16..31 from hi
-  }
 };
 
 // int8 bytes -> bfloat16, exactly (|q| <= 128 needs at most 8 significant bits).
 struct Int8Weights {
   using elem_t = int8_t;
-  static constexpr float kValueScale = 1.0f;
   static inline __m512bh load(const int8_t* p) {
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
@@ -69,13 +51,11 @@ static inline void int4_nibble_order(const uint16_t* src, int64_t n, uint16_t* d
 }
 
 // The weight rows a GEMV reads: load(r, i) gives columns [i, i + 32) of row r as bfloat16 pairs,
-// address(r, i) where they are stored (for prefetching). kValueScale: the true weights are the loaded
-// values times this (the FP8 loads are scaled by 2^-8).
+// address(r, i) where they are stored (for prefetching); kBytesPer32 the bytes of 32 stored weights.
 template <class W>
 struct PlainRows {  // [rows, k] elements of W::elem_t, row-major
   const typename W::elem_t* w;
   int64_t k;
-  static constexpr float kValueScale = W::kValueScale;
   static constexpr int64_t kBytesPer32 = 32 * sizeof(typename W::elem_t);
   inline __m512bh load(int64_t r, int64_t i) const { return W::load(w + r * k + i); }
   inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
@@ -92,7 +72,6 @@ struct Int4Rows {  // [rows, k / 2] packed bytes, scales [rows, k / group_size] 
   int64_t half_k, num_groups;
   int group_shift;
   int64_t group;
-  static constexpr float kValueScale = 1.0f;
   static constexpr int64_t kBytesPer32 = 16;
   inline __m512bh load(int64_t r, int64_t i) const {
     const int64_t g = group_shift >= 0 ? (i >> group_shift) : i / group;
@@ -101,15 +80,14 @@ struct Int4Rows {  // [rows, k / 2] packed bytes, scales [rows, k / group_size] 
   inline const void* address(int64_t r, int64_t i) const { return w + r * half_k + i / 2; }
 };
 
-// What happens to a dot product: y[t, r] = (sum * value_scale) * row_scale[r] + bias[r] (each factor
+// What happens to a dot product: y[t, r] = sum * row_scale[r] + bias[r] (each factor
 // optional, in this order: the rounding steps of the ops' references), stored as bfloat16 (round to nearest
 // even) or float32 at out[t * out_stride + r]. Sixteen outputs at a time in vector registers.
 struct GemvEpilogue {
   GemvEpilogue(void* out_, int64_t out_stride_, const float* bias_, const float* row_scale_ = nullptr,
-               float value_scale_ = 1.0f, bool out_bf16_ = true)
-      : value_scale(value_scale_), row_scale(row_scale_), bias(bias_), out(out_), out_bf16(out_bf16_),
+               bool out_bf16_ = true)
+      : row_scale(row_scale_), bias(bias_), out(out_), out_bf16(out_bf16_),
         out_stride(out_stride_) {}
-  float value_scale;      // the row loader's kValueScale (256 for FP8)
   const float* row_scale;  // [rows] per-row factor, or null
   const float* bias;       // [rows], or null
   void* out;
@@ -123,7 +101,6 @@ struct GemvEpilogue {
     const __m512i row_of_lane = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                  _mm512_set1_epi32(NR - 1));
     const __mmask16 row_mask = static_cast<__mmask16>((1u << NR) - 1u);
-    if (value_scale != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(value_scale));
     if (row_scale != nullptr)
       v = _mm512_mul_ps(v, _mm512_permutexvar_ps(row_of_lane, _mm512_maskz_loadu_ps(row_mask, row_scale + r0)));
     if (bias != nullptr)
@@ -142,7 +119,7 @@ struct GemvEpilogue {
   }
 
   inline void store1(int64_t t, int64_t r, float sum) const {  // the rows past the last whole block
-    float y = value_scale != 1.0f ? sum * value_scale : sum;
+    float y = sum;
     if (row_scale != nullptr) y = y * row_scale[r];
     if (bias != nullptr) y = y + bias[r];
     if (out_bf16) {
@@ -187,8 +164,7 @@ static inline __m512 gemv_tile(const uint16_t* x, int64_t x_stride, const L& row
 }
 
 // For rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens: y[t, r] by
-// `epilogue` from dot(x_t, row r as loaded) (1 / L::kValueScale times the true dot: the epilogue's
-// value_scale multiplies it back).
+// `epilogue` from dot(x_t, row r as loaded).
 template <class L>
 static void gemv_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const L& rows, int64_t num_rows_total,
                       int64_t k, int64_t r0, int64_t r1, const GemvEpilogue& epilogue) {

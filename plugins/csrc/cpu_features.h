@@ -49,4 +49,15 @@ inline bool cpu_has_avx512_bf16() {
 #endif
 }
 
+// AVX512-BF16 with AVX512-VBMI byte permutes (AMD Zen 4+, Intel Sapphire Rapids+; not Cooper Lake): the
+// FP8 generation-phase GEMV, which converts E4M3 bytes to bfloat16 through VPERMI2B tables.
+inline bool cpu_has_avx512_bf16_vbmi() {
+#if defined(__x86_64__)
+  static const bool has = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vbmi");
+  return has;
+#else
+  return false;
+#endif
+}
+
 }  // namespace kiln

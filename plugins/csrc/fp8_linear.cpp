@@ -7,9 +7,9 @@
 //
 // The weight [out, in] float8_e4m3fn is read directly as bytes, never dequantized as a whole:
 // - few tokens (generation phase): a fused dequantize-and-multiply GEMV over output rows, each byte read
-//   once per call (memory bound: ~1 byte per weight); with AVX512-BF16 the bytes become exact bfloat16 in
-//   registers and meet the (exact bfloat16) quantized activations in VDPBF16PS (bf16_gemv.h, ~30 GB/s of
-//   FP8 weights on 2 cores), else float32 FMAs (AVX2 / scalar);
+//   once per call (memory bound: ~1 byte per weight); with AVX512-BF16 and VBMI the bytes become exact
+//   bfloat16 in registers through byte tables (Fp8Rows) and meet the (exact bfloat16) quantized
+//   activations in VDPBF16PS (bf16_gemv.h), else float32 FMAs (AVX2 / scalar);
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local
 //   buffer and multiplied: as exact bfloat16 with AVX512-BF16 dot products (fp8_bf16_gemm.h) where the
 //   CPU has them, else as float32 with at::mm.
@@ -25,6 +25,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -59,18 +60,78 @@ namespace {
 namespace avx512bf16 {
 namespace {
 #include "fp8_bf16_gemm.h"
-#include "bf16_gemv.h"
-
-// y[t, o] = (sum * 256) * scale[o] (+ bias[o]) for rows [r0, r1), bfloat16 or float32 out: the FP8
-// loads are 2^-8 times the weights, so sum * 256 is exactly the float32 accumulator of the reference,
-// and the epilogue rounds as the reference does (see `epilogue` below).
-void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
-                   const float* scale, const float* bias, void* out, bool out_bf16, int64_t r0, int64_t r1) {
-  const GemvEpilogue epilogue(out, out_features, bias, scale, PlainRows<Fp8Weights>::kValueScale, out_bf16);
-  gemv_any_rows(xb, num_tokens, in, PlainRows<Fp8Weights>{w, in}, out_features, in, r0, r1, epilogue);
-}
 }  // namespace
 }  // namespace avx512bf16
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,f16c")
+namespace avx512vbmi {
+namespace {
+#include "fp8_bf16_gemm.h"
+#include "bf16_gemv.h"
+
+// bfloat16 bits of every E4M3 magnitude 0..127 (exact: at most 4 significant bits, exponents 2^-9..2^8,
+// all normal in bfloat16), split into low and high bytes for VPERMI2B; 0x7F is E4M3's NaN.
+struct Fp8Bf16Table {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t pairs[64];  // byte 2j and 2j + 1 of a vector <- byte j of 32 loaded weights
+  Fp8Bf16Table() {
+    for (int b = 0; b < 128; ++b) {
+      const int e = b >> 3, m = b & 7;
+      uint16_t bits = 0x7FC0;  // NaN
+      if (b != 0x7F) {
+        const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+        uint32_t u;
+        std::memcpy(&u, &v, sizeof(u));
+        bits = static_cast<uint16_t>(u >> 16);  // exact: the low 16 bits are zero
+      }
+      lo[b] = static_cast<uint8_t>(bits & 0xFF);
+      hi[b] = static_cast<uint8_t>(bits >> 8);
+    }
+    for (int j = 0; j < 64; ++j) pairs[j] = static_cast<uint8_t>(j / 2);
+  }
+};
+
+// FP8 E4M3 weight rows ([rows, k] bytes, row-major) as their exact bfloat16 values: each byte is copied
+// into both bytes of a 16-bit lane (VPERMB), VPERMI2B looks the magnitude (bits 0-6) up in the low-byte
+// table for the even bytes and in the high-byte table for the odd ones, and the sign bit is ORed back.
+// Four vector instructions per 32 weights (the F16C route, byte -> half -> float -> bfloat16, took about
+// twice as many and bound the GEMV by compute on Zen 5 at ~17 GB/s per core).
+struct Fp8Rows {
+  Fp8Rows(const uint8_t* w_, int64_t k_) : w(w_), k(k_) {
+    static const Fp8Bf16Table table;
+    lo0 = _mm512_load_si512(table.lo);
+    lo1 = _mm512_load_si512(table.lo + 64);
+    hi0 = _mm512_load_si512(table.hi);
+    hi1 = _mm512_load_si512(table.hi + 64);
+    pairs = _mm512_load_si512(table.pairs);
+  }
+  const uint8_t* w;
+  int64_t k;
+  __m512i lo0, lo1, hi0, hi1, pairs;
+  static constexpr int64_t kBytesPer32 = 32;
+  inline __m512bh load(int64_t r, int64_t i) const {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + i));
+    const __m512i both = _mm512_permutexvar_epi8(pairs, _mm512_castsi256_si512(bytes));
+    __m512i v = _mm512_mask2_permutex2var_epi8(lo0, both, __mmask64{0x5555555555555555ull}, lo1);
+    v = _mm512_mask2_permutex2var_epi8(hi0, v, __mmask64{0xAAAAAAAAAAAAAAAAull}, hi1);
+    return (__m512bh)_mm512_ternarylogic_epi32(v, both, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);  // v | (both & sign)
+  }
+  inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
+};
+
+// y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), bfloat16 or float32 out: the sums are those of
+// the reference's float32 accumulation (exact products, another order), and the epilogue rounds as the
+// reference does (see `epilogue` below).
+void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
+                   const float* scale, const float* bias, void* out, bool out_bf16, int64_t r0, int64_t r1) {
+  gemv_any_rows(xb, num_tokens, in, Fp8Rows(w, in), out_features, in, r0, r1,
+                GemvEpilogue(out, out_features, bias, scale, out_bf16));
+}
+}  // namespace
+}  // namespace avx512vbmi
 #pragma GCC pop_options
 #endif
 
@@ -193,11 +254,11 @@ template <typename scalar_t>
 void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
                 const float* bias, scalar_t* out) {
 #if defined(__x86_64__)
-  if (use_bf16_gemm() && in % 32 == 0) {
+  if (kiln::cpu_has_avx512_bf16_vbmi() && in % 32 == 0) {
     std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
     for (int64_t t = 0; t < num_tokens; ++t) exact_bf16_row(xq + t * in, in, xb.data() + t * in);
-    kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-      avx512bf16::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, scale, bias, out,
+    kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
+      avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, scale, bias, out,
                                 std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
     });
     return;

@@ -63,15 +63,19 @@ def test_quantization_bit_exact_over_a_sweep_of_float_bit_patterns(dtype):
     assert torch.equal(y_small, expected[:3, :37])
 
 
-@pytest.mark.parametrize("num_tokens", [16, 32])
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 32])
 def test_every_fp8_weight_byte_decodes_exactly(num_tokens):
-    """One-hot activations read the weight back: all 254 finite E4M3 encodings decode bit-exactly."""
+    """One-hot activations read the weight back: all 254 finite E4M3 encodings decode bit-exactly, through
+    the generation-phase GEMV (1 and 4 tokens: a whole 16-row block and 8 tail rows) and the context-phase
+    tiles (16 and 32 tokens)."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes[codes & 0x7F == 0x7F] = 0  # the two NaN encodings
-    weight = codes.view(torch.float8_e4m3fn).reshape(8, 32)  # [out=8, in=32]
-    x = torch.eye(32)[:num_tokens]
-    y = fp8_linear(x, weight, torch.tensor(1.0), torch.tensor(1.0), None)  # [T, 8] = weight.T rows
-    assert torch.equal(y, weight.float().T[:num_tokens])
+    rows = codes.reshape(8, 32)
+    weight = torch.cat([rows, rows.flip(0), rows.flip(1)]).view(torch.float8_e4m3fn)  # [out=24, in=32]
+    eye = torch.eye(32)
+    for c0 in range(0, 32, num_tokens):
+        y = fp8_linear(eye[c0:c0 + num_tokens], weight, torch.tensor(1.0), torch.tensor(1.0), None)  # [T, 24]
+        assert torch.equal(y, weight.float().T[c0:c0 + num_tokens])
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 17, 64])
