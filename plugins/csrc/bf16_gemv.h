@@ -25,43 +25,29 @@ struct Int8Weights {
   }
 };
 
-// Packed int4 (two's complement, column 2j in the low nibble of byte j, 2j + 1 in the high one) -> bf16
-// of q * scale, the group's scale applied before the rounding to bfloat16 (as int4_linear's context-phase
-// tiles): 16 bytes -> 32 weights of one group (group_size a multiple of 32), in the *nibble order* of
-// the chunk: the 16 low nibbles (even columns) first, then the 16 high ones (odd columns) -- the caller
-// permutes x the same way (int4_nibble_order). The 16 possible values bf16(q * scale) form a table that
-// VPERMW indexes with the nibbles, so a weight costs no conversion of its own.
-static inline __m512bh int4x32_to_bf16(const uint8_t* p, float scale) {
-  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0x000F)), hi = _mm256_srli_epi16(v, 4);
-  const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);  // nibble -> q
-  const __m256bh table = _mm512_cvtneps_pbh(_mm512_mul_ps(q, _mm512_set1_ps(scale)));
-  return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_castsi256_si512((__m256i)table));
-}
-
-// dst = src (n bf16 values, n a multiple of 32) with each 32-column chunk in int4x32_to_bf16's nibble
-// order: dst[c + j] = src[c + 2j], dst[c + 16 + j] = src[c + 2j + 1].
-static inline void int4_nibble_order(const uint16_t* src, int64_t n, uint16_t* dst) {
-  for (int64_t c = 0; c < n; c += 32)
-    for (int64_t j = 0; j < 16; ++j) {
-      dst[c + j] = src[c + 2 * j];
-      dst[c + 16 + j] = src[c + 2 * j + 1];
-    }
-}
-
-// The weight rows a GEMV reads: load(r, i) gives columns [i, i + 32) of row r as bfloat16 pairs,
-// address(r, i) where they are stored (for prefetching); kBytesPer32 the bytes of 32 stored weights.
+// The weight rows a GEMV reads, kCols columns (32 or 64; k a multiple of it) at a time:
+// load(r, i, out) writes columns [i, i + kCols) of row r as kCols / 32 vectors of bfloat16 pairs, in the
+// loader's column order (the caller gives x the same order), address(r, i) is where they are stored (for
+// prefetching) and kChunkBytes their size.
 template <class W>
-struct PlainRows {  // [rows, k] elements of W::elem_t, row-major
+struct PlainRows {  // [rows, k] elements of W::elem_t, row-major, natural column order
   const typename W::elem_t* w;
   int64_t k;
-  static constexpr int64_t kBytesPer32 = 32 * sizeof(typename W::elem_t);
-  inline __m512bh load(int64_t r, int64_t i) const { return W::load(w + r * k + i); }
+  static constexpr int64_t kCols = 32;
+  static constexpr int64_t kChunkBytes = 32 * sizeof(typename W::elem_t);
+  inline void load(int64_t r, int64_t i, __m512bh* out) const { out[0] = W::load(w + r * k + i); }
   inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
 };
 
-struct Int4Rows {  // [rows, k / 2] packed bytes, scales [rows, k / group_size] float32
+// Packed int4 rows ([rows, k / 2] bytes, two's complement, column 2j in the low nibble of byte j, 2j + 1
+// in the high one; scales [rows, k / group_size] float32, group_size a multiple of 32) -> bfloat16 of
+// q * scale, the group's scale applied before the rounding to bfloat16 (as int4_linear's context-phase
+// tiles). 32 bytes = 64 weights per load, in *nibble order*: the low nibbles (even columns) of the 32
+// bytes, then their high nibbles (odd columns) -- int4_nibble_order permutes x the same way. The 16
+// possible values bf16(q * scale) of each 32-column half form a 32-entry table that VPERMW indexes with
+// the nibbles (plus 16 for the second half), so a weight costs no conversion of its own: nine
+// instructions per 64 weights, against ~18 for 32-weight loads that rebuilt the table each time.
+struct Int4Rows {
   Int4Rows(const uint8_t* w_, const float* scales_, int64_t k_, int64_t group_size)
       : w(w_), scales(scales_), half_k(k_ / 2), num_groups(k_ / group_size), group_shift(-1), group(group_size) {
     for (int s = 0; s < 31; ++s)
@@ -72,13 +58,34 @@ struct Int4Rows {  // [rows, k / 2] packed bytes, scales [rows, k / group_size] 
   int64_t half_k, num_groups;
   int group_shift;
   int64_t group;
-  static constexpr int64_t kBytesPer32 = 16;
-  inline __m512bh load(int64_t r, int64_t i) const {
-    const int64_t g = group_shift >= 0 ? (i >> group_shift) : i / group;
-    return int4x32_to_bf16(w + r * half_k + i / 2, scales[r * num_groups + g]);
+  static constexpr int64_t kCols = 64;
+  static constexpr int64_t kChunkBytes = 32;
+  inline int64_t group_of(int64_t col) const { return group_shift >= 0 ? (col >> group_shift) : col / group; }
+  inline void load(int64_t r, int64_t i, __m512bh* out) const {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * half_k + i / 2)));
+    const float* row_scales = scales + r * num_groups;
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);  // nibble -> q
+    const __m512 first = _mm512_mul_ps(q, _mm512_set1_ps(row_scales[group_of(i)]));
+    const __m512 second = _mm512_mul_ps(q, _mm512_set1_ps(row_scales[group_of(i + 32)]));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // entries 16..31: columns i + 32..
+    const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);  // bytes 16..31
+    const __m512i lo = _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(0x000F), half, 0xEA);  // (b & 15) | half
+    const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), half);
+    out[0] = (__m512bh)_mm512_permutexvar_epi16(lo, table);
+    out[1] = (__m512bh)_mm512_permutexvar_epi16(hi, table);
   }
   inline const void* address(int64_t r, int64_t i) const { return w + r * half_k + i / 2; }
 };
+
+// dst = src (n bf16 values, n a multiple of 64) with each 64-column chunk in Int4Rows' nibble order:
+// dst[c + j] = src[c + 2j], dst[c + 32 + j] = src[c + 2j + 1].
+static inline void int4_nibble_order(const uint16_t* src, int64_t n, uint16_t* dst) {
+  for (int64_t c = 0; c < n; c += 64)
+    for (int64_t j = 0; j < 32; ++j) {
+      dst[c + j] = src[c + 2 * j];
+      dst[c + 32 + j] = src[c + 2 * j + 1];
+    }
+}
 
 // What happens to a dot product: y[t, r] = sum * row_scale[r] + bias[r] (each factor
 // optional, in this order: the rounding steps of the ops' references), stored as bfloat16 (round to nearest
@@ -138,23 +145,27 @@ constexpr int64_t kGemvBlockRows = 16;     // weight rows per block: 16 accumula
 constexpr int64_t kGemvPrefetchBlocks = 2;  // how many blocks ahead the first token group prefetches
 
 // Lane t * NR + r of the result = dot(x_t, w_{r0 + r}) for NT tokens x NR rows (NT * NR == 16); x: NT rows
-// of k bf16 bits, x_stride apart; k a multiple of 32. pf_row (or -1): the first of NR rows of a later
+// of k bf16 bits (in the loader's column order), x_stride apart; k a multiple of L::kCols. pf_row (or -1): the first of NR rows of a later
 // block, touched one cache line per row per 64 bytes so that DRAM streams ahead of the dot products.
 template <class L, int NT, int NR>
 static inline __m512 gemv_tile(const uint16_t* x, int64_t x_stride, const L& rows, int64_t r0, int64_t k,
                                int64_t pf_row) {
   static_assert(NT * NR == 16, "reduce16 sums exactly 16 accumulators");
+  constexpr int V = static_cast<int>(L::kCols / 32);  // bf16 vectors per load
   __m512 acc[NT][NR];
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < NR; ++r) acc[t][r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 32) {
-    __m512bh xv[NT];
-    for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + i);
-    if (pf_row >= 0 && (i / 32 * L::kBytesPer32) % 64 == 0)
+  for (int64_t i = 0; i < k; i += L::kCols) {
+    __m512bh xv[NT][V];
+    for (int t = 0; t < NT; ++t)
+      for (int v = 0; v < V; ++v) xv[t][v] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + i + 32 * v);
+    if (pf_row >= 0 && (i / L::kCols * L::kChunkBytes) % 64 == 0)
       for (int r = 0; r < NR; ++r) _mm_prefetch(static_cast<const char*>(rows.address(pf_row + r, i)), _MM_HINT_T0);
     for (int r = 0; r < NR; ++r) {
-      const __m512bh wv = rows.load(r0 + r, i);
-      for (int t = 0; t < NT; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv[t], wv);
+      __m512bh wv[V];
+      rows.load(r0 + r, i, wv);
+      for (int v = 0; v < V; ++v)
+        for (int t = 0; t < NT; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv[t][v], wv[v]);
     }
   }
   alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
@@ -193,8 +204,12 @@ static void gemv_any_rows(const uint16_t* x, int64_t num_tokens, int64_t x_strid
   for (int64_t r = full_end; r < r1; ++r) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < k; i += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + t * x_stride + i), rows.load(r, i));
+      for (int64_t i = 0; i < k; i += L::kCols) {
+        __m512bh wv[L::kCols / 32];
+        rows.load(r, i, wv);
+        for (int64_t v = 0; v < L::kCols / 32; ++v)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + t * x_stride + i + 32 * v), wv[v]);
+      }
       epilogue.store1(t, r, _mm512_reduce_add_ps(acc));
     }
   }

@@ -111,13 +111,14 @@ struct Fp8Rows {
   const uint8_t* w;
   int64_t k;
   __m512i lo0, lo1, hi0, hi1, pairs;
-  static constexpr int64_t kBytesPer32 = 32;
-  inline __m512bh load(int64_t r, int64_t i) const {
+  static constexpr int64_t kCols = 32;
+  static constexpr int64_t kChunkBytes = 32;
+  inline void load(int64_t r, int64_t i, __m512bh* out) const {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + i));
     const __m512i both = _mm512_permutexvar_epi8(pairs, _mm512_castsi256_si512(bytes));
     __m512i v = _mm512_mask2_permutex2var_epi8(lo0, both, __mmask64{0x5555555555555555ull}, lo1);
     v = _mm512_mask2_permutex2var_epi8(hi0, v, __mmask64{0xAAAAAAAAAAAAAAAAull}, hi1);
-    return (__m512bh)_mm512_ternarylogic_epi32(v, both, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);  // v | (both & sign)
+    out[0] = (__m512bh)_mm512_ternarylogic_epi32(v, both, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);  // v | (both & sign)
   }
   inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
 };

@@ -88,15 +88,20 @@ def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 16, 17, 40])
-def test_every_nibble_decodes_exactly(num_tokens):
-    """One-hot activations read the weight back: q * scale for all 16 values in both nibble positions."""
-    in_features = 64
-    q = torch.arange(16).repeat(24, in_features // 16) - 8  # [24, 64]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_nibble_decodes_exactly(num_tokens, dtype):
+    """One-hot activations read the weight back: q * scale for all 16 values in both nibble positions and
+    both 32-column groups of a 64-column chunk (their own scales), through the generation GEMV (bfloat16,
+    up to 8 tokens: a 16-row block and 8 tail rows) and the context tiles."""
+    in_features = 128
+    q = torch.arange(16).repeat(24, in_features // 16) - 8  # [24, 128]
     q = torch.stack([row.roll(i) for i, row in enumerate(q)])
-    scales = torch.full((24, 2), 0.5)
-    x = torch.eye(in_features)[:num_tokens]
-    y = int4_linear(x, pack_int4(q), scales, None, None, 32)  # [T, 24] = (q * 0.5).T rows
-    assert torch.equal(y, (q.float() * 0.5).T[:num_tokens])
+    scales = torch.tensor([0.5, 0.25, 2.0, 0.125]).repeat(24, 1)  # [24, 4]: one per 32 columns
+    expected = (q.float() * scales.repeat_interleave(32, dim=1)).T  # [128, 24]
+    eye = torch.eye(in_features, dtype=dtype)
+    for c0 in range(0, in_features, num_tokens):
+        y = int4_linear(eye[c0:c0 + num_tokens], pack_int4(q), scales, None, None, 32)  # [T, 24]
+        assert torch.equal(y, expected[c0:c0 + num_tokens].to(dtype))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 20])
