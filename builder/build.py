@@ -67,7 +67,7 @@ class BuildOptions:
     calib_seq_len: int | None = None  # calibrated formats: tokens per sample (default 256)
     quantize_lm_head: bool = False  # int4_awq / int4_wo / int8_wo: the LM head through the same format
     per_token: bool = False  # int8_sq: dynamic per-token activation scales instead of the calibrated per-tensor one
-    smoothquant_alpha: float | None = None  # int8_sq: SmoothQuant's migration strength alpha (default ModelOpt's, 1.0)
+    smoothquant_alpha: float | None = None  # int8_sq: SmoothQuant's alpha (None: searched; 0.5 with per_token)
     export_checkpoint: Path | None = None  # integer formats: also write ModelOpt's unified HF checkpoint here
     compile: CompileOptions = field(default_factory=CompileOptions)
 

@@ -82,9 +82,11 @@ def read_calibration_text(path: Path | None) -> str:
     return raw
 
 
-def calibration_batches(tokenizer, cfg: CalibrationConfig) -> list[torch.Tensor]:
+def calibration_batches(tokenizer, cfg: CalibrationConfig, validation: bool = False) -> list[torch.Tensor]:
     """``cfg.num_samples`` token sequences ``[1, seq_len] int64`` (CPU), at evenly spaced offsets of the
-    tokenized calibration text (fewer when the text holds fewer windows).
+    tokenized calibration text (fewer when the text holds fewer windows). ``validation``: the windows half
+    a spacing further on instead, disjoint from the calibration ones wherever the text holds at least two
+    windows per sample (a held-out part of the calibration text, for choosing between calibrations).
 
     Raises :class:`BuildError` for non-positive sizes or a text shorter than one ``seq_len`` window."""
     if cfg.num_samples < 1 or cfg.seq_len < 1:
@@ -95,7 +97,8 @@ def calibration_batches(tokenizer, cfg: CalibrationConfig) -> list[torch.Tensor]
         raise BuildError(f"calibration text {cfg.describe()} has {len(ids):,} tokens, fewer than one sample of "
                          f"--calib-max-seq-len {cfg.seq_len}: lower --calib-max-seq-len or pass a longer --calib-data")
     stride = max(1, num_chunks // cfg.num_samples)
-    starts = [i * stride * cfg.seq_len for i in range(min(cfg.num_samples, num_chunks))]
+    shift = stride // 2 if validation else 0
+    starts = [(i * stride + shift) * cfg.seq_len for i in range(min(cfg.num_samples, num_chunks - shift))]
     return [torch.tensor([ids[s: s + cfg.seq_len]], dtype=torch.int64) for s in starts]
 
 

@@ -10,8 +10,18 @@ int4_awq   ``INT4_AWQ_CFG`` (awq_lite), block size =         activation-aware sc
 int4_wo    ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``, same blocks   none: round-to-nearest, scale = amax / 7
 int8_wo    ``INT8_WEIGHT_ONLY_CFG`` (per output channel)     none: round-to-nearest, scale = amax / 127
 int8_sq    ``INT8_SMOOTHQUANT_CFG`` (per-channel weights,    SmoothQuant (Xiao et al., 2023): smoothing
-           per-tensor activations)                           factors and activation amax on the text
+           per-tensor activations)                           factors and activation amax on the text;
+                                                             alpha searched (below)
 =========  ===============================================  ==========================================
+
+SmoothQuant's migration strength alpha decides how much of the activations' range moves into the weights;
+its paper tunes it per model (0.5 for most, up to 0.8-0.85 for GLM / Llama-class models with stronger
+activation outliers). Without ``--smoothquant-alpha``, a per-tensor int8_sq build tries each alpha of
+:data:`SMOOTHQUANT_ALPHA_GRID` and keeps the quantized model with the lowest next-token loss on validation
+windows of the calibration text (disjoint from the calibration windows; never the evaluation text). The
+calibration windows themselves would favour the alpha whose activation ranges fit them best: on SmolLM2
+they ranked 0.9 above 0.8, against held-out text (docs/quantization.md). With ``--per-token`` the default is
+:data:`PER_TOKEN_SMOOTHQUANT_ALPHA`, TensorRT-LLM's documented recipe (``--smoothquant 0.5 --per_token``).
 
 Symmetric integers: int4 in [-8, 7] with ``scale = amax / 7`` per group, int8 in [-128, 127] with
 ``scale = amax / 127`` (ModelOpt's convention, checked in its ``quant_utils``). The weight-only recipes
@@ -52,6 +62,10 @@ CALIBRATED_QFORMATS = ("fp8", "int4_awq", "int8_sq")
 LM_HEAD_QFORMATS = ("int4_awq", "int4_wo", "int8_wo")
 # Group sizes offered in error messages (the int4 kernels' natural block widths).
 GROUP_SIZE_CHOICES = (16, 32, 64, 128, 256)
+# SmoothQuant alphas a per-tensor int8_sq build tries when --smoothquant-alpha is not given.
+SMOOTHQUANT_ALPHA_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# int8_sq --per-token without --smoothquant-alpha: TensorRT-LLM's recipe for per-token activations.
+PER_TOKEN_SMOOTHQUANT_ALPHA = 0.5
 
 
 @dataclass
@@ -64,7 +78,7 @@ class IntQuantConfig:
     calib: CalibrationConfig = field(default_factory=CalibrationConfig)
     export_dir: Path | None = None  # --export-checkpoint: keep the unified checkpoint here
     per_token: bool = False  # int8_sq --per-token: dynamic per-token activation scales at run time
-    smoothquant_alpha: float | None = None  # int8_sq --smoothquant-alpha (None: ModelOpt's recipe default)
+    smoothquant_alpha: float | None = None  # int8_sq --smoothquant-alpha (None: searched, or 0.5 with per_token)
 
 
 def linear_in_features(hf_config) -> dict[str, int]:
@@ -148,9 +162,47 @@ def _float_model(ck: Checkpoint, untie: bool):
     return model.eval()
 
 
+def calibration_loss(model, batches: list[torch.Tensor], group_size: int = 8) -> float:
+    """Mean next-token negative log-likelihood (nats per predicted token) of ``model`` (a transformers causal
+    LM, possibly with ModelOpt quantizers) on ``batches`` ([1, seq_len] int64 each), in groups of
+    ``group_size`` samples per forward."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(batches), group_size):
+            ids = torch.cat(batches[i:i + group_size])
+            logits = model(ids).logits[:, :-1].float()
+            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                             reduction="sum"))
+            count += ids[:, 1:].numel()
+    return total / count
+
+
+def search_smoothquant_alpha(model, cfg: IntQuantConfig, batches: list[torch.Tensor], loop):
+    """Quantize a copy of the float ``model`` with each alpha of :data:`SMOOTHQUANT_ALPHA_GRID` (calibrated
+    by ``loop``) and return ``(alpha, quantized model)`` of the lowest :func:`calibration_loss` on
+    ``batches``, the validation windows (ties: the first)."""
+    import modelopt.torch.quantization as mtq
+
+    baseline = calibration_loss(model, batches)
+    best = None
+    for alpha in SMOOTHQUANT_ALPHA_GRID:
+        torch.manual_seed(0)
+        candidate = mtq.quantize(copy.deepcopy(model), modelopt_recipe("int8_sq", 128, cfg.quantize_lm_head, alpha), loop)
+        loss = calibration_loss(candidate, batches)
+        log.info("int8_sq SmoothQuant alpha %.1f: validation loss %+.4f nats/token over the float model", alpha,
+                 loss - baseline)
+        if best is None or loss < best[1]:
+            best = (alpha, loss, candidate)
+        del candidate
+    alpha, loss, quantized = best
+    log.info("int8_sq: SmoothQuant alpha %.1f (lowest validation loss, %+.4f nats/token)", alpha, loss - baseline)
+    return alpha, quantized
+
+
 def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.Tensor], IntQuantization]:
     """Quantize ``ck`` with ModelOpt's recipe for ``cfg.qformat``, export the unified HF checkpoint (to
-    ``cfg.export_dir``, or a temporary directory) and read it back into kilnlm's layout.
+    ``cfg.export_dir``, or a temporary directory) and read it back into kilnlm's layout. A per-tensor
+    int8_sq without ``cfg.smoothquant_alpha`` searches SmoothQuant's alpha (:func:`search_smoothquant_alpha`).
 
     Returns ``(state_dict, quant)``: the float tensors the network still needs (float32, HF names; norms
     with the folded smoothing / AWQ scales) and the quantized linears. Raises :class:`BuildError` for a
@@ -166,6 +218,7 @@ def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.T
         check_group_size(ck.config, group_size, cfg.quantize_lm_head)
     model = _float_model(ck, untie=cfg.quantize_lm_head)
     loop = None
+    batches = []
     if cfg.qformat in CALIBRATED_QFORMATS:
         batches = calibration_batches(ck.tokenizer, cfg.calib)
         log.info("calibrating %s (ModelOpt) on %d samples x %d tokens of %s", cfg.qformat, len(batches),
@@ -173,9 +226,15 @@ def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.T
         loop = forward_loop(batches, f"{cfg.qformat} calibration", log.isEnabledFor(logging.INFO))
     else:
         log.info("quantizing %s (ModelOpt, round-to-nearest from the weights; no calibration data)", cfg.qformat)
-    torch.manual_seed(0)
-    model = mtq.quantize(model, modelopt_recipe(cfg.qformat, group_size or 128, cfg.quantize_lm_head,
-                                                cfg.smoothquant_alpha), loop)
+    alpha = cfg.smoothquant_alpha
+    if cfg.qformat == "int8_sq" and alpha is None and cfg.per_token:
+        alpha = PER_TOKEN_SMOOTHQUANT_ALPHA
+    if cfg.qformat == "int8_sq" and alpha is None:
+        validation = calibration_batches(ck.tokenizer, cfg.calib, validation=True)
+        alpha, model = search_smoothquant_alpha(model, cfg, validation, loop)
+    else:
+        torch.manual_seed(0)
+        model = mtq.quantize(model, modelopt_recipe(cfg.qformat, group_size or 128, cfg.quantize_lm_head, alpha), loop)
     with tempfile.TemporaryDirectory(prefix="kilnlm-export-") as tmp:
         export_dir = Path(cfg.export_dir) if cfg.export_dir is not None else Path(tmp)
         export_unified_checkpoint(model, ck.tokenizer, export_dir)

@@ -63,6 +63,24 @@ def test_batches_from_a_file_are_deterministic_and_evenly_spaced(tmp_path, token
     assert first[1][0].tolist() == ids[stride * 16: stride * 16 + 16]
 
 
+def test_validation_windows_are_disjoint_from_the_calibration_windows(tmp_path, tokenizer):
+    """The validation windows (int8_sq's alpha search) sit half a spacing past the calibration ones: the
+    same count and shape, no token position shared where the text holds two windows per sample."""
+    path = tmp_path / "calib.txt"
+    path.write_text(ENGLISH)
+    cfg = CalibrationConfig(num_samples=3, seq_len=16, data_path=path)
+    ids = tokenizer(ENGLISH, add_special_tokens=False)["input_ids"]
+    stride = (len(ids) // 16) // 3
+    assert stride >= 2, "the test text must hold two windows per sample"
+    calibration, validation = calibration_batches(tokenizer, cfg), calibration_batches(tokenizer, cfg, validation=True)
+    assert len(validation) == 3 and all(b.shape == (1, 16) for b in validation)
+    shift = stride // 2
+    assert validation[1][0].tolist() == ids[(stride + shift) * 16: (stride + shift) * 16 + 16]
+    starts = lambda i, s: set(range((i * stride + s) * 16, (i * stride + s) * 16 + 16))
+    assert not set().union(*(starts(i, 0) for i in range(3))) & set().union(*(starts(i, shift) for i in range(3)))
+    assert not any(torch.equal(c, v) for c in calibration for v in validation)
+
+
 def test_text_shorter_than_one_sample_names_the_fix(tmp_path, tokenizer):
     path = tmp_path / "short.txt"
     path.write_text("too short")

@@ -295,3 +295,35 @@ def test_cli_refuses_unusable_calibration_files(tiny_llama_dir, tmp_path, capsys
     status, err = run_build(capsys, "--checkpoint", str(tiny_llama_dir), "--output", str(tmp_path / "engine"),
                             "--qformat", "int4_awq", "--group-size", "32", "--calib-data", str(path))
     assert status == 2 and fragment in err and str(path) in err
+
+
+def test_smoothquant_alpha_search_keeps_the_lowest_calibration_loss(tiny_llama_dir):
+    """Without --smoothquant-alpha, a per-tensor int8_sq build quantizes with every alpha of the grid and keeps
+    the model with the lowest loss on the calibration batches: the same alpha as each grid point quantized on
+    its own and ranked here. calibration_loss is transformers' own mean next-token loss."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+
+    from kilnlm.builder import quantize_int
+    from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, forward_loop
+    from kilnlm.builder.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(tiny_llama_dir)
+    cfg = quantize_int.IntQuantConfig("int8_sq", calib=CalibrationConfig(num_samples=4, seq_len=64))
+    batches = calibration_batches(ck.tokenizer, cfg.calib)
+    loop = forward_loop(batches, "calibration", False)
+    model = quantize_int._float_model(ck, untie=False)
+    with torch.no_grad():
+        expected = float(model(batches[0], labels=batches[0]).loss)
+    assert quantize_int.calibration_loss(model, batches[:1]) == pytest.approx(expected, abs=1e-5)
+
+    losses = {}
+    for alpha in quantize_int.SMOOTHQUANT_ALPHA_GRID:
+        torch.manual_seed(0)
+        recipe = quantize_int.modelopt_recipe("int8_sq", 128, False, alpha)
+        losses[alpha] = quantize_int.calibration_loss(mtq.quantize(copy.deepcopy(model), recipe, loop), batches)
+    assert len({round(loss, 6) for loss in losses.values()}) > 1, losses  # the alphas give different models
+    alpha, quantized = quantize_int.search_smoothquant_alpha(model, cfg, batches, loop)
+    assert alpha == min(losses, key=losses.get), losses
+    assert quantize_int.calibration_loss(quantized, batches) == pytest.approx(losses[alpha], abs=1e-6)
