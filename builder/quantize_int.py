@@ -179,24 +179,27 @@ def calibration_loss(model, batches: list[torch.Tensor], group_size: int = 8) ->
 
 def search_smoothquant_alpha(model, cfg: IntQuantConfig, batches: list[torch.Tensor], loop):
     """Quantize a copy of the float ``model`` with each alpha of :data:`SMOOTHQUANT_ALPHA_GRID` (calibrated
-    by ``loop``) and return ``(alpha, quantized model)`` of the lowest :func:`calibration_loss` on
-    ``batches``, the validation windows (ties: the first)."""
+    by ``loop``), rank them by :func:`calibration_loss` on ``batches``, the validation windows (ties: the
+    first), and return ``(alpha, model quantized in place with it)``. Only one candidate is held at a time
+    (peak memory: two copies of the model), at the price of quantizing the winner once more (deterministic:
+    the same model as its candidate)."""
     import modelopt.torch.quantization as mtq
 
-    baseline = calibration_loss(model, batches)
-    best = None
-    for alpha in SMOOTHQUANT_ALPHA_GRID:
+    def quantize(target, alpha: float):
         torch.manual_seed(0)
-        candidate = mtq.quantize(copy.deepcopy(model), modelopt_recipe("int8_sq", 128, cfg.quantize_lm_head, alpha), loop)
-        loss = calibration_loss(candidate, batches)
-        log.info("int8_sq SmoothQuant alpha %.1f: validation loss %+.4f nats/token over the float model", alpha,
-                 loss - baseline)
-        if best is None or loss < best[1]:
-            best = (alpha, loss, candidate)
+        return mtq.quantize(target, modelopt_recipe("int8_sq", 128, cfg.quantize_lm_head, alpha), loop)
+
+    baseline = calibration_loss(model, batches)
+    losses = {}
+    for alpha in SMOOTHQUANT_ALPHA_GRID:
+        candidate = quantize(copy.deepcopy(model), alpha)
+        losses[alpha] = calibration_loss(candidate, batches)
         del candidate
-    alpha, loss, quantized = best
-    log.info("int8_sq: SmoothQuant alpha %.1f (lowest validation loss, %+.4f nats/token)", alpha, loss - baseline)
-    return alpha, quantized
+        log.info("int8_sq SmoothQuant alpha %.1f: validation loss %+.4f nats/token over the float model", alpha,
+                 losses[alpha] - baseline)
+    alpha = min(losses, key=losses.get)
+    log.info("int8_sq: SmoothQuant alpha %.1f (lowest validation loss, %+.4f nats/token)", alpha, losses[alpha] - baseline)
+    return alpha, quantize(model, alpha)
 
 
 def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.Tensor], IntQuantization]:

@@ -65,7 +65,7 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")
 namespace avx512vbmi {
 namespace {
 #include "fp8_bf16_gemm.h"
