@@ -43,7 +43,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
                    help="int8_sq: SmoothQuant's migration strength in [0, 1], how much of the activations' range moves "
                         "into the weights (default: searched over 0.5, 0.6, ..., 1.0 for the lowest loss on held-out "
-                        "windows of the calibration text, six calibrations; 0.5 with --per-token, TensorRT-LLM's "
+                        "windows of the calibration text, seven calibrations; 0.5 with --per-token, TensorRT-LLM's "
                         "recipe)")
     p.add_argument("--export-checkpoint", type=Path, default=None, metavar="DIR",
                    help="integer formats: also write the quantized checkpoint in ModelOpt's unified Hugging Face "
