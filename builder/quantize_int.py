@@ -221,7 +221,6 @@ def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.T
         check_group_size(ck.config, group_size, cfg.quantize_lm_head)
     model = _float_model(ck, untie=cfg.quantize_lm_head)
     loop = None
-    batches = []
     if cfg.qformat in CALIBRATED_QFORMATS:
         batches = calibration_batches(ck.tokenizer, cfg.calib)
         log.info("calibrating %s (ModelOpt) on %d samples x %d tokens of %s", cfg.qformat, len(batches),

@@ -1,8 +1,8 @@
 // Generation-phase GEMV / small GEMM on CPUs with AVX512-BF16, shared by gemm.cpp (bfloat16 weights),
 // fp8_linear.cpp (FP8 weights, its own row loader Fp8Rows), int8_linear.cpp (int8 weights) and
 // int4_linear.cpp (packed int4), the quantized ones converted to bfloat16 in registers. Compiled under
-// `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")` and included inside a namespace after
-// every system / torch header, next to fp8_bf16_gemm.h (reduce16).
+// `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")` (plus avx512vbmi for Fp8Rows) and included
+// inside a namespace after every system / torch header, next to fp8_bf16_gemm.h (reduce16).
 //
 // y[t, r] = sum_k x[t, k] * w[r, k] for a few tokens t: each 16-row block of w is read from memory once
 // and multiplied with VDPBF16PS (pairwise bf16 products, exact in float32, accumulated in float32)

@@ -25,7 +25,6 @@
 #endif
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -35,6 +34,21 @@
 #include "row_blocks.h"
 
 namespace kiln_fp8 {
+namespace {
+// The float32 value of every E4M3 byte (c10's decoding: NaN for 0x7F / 0xFF).
+struct Fp8Lut {
+  float value[256];
+  Fp8Lut() {
+    for (int b = 0; b < 256; ++b) value[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+
+const Fp8Lut& fp8_lut() {
+  static const Fp8Lut lut;
+  return lut;
+}
+}  // namespace
+
 namespace generic {
 namespace {
 #define KILN_AVX2 0
@@ -71,22 +85,18 @@ namespace {
 #include "fp8_bf16_gemm.h"
 #include "bf16_gemv.h"
 
-// bfloat16 bits of every E4M3 magnitude 0..127 (exact: at most 4 significant bits, exponents 2^-9..2^8,
-// all normal in bfloat16), split into low and high bytes for VPERMI2B; 0x7F is E4M3's NaN.
+// bfloat16 bits of every E4M3 magnitude 0..127, from fp8_lut (exact: at most 4 significant bits,
+// exponents 2^-9..2^8, all normal in bfloat16; 0x7F, NaN, stays a NaN), split into low and high bytes
+// for VPERMI2B.
 struct Fp8Bf16Table {
   alignas(64) uint8_t lo[128];
   alignas(64) uint8_t hi[128];
   alignas(64) uint8_t pairs[64];  // byte 2j and 2j + 1 of a vector <- byte j of 32 loaded weights
   Fp8Bf16Table() {
     for (int b = 0; b < 128; ++b) {
-      const int e = b >> 3, m = b & 7;
-      uint16_t bits = 0x7FC0;  // NaN
-      if (b != 0x7F) {
-        const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
-        uint32_t u;
-        std::memcpy(&u, &v, sizeof(u));
-        bits = static_cast<uint16_t>(u >> 16);  // exact: the low 16 bits are zero
-      }
+      uint32_t u;
+      std::memcpy(&u, &fp8_lut().value[b], sizeof(u));
+      const auto bits = static_cast<uint16_t>(u >> 16);  // the low 16 bits are zero
       lo[b] = static_cast<uint8_t>(bits & 0xFF);
       hi[b] = static_cast<uint8_t>(bits >> 8);
     }
@@ -143,18 +153,6 @@ namespace {
 constexpr int64_t kMaxDirectTokensF32Gemm = 16;
 constexpr int64_t kMaxDirectTokensBf16Gemm = 4;
 constexpr int64_t kTileRows = 64;
-
-struct Fp8Lut {
-  float value[256];
-  Fp8Lut() {
-    for (int b = 0; b < 256; ++b) value[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-  }
-};
-
-const Fp8Lut& fp8_lut() {
-  static const Fp8Lut lut;
-  return lut;
-}
 
 using GemvFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t,
                         const float*);
@@ -255,7 +253,7 @@ template <typename scalar_t>
 void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
                 const float* bias, scalar_t* out) {
 #if defined(__x86_64__)
-  if (kiln::cpu_has_avx512_bf16_vbmi() && in % 32 == 0) {
+  if (kiln::cpu_has_avx512_bf16_vbmi() && in % avx512vbmi::Fp8Rows::kCols == 0) {
     std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
     for (int64_t t = 0; t < num_tokens; ++t) exact_bf16_row(xq + t * in, in, xb.data() + t * in);
     kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {

@@ -33,7 +33,7 @@ namespace kiln_gemm {
 
 #if defined(__x86_64__)
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 namespace avx512bf16 {
 namespace {
 #include "fp8_bf16_gemm.h"  // reduce16

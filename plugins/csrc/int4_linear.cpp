@@ -62,7 +62,7 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 namespace avx512bf16 {
 namespace {
 #include "fp8_bf16_gemm.h"
@@ -307,7 +307,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
-        if (direct && bf16_gemm && in % 64 == 0 && group_size % 32 == 0) {  // bf16_gemv.h, Int4Rows
+        if (direct && bf16_gemm && in % avx512bf16::Int4Rows::kCols == 0 && group_size % 32 == 0) {  // bf16_gemv.h
           prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, xs.data());
           std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));  // x * pre_quant_scale, rounded to bf16
           std::vector<uint16_t> row(static_cast<size_t>(in));

@@ -69,7 +69,7 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 namespace avx512bf16 {
 namespace {
 #include "fp8_bf16_gemm.h"
@@ -359,7 +359,8 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
-        if (direct && bf16_gemm && in % 32 == 0) {  // bf16_gemv.h: cold SmolLM2 decode sweep at 37-48 GB/s
+        // bf16_gemv.h (cold SmolLM2 decode sweep: 37-48 GB/s)
+        if (direct && bf16_gemm && in % avx512bf16::PlainRows<avx512bf16::Int8Weights>::kCols == 0) {
           const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
           kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
