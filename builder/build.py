@@ -68,6 +68,7 @@ class BuildOptions:
     quantize_lm_head: bool = False  # int4_awq / int4_wo / int8_wo: the LM head through the same format
     per_token: bool = False  # int8_sq: dynamic per-token activation scales instead of the calibrated per-tensor one
     smoothquant_alpha: float | None = None  # int8_sq: SmoothQuant's alpha (None: searched; 0.5 with per_token)
+    zero_point: bool | None = None  # int4 formats: asymmetric groups (None: the format's default, on for int4_awq)
     export_checkpoint: Path | None = None  # integer formats: also write ModelOpt's unified HF checkpoint here
     compile: CompileOptions = field(default_factory=CompileOptions)
 
@@ -112,6 +113,9 @@ def check_quant_options(opts: BuildOptions) -> None:
     if opts.quantize_lm_head and q not in LM_HEAD_QFORMATS:
         raise BuildError(f"--quantize-lm-head works with the weight-only formats ({', '.join(LM_HEAD_QFORMATS)}), not "
                          f"--qformat {q}: drop it or pick one of those")
+    if opts.zero_point is not None and q not in INT4_QFORMATS:
+        raise BuildError(f"--zero-point / --no-zero-point apply to the int4 formats ({', '.join(INT4_QFORMATS)}), not "
+                         f"--qformat {q}: drop it")
     if (opts.per_token or opts.smoothquant_alpha is not None) and q != "int8_sq":
         raise BuildError(f"--per-token / --smoothquant-alpha apply to --qformat int8_sq, not {q}: drop them")
     if opts.smoothquant_alpha is not None and not 0.0 <= opts.smoothquant_alpha <= 1.0:
@@ -253,7 +257,7 @@ def build_network(opts: BuildOptions, ck: Checkpoint, model_cfg: ModelConfig, dt
     if opts.qformat in INT_QFORMATS:
         t0 = time.perf_counter()
         cfg = IntQuantConfig(opts.qformat, opts.group_size, opts.quantize_lm_head, _calibration_config(opts),
-                             opts.export_checkpoint, opts.per_token, opts.smoothquant_alpha)
+                             opts.export_checkpoint, opts.per_token, opts.smoothquant_alpha, opts.zero_point)
         state, quant = quantize_int(ck, cfg)
         log.info("%s quantization (ModelOpt) took %.1f s", opts.qformat, time.perf_counter() - t0)
         return LlamaNetwork(model_cfg, state, dtype, quant=quant)

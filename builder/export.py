@@ -15,6 +15,14 @@ What ModelOpt's ``export_hf_checkpoint`` writes (ModelOpt 0.47, checked against 
   Fused-input linears (q/k/v, gate/up) are re-smoothed to one shared ``pre_quant_scale`` (the mean of
   theirs, weights re-quantized) and, for AWQ, that scale is folded into the preceding RMSNorm weight.
 
+int4 with zero points (``--zero-point``, int4_awq's default): kilnlm re-rounds the int4 linears
+asymmetrically after ModelOpt's export and rewrites them in place (:func:`write_int4_zero_points`): the same
+``weight`` / ``weight_scale`` tensors plus ``<name>.weight_zero_point`` (int8 ``[out, in // group_size]``
+in [-8, 7]; the weight is ``(q - zero_point) * weight_scale``), and ``has_zero_point: true`` in both
+quantization sections (TensorRT-LLM's QuantConfig field, which ModelOpt writes as false). Engines that read
+ModelOpt's W4A16_AWQ without zero points cannot serve such a checkpoint: ``--no-zero-point`` keeps
+ModelOpt's own.
+
 INT4 weights are packed by ModelOpt along the *output* dimension, TensorRT-LLM's layout::
 
     modelopt  weight [out // 2, in] uint8:  byte[r, c] = q[2r, c] (low nibble) | q[2r + 1, c] (high nibble)
@@ -58,7 +66,9 @@ def export_unified_checkpoint(model, tokenizer, export_dir: Path) -> Path:
     return export_dir
 
 
-def _load_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
+def load_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's ``*.safetensors`` files by name. Raises :class:`BuildError` when
+    there are none."""
     from safetensors import safe_open
 
     files = sorted(export_dir.glob("*.safetensors"))
@@ -91,6 +101,52 @@ def modelopt_int4_to_kilnlm(packed: torch.Tensor) -> torch.Tensor:
     return pack_int4(q)
 
 
+def kilnlm_int4_to_modelopt(q: torch.Tensor) -> torch.Tensor:
+    """int4 values ``[out, in]`` in [-8, 7] (out even) -> ModelOpt's packing ``[out // 2, in] uint8``."""
+    nibbles = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).contiguous()
+
+
+def write_int4_zero_points(export_dir: Path, linears: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Replace int4 linears of the unified checkpoint in ``export_dir`` by asymmetric ones: ``linears`` maps
+    an HF module name to ``(q [out, in] int8 in [-8, 7], weight_scale [out, in // g] float32, zero_point
+    [out, in // g] int8)``. Rewrites the safetensors files holding them (and the shard index, if any) and
+    sets ``has_zero_point`` in hf_quant_config.json and config.json. Raises :class:`BuildError` for a
+    module the checkpoint does not hold."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    export_dir = Path(export_dir)
+    index_path = export_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    pending = dict(linears)
+    for file in sorted(export_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            metadata = f.metadata()
+        here = [name for name in pending if f"{name}.weight" in tensors]
+        for name in here:
+            q, scale, zero_point = pending.pop(name)
+            tensors[f"{name}.weight"] = kilnlm_int4_to_modelopt(q).view(tensors[f"{name}.weight"].dtype)
+            tensors[f"{name}.weight_scale"] = scale.float().contiguous()
+            tensors[f"{name}.weight_zero_point"] = zero_point.to(torch.int8).contiguous()
+            if index is not None:
+                index["weight_map"][f"{name}.weight_zero_point"] = file.name
+        if here:
+            save_file(tensors, str(file), metadata=metadata)
+    if pending:
+        raise BuildError(f"{export_dir} holds no int4 weight for {', '.join(sorted(pending))}: report this as a kilnlm bug")
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2))
+    for config_name, key in (("hf_quant_config.json", "quantization"), ("config.json", "quantization_config")):
+        path = export_dir / config_name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            if key in config:
+                config[key]["has_zero_point"] = True
+                path.write_text(json.dumps(config, indent=2))
+
+
 def read_unified_checkpoint(export_dir: Path, qformat: str) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeights], int | None]:
     """Read a ModelOpt unified checkpoint back into kilnlm's layout.
 
@@ -105,7 +161,7 @@ def read_unified_checkpoint(export_dir: Path, qformat: str) -> tuple[dict[str, t
         raise BuildError(f"{export_dir}: quant_algo {algo!r} is not {QUANT_ALGOS[qformat]!r} (--qformat {qformat}): "
                          "ModelOpt quantized with a different recipe; report this as a kilnlm bug")
     group_size = int(section["group_size"]) if qformat.startswith("int4") else None
-    tensors = _load_tensors(Path(export_dir))
+    tensors = load_tensors(Path(export_dir))
     modules = sorted(name[: -len(".weight_scale")] for name in tensors if name.endswith(".weight_scale"))
     linears: dict[str, QuantizedWeights] = {}
     for name in modules:
@@ -116,12 +172,18 @@ def read_unified_checkpoint(export_dir: Path, qformat: str) -> tuple[dict[str, t
             raise BuildError(f"{export_dir}: {name}.weight is {weight.dtype}, expected int8 for --qformat {qformat}")
         pre_quant_scale = tensors.pop(f"{name}.pre_quant_scale", None)
         input_scale = tensors.pop(f"{name}.input_scale", None)
+        zero_point = tensors.pop(f"{name}.weight_zero_point", None)
+        if (zero_point is not None) != bool(section.get("has_zero_point", False)):
+            raise BuildError(f"{export_dir}: has_zero_point is {section.get('has_zero_point', False)} but {name} "
+                             f"{'has' if zero_point is not None else 'has no'} weight_zero_point: the checkpoint is "
+                             "inconsistent; export it again")
         linears[name] = QuantizedWeights(
             weight=weight.contiguous(),
             weight_scale=tensors.pop(f"{name}.weight_scale").float().contiguous(),
             input_scale=None if input_scale is None else input_scale.float().reshape(()),
             pre_quant_scale=None if pre_quant_scale is None else pre_quant_scale.float().contiguous(),
             bias=tensors.pop(f"{name}.bias", None),
+            zero_point=None if zero_point is None else zero_point.to(torch.int8).contiguous(),
         )
     state = {k: v.float() for k, v in tensors.items()}
     if not linears:

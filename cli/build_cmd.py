@@ -37,6 +37,11 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="int4_awq / int4_wo / int8_wo: quantize the LM head too (default: off; the embedding and LM "
                         "head stay 16-bit)")
+    p.add_argument("--zero-point", action=argparse.BooleanOptionalAction, default=None,
+                   help="int4_awq / int4_wo: asymmetric groups, each with an int8 zero point: w = (q - zero) * scale "
+                        "over the group's [min, max] (AWQ's own quantizer, Lin et al. 2023) instead of symmetric "
+                        "[-amax, amax] (default: on for int4_awq, off for int4_wo, TensorRT-LLM's round-to-nearest; "
+                        "--no-zero-point keeps ModelOpt's symmetric W4A16_AWQ checkpoint exactly)")
     p.add_argument("--per-token", action="store_true",
                    help="int8_sq: quantize activations with dynamic per-token scales (each token's amax / 127, as "
                         "TensorRT-LLM's --per_token) instead of one calibrated per-tensor scale (default: off)")
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         tokens_per_block=args.tokens_per_block, overwrite=args.overwrite, group_size=args.group_size,
         calib_data=args.calib_data, calib_num_samples=args.calib_size, calib_seq_len=args.calib_max_seq_len,
         quantize_lm_head=args.quantize_lm_head, export_checkpoint=args.export_checkpoint,
-        per_token=args.per_token, smoothquant_alpha=args.smoothquant_alpha,
+        per_token=args.per_token, smoothquant_alpha=args.smoothquant_alpha, zero_point=args.zero_point,
     ))
     if not args.quiet:
         size_bytes = sum(f["size"] for f in manifest.files.values())

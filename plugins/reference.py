@@ -201,15 +201,20 @@ def int4_linear_reference(
     pre_quant_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     group_size: int,
+    weight_zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of ``kilnlm::int4_linear`` (W4A16, group-wise scales; see the schema).
 
     x: ``[T, in_features]`` float32 / bfloat16; weight: ``[out_features, in_features // 2]`` uint8 packed
     int4; weight_scale: ``[out_features, in_features // group_size]`` float32; pre_quant_scale:
-    ``[in_features]`` float32 or None; bias ``[out_features]`` or None. Returns ``[T, out_features]`` in
-    x's dtype, computed in float32 from the dequantized weight.
+    ``[in_features]`` float32 or None; bias ``[out_features]`` or None; weight_zero_point
+    ``[out_features, in_features // group_size]`` int8 or None (zeros). Returns ``[T, out_features]`` in
+    x's dtype, computed in float32 from the dequantized weight ``(q - zero) * scale``.
     """
-    w = unpack_int4(weight).float() * weight_scale.float().repeat_interleave(group_size, dim=1)
+    q = unpack_int4(weight).float()
+    if weight_zero_point is not None:
+        q = q - weight_zero_point.float().repeat_interleave(group_size, dim=1)
+    w = q * weight_scale.float().repeat_interleave(group_size, dim=1)
     xf = x.float() if pre_quant_scale is None else x.float() * pre_quant_scale.float()
     y = xf @ w.T
     if bias is not None:

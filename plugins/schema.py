@@ -37,16 +37,18 @@ block_tables, slot_mapping, scale, kv_scale=None) -> out``
     GEMM: ``x_q = fp8_e4m3(clamp(x / input_scale, -448, 448))`` (round to nearest even), ``y = (x_q @
     weight.T) * (input_scale * weight_scale[o]) + bias`` accumulated in float32, returned in x's dtype.
 
-``int4_linear(x, weight, weight_scale, pre_quant_scale?, bias?, group_size) -> y``   (W4A16: int4_awq, int4_wo)
+``int4_linear(x, weight, weight_scale, pre_quant_scale?, bias?, group_size, weight_zero_point?) -> y``   (W4A16: int4_awq, int4_wo)
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features // 2] uint8``: two
     signed 4-bit values per byte, column ``2j`` in the low nibble and ``2j + 1`` in the high nibble, each
     a two's-complement integer in [-8, 7]; ``weight_scale [out_features, in_features // group_size]
     float32`` (one scale per group of ``group_size`` consecutive input columns; ``group_size ==
     in_features`` is per-channel); ``pre_quant_scale [in_features] float32`` or None (AWQ's
     activation-aware per-input-channel scale, Lin et al. 2023, ``x * pre_quant_scale`` before the GEMM
-    when the builder could not fold it into the preceding layer); ``bias [out_features]`` or None.
-    ``y = (x * pre_quant_scale) @ (q * weight_scale[:, g(c)]).T + bias``, accumulated in float32,
-    returned in x's dtype. Activations are not quantized.
+    when the builder could not fold it into the preceding layer); ``bias [out_features]`` or None;
+    ``weight_zero_point [out_features, in_features // group_size] int8`` in [-8, 7] or None (version 2:
+    asymmetric groups, AWQ's zero points; None is all zeros). ``y = (x * pre_quant_scale) @ ((q -
+    weight_zero_point[:, g(c)]) * weight_scale[:, g(c)]).T + bias`` (``q - zero`` exact, times the scale
+    rounded once in float32), accumulated in float32, returned in x's dtype. Activations are not quantized.
 
 ``int8_linear(x, weight, weight_scale, bias?) -> y``   (W8A16 weight-only: int8_wo)
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features] int8``;
@@ -76,7 +78,7 @@ PLUGIN_VERSIONS: dict[str, int] = {
     "paged_attention": 2,  # 2: optional trailing kv_scale (8-bit KV pools); 1's 12-argument calls unchanged
     "gemm": 1,
     "fp8_linear": 2,  # 2: weight_scale may be [out_features] (per-part scales of fused linears)
-    "int4_linear": 1,
+    "int4_linear": 2,  # 2: optional trailing weight_zero_point (asymmetric groups)
     "int8_linear": 1,
     "int8_sq_linear": 2,  # 2: optional trailing per_token (dynamic per-token activation scales)
 }
@@ -89,6 +91,7 @@ PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
     "paged_attention": (1, 2),
     "fp8_linear": (1, 2),  # version 1's 0-dim weight_scale is still accepted
     "int8_sq_linear": (1, 2),  # version 1's calls (no per_token) are unchanged
+    "int4_linear": (1, 2),  # version 1's calls (no weight_zero_point) are unchanged
 }
 
 _LIB = torch.library.Library("kilnlm", "DEF")
@@ -100,7 +103,7 @@ _LIB.define(
 _LIB.define("gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor? bias) -> Tensor")
 _LIB.define("int4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? pre_quant_scale, Tensor? bias, "
-            "int group_size) -> Tensor")
+            "int group_size, Tensor? weight_zero_point=None) -> Tensor")
 _LIB.define("int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
 _LIB.define("int8_sq_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, "
             "Tensor? pre_quant_scale, Tensor? bias, bool per_token=False) -> Tensor")
@@ -123,7 +126,7 @@ def _fp8_linear_fake(x, weight, weight_scale, input_scale, bias):
 
 
 @torch.library.register_fake("kilnlm::int4_linear")
-def _int4_linear_fake(x, weight, weight_scale, pre_quant_scale, bias, group_size):
+def _int4_linear_fake(x, weight, weight_scale, pre_quant_scale, bias, group_size, weight_zero_point=None):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 

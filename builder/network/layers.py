@@ -117,13 +117,16 @@ class QuantizedWeights:
     ``weight_scale``: int4 ``[out_features, in_features // group_size]`` / int8 ``[out_features]``, float32;
     ``input_scale``: int8_sq's per-tensor activation scale, 0-dim float32, else None; ``pre_quant_scale``:
     AWQ / SmoothQuant per-input-channel scale ``[in_features]`` float32 (None once folded into the
-    preceding norm); ``bias``: ``[out_features]`` or None."""
+    preceding norm); ``bias``: ``[out_features]`` or None; ``zero_point``: int4 asymmetric groups' zero
+    points ``[out_features, in_features // group_size]`` int8 in [-8, 7] (the weight is ``(q - zero) *
+    scale``), None when symmetric."""
 
     weight: torch.Tensor
     weight_scale: torch.Tensor
     input_scale: torch.Tensor | None = None
     pre_quant_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
 
 
 @dataclass
@@ -156,12 +159,21 @@ def _cat_bias(parts: list[QuantizedWeights], dtype: torch.dtype) -> torch.Tensor
     return torch.cat([p.bias.float() if p.bias is not None else torch.zeros(p.weight.shape[0]) for p in parts]).to(dtype)
 
 
+def _cat_zero_points(parts: list[QuantizedWeights]) -> torch.Tensor | None:
+    """The fused parts' int4 zero points (zeros for a symmetric part), or None when every part is symmetric."""
+    if all(p.zero_point is None for p in parts):
+        return None
+    return torch.cat([p.zero_point if p.zero_point is not None else torch.zeros_like(p.weight_scale, dtype=torch.int8)
+                      for p in parts]).contiguous()
+
+
 class Int4Linear(nn.Module):
     """W4A16 linear through ``torch.ops.kilnlm.int4_linear`` (int4_awq, int4_wo): packed int4 weight with
-    group-wise float32 scales along the input dimension, optional AWQ ``pre_quant_scale``.
+    group-wise float32 scales along the input dimension, optional AWQ ``pre_quant_scale`` and optional
+    int8 zero points (asymmetric groups).
 
-    Fused parts are concatenated along out_features (their scale rows with them: scales are per output
-    row and input group, so nothing is re-quantized). x: ``[T, in_features]`` float32 / bfloat16; returns
+    Fused parts are concatenated along out_features (their scale and zero-point rows with them: both are
+    per output row and input group, so nothing is re-quantized). x: ``[T, in_features]`` float32 / bfloat16; returns
     ``[T, out_features]`` in x's dtype."""
 
     def __init__(self, parts: list[QuantizedWeights], group_size: int, dtype: torch.dtype):
@@ -171,14 +183,19 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_scale", torch.cat([p.weight_scale.float() for p in parts]).contiguous())
         self.register_buffer("pre_quant_scale", _shared_pre_quant_scale(parts))
         self.register_buffer("bias", _cat_bias(parts, dtype))
+        self.register_buffer("zero_point", _cat_zero_points(parts))
         in_features = self.weight.shape[1] * 2
-        if self.weight.dtype != torch.uint8 or self.weight_scale.shape != (self.weight.shape[0], in_features // group_size):
+        if (self.weight.dtype != torch.uint8 or self.weight_scale.shape != (self.weight.shape[0], in_features // group_size)
+                or (self.zero_point is not None and self.zero_point.shape != self.weight_scale.shape)):
             raise BuildError(f"int4 weight {tuple(self.weight.shape)} {self.weight.dtype} / scales "
                              f"{tuple(self.weight_scale.shape)} do not match group size {group_size}: report this as a kilnlm bug")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_point is None:  # symmetric: version 1's call
+            return torch.ops.kilnlm.int4_linear(x, self.weight, self.weight_scale, self.pre_quant_scale, self.bias,
+                                                self.group_size)
         return torch.ops.kilnlm.int4_linear(x, self.weight, self.weight_scale, self.pre_quant_scale, self.bias,
-                                            self.group_size)
+                                            self.group_size, self.zero_point)
 
 
 class Int8Linear(nn.Module):

@@ -8,7 +8,8 @@
 //
 // Layout (the schema's): weight row o is `in / 2` bytes, byte j holding column 2j in its low nibble and
 // column 2j+1 in its high nibble, each a two's-complement value q in [-8, 7]; the weight is
-// w[o, c] = q[o, c] * scale[o, c / group_size] (float32, rounded once, as the reference dequantizes).
+// w[o, c] = (q[o, c] - zero[o, g]) * scale[o, g], g = c / group_size (q - zero exact, the product rounded
+// once in float32, as the reference dequantizes; zero = 0 for symmetric weights).
 //
 // Vector paths consume x in a *block-permuted* order so that the nibbles never need re-interleaving:
 // inside each group, every full block of 32 columns (16 bytes) is stored as its 16 even columns then its
@@ -19,7 +20,8 @@
 //            (low nibbles of b0..b15)    (high nibbles of b0..b15)
 //
 // Arguments shared by the functions below:
-//   w       [out, in / 2] uint8, row-major;  scales [out, num_groups] float32, row-major
+//   w       [out, in / 2] uint8, row-major;  scales [out, num_groups] float32, row-major;
+//   zeros   [out, num_groups] int8 (asymmetric groups' zero points), row-major, or null (all zero)
 //   x       [num_tokens, in] float32 rows `x_stride` apart (natural order for the scalar path, block-
 //           permuted for the vector paths; pre_quant_scale already applied)
 //   y       [num_tokens, *] float32 rows `y_stride` apart; row r's dot product goes to column r
@@ -29,27 +31,30 @@ static inline int int4_at(const uint8_t* row, int64_t col) {
   return (nibble ^ 8) - 8;  // two's complement 4-bit -> [-8, 7]
 }
 
+// The zero point of element i of a [rows, num_groups] table (0 without one).
+static inline int zero_at(const int8_t* zeros, int64_t i) { return zeros != nullptr ? zeros[i] : 0; }
+
 // Scalar dot product of columns [c0, c1) (all inside group g) of one row with natural-order x.
-static inline float dot_group_tail(const uint8_t* row, float scale, const float* x, int64_t c0, int64_t c1) {
+static inline float dot_group_tail(const uint8_t* row, float scale, int zero, const float* x, int64_t c0, int64_t c1) {
   float s = 0.f;
-  for (int64_t c = c0; c < c1; ++c) s += static_cast<float>(int4_at(row, c)) * scale * x[c];
+  for (int64_t c = c0; c < c1; ++c) s += static_cast<float>(int4_at(row, c) - zero) * scale * x[c];
   return s;
 }
 
 #if KILN_ISA == 2  // ---------------------------------------------------------------- AVX-512
 
-// Per row, one 16-entry float table [0..7, -8..-1] * scale: VPERMPS looks a nibble up directly (it reads
-// only the low 4 bits of each index), so decoding 32 weights is one zero-extension, one shift and two
-// permutes, and the group scale costs one multiply per row and group.
-static inline __m512 scaled_table(float scale) {
+// Per row, one 16-entry float table ([0..7, -8..-1] - zero) * scale: VPERMPS looks a nibble up directly
+// (it reads only the low 4 bits of each index), so decoding 32 weights is one zero-extension, one shift and
+// two permutes, and the group's scale and zero point cost one subtract and one multiply per row and group.
+static inline __m512 scaled_table(float scale, int zero) {
   const __m512 base = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-  return _mm512_mul_ps(base, _mm512_set1_ps(scale));
+  return _mm512_mul_ps(_mm512_sub_ps(base, _mm512_set1_ps(static_cast<float>(zero))), _mm512_set1_ps(scale));
 }
 
 // NR rows x NT tokens micro-kernel over the whole row: every decoded weight vector is used NT times.
 template <int NR, int NT>
-static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales, int64_t group_size,
-                              const float* x, int64_t x_stride, float* y, int64_t y_stride) {
+static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
+                              int64_t group_size, const float* x, int64_t x_stride, float* y, int64_t y_stride) {
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
   const int64_t num_blocks = group_size / 32;
   __m512 acc[NR][NT][2];
@@ -58,7 +63,7 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
   float tail[NR][NT] = {};
   for (int64_t g = 0; g < num_groups; ++g) {
     __m512 table[NR];
-    for (int r = 0; r < NR; ++r) table[r] = scaled_table(scales[r * num_groups + g]);
+    for (int r = 0; r < NR; ++r) table[r] = scaled_table(scales[r * num_groups + g], zero_at(zeros, r * num_groups + g));
     const int64_t c0 = g * group_size;
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int64_t c = c0 + 32 * b;
@@ -86,8 +91,8 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
     if (num_blocks * 32 < group_size) {
       for (int r = 0; r < NR; ++r)
         for (int t = 0; t < NT; ++t)
-          tail[r][t] += dot_group_tail(w + r * row_bytes, scales[r * num_groups + g], x + t * x_stride,
-                                       c0 + num_blocks * 32, c0 + group_size);
+          tail[r][t] += dot_group_tail(w + r * row_bytes, scales[r * num_groups + g], zero_at(zeros, r * num_groups + g),
+                                       x + t * x_stride, c0 + num_blocks * 32, c0 + group_size);
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -99,8 +104,8 @@ template <int NT>
 struct RowsPerBlock { static constexpr int value = NT == 4 ? 2 : 4; };
 
 // Natural-order dequantization of one group's full 32-column blocks (the tail is scalar).
-static inline void dequant_blocks(const uint8_t* row, float scale, int64_t c0, int64_t num_blocks, float* out) {
-  const __m512 table = scaled_table(scale);
+static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int64_t c0, int64_t num_blocks, float* out) {
+  const __m512 table = scaled_table(scale, zero);
   const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -122,11 +127,12 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// NR rows x NT tokens micro-kernel. Nibbles are sign-decoded with one PSHUFB table lookup, widened to
-// int32, converted and multiplied by the group scale (w = q * scale exactly as the reference), then FMA'd.
+// NR rows x NT tokens micro-kernel. Nibbles are decoded to q - zero with one PSHUFB table lookup (the
+// group's table: [0..7, -8..-1] - zero, in [-15, 15]), widened to int32, converted and multiplied by the
+// group scale (w = (q - zero) * scale exactly as the reference), then FMA'd.
 template <int NR, int NT>
-static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales, int64_t group_size,
-                              const float* x, int64_t x_stride, float* y, int64_t y_stride) {
+static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
+                              int64_t group_size, const float* x, int64_t x_stride, float* y, int64_t y_stride) {
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
   const int64_t num_blocks = group_size / 32;
   const __m128i sign_lut = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
@@ -145,9 +151,10 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
       }
       for (int r = 0; r < NR; ++r) {
         const __m256 scale = _mm256_set1_ps(scales[r * num_groups + g]);
+        const __m128i lut = _mm_sub_epi8(sign_lut, _mm_set1_epi8(static_cast<char>(zero_at(zeros, r * num_groups + g))));
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + c / 2));
-        const __m128i lo = _mm_shuffle_epi8(sign_lut, _mm_and_si128(bytes, low4));
-        const __m128i hi = _mm_shuffle_epi8(sign_lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4));
+        const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
         __m256 wv[4];
         wv[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), scale);
         wv[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), scale);
@@ -165,8 +172,8 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
     if (num_blocks * 32 < group_size) {
       for (int r = 0; r < NR; ++r)
         for (int t = 0; t < NT; ++t)
-          tail[r][t] += dot_group_tail(w + r * row_bytes, scales[r * num_groups + g], x + t * x_stride,
-                                       c0 + num_blocks * 32, c0 + group_size);
+          tail[r][t] += dot_group_tail(w + r * row_bytes, scales[r * num_groups + g], zero_at(zeros, r * num_groups + g),
+                                       x + t * x_stride, c0 + num_blocks * 32, c0 + group_size);
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -176,8 +183,8 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
 template <int NT>
 struct RowsPerBlock { static constexpr int value = NT == 1 ? 4 : (NT == 2 ? 2 : 1); };
 
-static inline void dequant_blocks(const uint8_t* row, float scale, int64_t c0, int64_t num_blocks, float* out) {
-  for (int64_t c = c0; c < c0 + 32 * num_blocks; ++c) out[c] = static_cast<float>(int4_at(row, c)) * scale;
+static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int64_t c0, int64_t num_blocks, float* out) {
+  for (int64_t c = c0; c < c0 + 32 * num_blocks; ++c) out[c] = static_cast<float>(int4_at(row, c) - zero) * scale;
 }
 
 #endif
@@ -185,16 +192,16 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int64_t c0, i
 #if KILN_ISA == 0  // ---------------------------------------------------------------- portable scalar
 
 // y[t, r] for rows [row_begin, row_end) and every token; natural-order x; any group size.
-static void gemv_rows(const uint8_t* w, int64_t in, const float* scales, int64_t group_size, int64_t row_begin,
-                      int64_t row_end, const float* x, int64_t num_tokens, int64_t x_stride, float* y,
+static void gemv_rows(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros, int64_t group_size,
+                      int64_t row_begin, int64_t row_end, const float* x, int64_t num_tokens, int64_t x_stride, float* y,
                       int64_t y_stride) {
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
   for (int64_t r = row_begin; r < row_end; ++r) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       float s = 0.f;
       for (int64_t g = 0; g < num_groups; ++g)
-        s += dot_group_tail(w + r * row_bytes, scales[r * num_groups + g], x + t * x_stride, g * group_size,
-                            (g + 1) * group_size);
+        s += dot_group_tail(w + r * row_bytes, scales[r * num_groups + g], zero_at(zeros, r * num_groups + g),
+                            x + t * x_stride, g * group_size, (g + 1) * group_size);
       y[t * y_stride + r] = s;
     }
   }
@@ -203,52 +210,57 @@ static void gemv_rows(const uint8_t* w, int64_t in, const float* scales, int64_t
 #else
 
 template <int NT>
-static inline void gemv_rows_nt(const uint8_t* w, int64_t in, const float* scales, int64_t group_size,
-                                int64_t row_begin, int64_t row_end, const float* x, int64_t x_stride, float* y,
-                                int64_t y_stride) {
+static inline void gemv_rows_nt(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
+                                int64_t group_size, int64_t row_begin, int64_t row_end, const float* x, int64_t x_stride,
+                                float* y, int64_t y_stride) {
   constexpr int NR = RowsPerBlock<NT>::value;
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
+  const auto zeros_of = [&](int64_t r) { return zeros != nullptr ? zeros + r * num_groups : nullptr; };
   int64_t r = row_begin;
   for (; r + NR <= row_end; r += NR)
-    gemv_block<NR, NT>(w + r * row_bytes, in, scales + r * num_groups, group_size, x, x_stride, y + r, y_stride);
+    gemv_block<NR, NT>(w + r * row_bytes, in, scales + r * num_groups, zeros_of(r), group_size, x, x_stride, y + r,
+                       y_stride);
   for (; r < row_end; ++r)
-    gemv_block<1, NT>(w + r * row_bytes, in, scales + r * num_groups, group_size, x, x_stride, y + r, y_stride);
+    gemv_block<1, NT>(w + r * row_bytes, in, scales + r * num_groups, zeros_of(r), group_size, x, x_stride, y + r,
+                      y_stride);
 }
 
 // y[t, r] for rows [row_begin, row_end) and every token; block-permuted x; group_size even.
-static void gemv_rows(const uint8_t* w, int64_t in, const float* scales, int64_t group_size, int64_t row_begin,
-                      int64_t row_end, const float* x, int64_t num_tokens, int64_t x_stride, float* y,
+static void gemv_rows(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros, int64_t group_size,
+                      int64_t row_begin, int64_t row_end, const float* x, int64_t num_tokens, int64_t x_stride, float* y,
                       int64_t y_stride) {
   int64_t t = 0;
   for (; t + 4 <= num_tokens; t += 4)
-    gemv_rows_nt<4>(w, in, scales, group_size, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
+    gemv_rows_nt<4>(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
   if (num_tokens - t >= 2) {
-    gemv_rows_nt<2>(w, in, scales, group_size, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
+    gemv_rows_nt<2>(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
     t += 2;
   }
   if (t < num_tokens)
-    gemv_rows_nt<1>(w, in, scales, group_size, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
+    gemv_rows_nt<1>(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride);
 }
 
 #endif
 
 // Natural-order float32 dequantization of rows [row_begin, row_end) into dst [rows, in]:
-// dst[r, c] = q[r, c] * scale[r, c / group_size], exactly the reference's dequantized weight.
-static void dequant_rows(const uint8_t* w, int64_t in, const float* scales, int64_t group_size, int64_t row_begin,
-                         int64_t row_end, float* dst) {
+// dst[r, c] = (q[r, c] - zero[r, g]) * scale[r, g], exactly the reference's dequantized weight.
+static void dequant_rows(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros, int64_t group_size,
+                         int64_t row_begin, int64_t row_end, float* dst) {
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
   for (int64_t r = row_begin; r < row_end; ++r) {
     const uint8_t* row = w + r * row_bytes;
     float* out = dst + (r - row_begin) * in;
     for (int64_t g = 0; g < num_groups; ++g) {
       const float scale = scales[r * num_groups + g];
+      const int zero = zero_at(zeros, r * num_groups + g);
       const int64_t c0 = g * group_size;
       int64_t num_blocks = 0;
 #if KILN_ISA != 0
       num_blocks = group_size % 2 == 0 ? group_size / 32 : 0;
-      dequant_blocks(row, scale, c0, num_blocks, out);
+      dequant_blocks(row, scale, zero, c0, num_blocks, out);
 #endif
-      for (int64_t c = c0 + 32 * num_blocks; c < c0 + group_size; ++c) out[c] = static_cast<float>(int4_at(row, c)) * scale;
+      for (int64_t c = c0 + 32 * num_blocks; c < c0 + group_size; ++c)
+        out[c] = static_cast<float>(int4_at(row, c) - zero) * scale;
     }
   }
 }

@@ -1,7 +1,8 @@
 // kilnlm::int4_linear, CPU kernel (W4A16: int4_awq, int4_wo; schema and numerics: kilnlm/plugins/schema.py).
 //
 //   x [T, in] f32/bf16 --(* pre_quant_scale, float32)--> xs [T, in] float32
-//   y [T, out] = xs @ (q * weight_scale[:, c / group_size]).T + bias, accumulated in float32, x's dtype
+//   y [T, out] = xs @ ((q - zero[:, g]) * weight_scale[:, g]).T + bias, g = c / group_size, accumulated in
+//   float32, x's dtype (zero: weight_zero_point, or 0)
 //
 // The packed weight [out, in / 2] uint8 is read directly, never dequantized as a whole:
 // - few tokens (generation phase): a fused unpack-and-multiply GEMV over output rows, each weight byte read
@@ -71,9 +72,10 @@ namespace {
 
 // Generation phase, bfloat16 x: y[t, o] = sum (+ bias[o]) for rows [r0, r1), each weight unpacked in
 // registers to bfloat16(q * scale) -- the context phase's bf16 tiles, without the tile.
-void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, const float* scales, int64_t out_features,
-                    int64_t in, int64_t group_size, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
-  gemv_any_rows(xb, num_tokens, in, Int4Rows(w, scales, in, group_size), out_features, in, r0, r1,
+void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, const float* scales, const int8_t* zeros,
+                    int64_t out_features, int64_t in, int64_t group_size, const float* bias, uint16_t* out, int64_t r0,
+                    int64_t r1) {
+  gemv_any_rows(xb, num_tokens, in, Int4Rows(w, scales, zeros, in, group_size), out_features, in, r0, r1,
                 GemvEpilogue(out, out_features, bias));
 }
 }  // namespace
@@ -91,9 +93,9 @@ constexpr int64_t kMaxDirectTokensF32Gemm = 16;
 constexpr int64_t kMaxDirectTokensBf16Gemm = 8;
 constexpr int64_t kTileRows = 64;
 
-using GemvFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
-                        float*, int64_t);
-using DequantFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+using GemvFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, int64_t, int64_t, const float*,
+                        int64_t, int64_t, float*, int64_t);
+using DequantFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, int64_t, int64_t, float*);
 
 enum class Isa { kGeneric, kAvx2, kAvx512 };
 
@@ -126,7 +128,7 @@ DequantFn dequant_fn(Isa isa) {
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                   const std::optional<at::Tensor>& pre_quant_scale, const std::optional<at::Tensor>& bias,
-                  int64_t group_size) {
+                  int64_t group_size, const std::optional<at::Tensor>& zero_point) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && weight_scale.device().is_cpu(),
               "kilnlm::int4_linear (CPU kernel): x, weight and weight_scale must be CPU tensors");
   TORCH_CHECK(x.dim() == 2, "kilnlm::int4_linear: x must be [num_tokens, in_features], got ", x.sizes());
@@ -155,6 +157,13 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->device().is_cpu(),
                 "kilnlm::int4_linear: bias must be [out_features=", out_features, "], got ", bias->sizes());
+  }
+  if (zero_point.has_value()) {
+    TORCH_CHECK(zero_point->scalar_type() == at::kChar && zero_point->dim() == 2 && zero_point->device().is_cpu() &&
+                    zero_point->size(0) == out_features && zero_point->size(1) == in / group_size,
+                "kilnlm::int4_linear: weight_zero_point must be int8 [out_features=", out_features,
+                ", in_features / group_size=", in / group_size, "], got ", zero_point->scalar_type(), " ",
+                zero_point->sizes());
   }
 }
 
@@ -202,6 +211,7 @@ void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t 
 struct Problem {
   const uint8_t* w;       // [out, in / 2] packed int4
   const float* scales;    // [out, in / group_size]
+  const int8_t* zeros;    // [out, in / group_size] zero points, or nullptr
   int64_t in, out_features, group_size, num_tokens;
   const float* xs;        // [T, in] float32, pre_quant_scale applied
   const float* bias;      // [out] or nullptr
@@ -216,7 +226,7 @@ void run_direct(const Problem& p, Isa isa, scalar_t* out) {
   // ~16 KiB of packed weights per task at least, so that small layers do not pay for threading.
   const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(p.in, 1));
   at::parallel_for(0, p.out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(p.w, p.in, p.scales, p.group_size, r0, r1, p.xs, p.num_tokens, p.in, acc_ptr, p.out_features);
+    gemv(p.w, p.in, p.scales, p.zeros, p.group_size, r0, r1, p.xs, p.num_tokens, p.in, acc_ptr, p.out_features);
     epilogue<scalar_t>(acc_ptr + r0, p.out_features, p.num_tokens, r0, r1, p.bias, out, p.out_features);
   });
 }
@@ -233,7 +243,7 @@ void run_tiled(const Problem& p, Isa isa, scalar_t* out) {
     at::Tensor acc = at::empty({p.num_tokens, kTileRows}, at::kFloat);
     for (int64_t tile = tile0; tile < tile1; ++tile) {
       const int64_t r0 = tile * kTileRows, r1 = std::min(p.out_features, r0 + kTileRows);
-      dequant(p.w, p.in, p.scales, p.group_size, r0, r1, w_tile.data());
+      dequant(p.w, p.in, p.scales, p.zeros, p.group_size, r0, r1, w_tile.data());
       const at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, p.in}, at::kFloat);
       at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
       at::mm_out(acc_view, xs, w_f.t());  // [T, rows]
@@ -262,7 +272,7 @@ void run_tiled_bf16(const Problem& p, Isa isa, scalar_t* out) {
     for (int64_t tile = tile0; tile < tile1; ++tile) {
       const int64_t r0 = tile * kTileRows, r1 = std::min(p.out_features, r0 + kTileRows);
       const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
-      dequant(p.w, p.in, p.scales, p.group_size, r0, r1, w_tile.data());
+      dequant(p.w, p.in, p.scales, p.zeros, p.group_size, r0, r1, w_tile.data());
       for (int64_t r = 0; r < r1 - r0; ++r)
         avx512bf16::to_bf16_padded(w_tile.data() + r * p.in, p.in, wb.data() + r * k_pad, k_pad);
       std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
@@ -277,16 +287,17 @@ void run_tiled_bf16(const Problem& p, Isa isa, scalar_t* out) {
 
 at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& weight_scale_in,
                            const std::optional<at::Tensor>& pre_quant_scale_in, const std::optional<at::Tensor>& bias_in,
-                           int64_t group_size) {
-  check_inputs(x_in, weight, weight_scale_in, pre_quant_scale_in, bias_in, group_size);
+                           int64_t group_size, const std::optional<at::Tensor>& zero_point_in) {
+  check_inputs(x_in, weight, weight_scale_in, pre_quant_scale_in, bias_in, group_size, zero_point_in);
   const at::Tensor x = x_in.contiguous();
   const int64_t num_tokens = x.size(0), in = x.size(1), out_features = weight.size(0);
   at::Tensor out = at::empty({num_tokens, out_features}, x.options());
   if (num_tokens == 0 || out_features == 0) return out;
 
   const at::Tensor weight_scale = weight_scale_in.contiguous();
-  at::Tensor bias, pqs;
+  at::Tensor bias, pqs, zero_point;
   if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
+  if (zero_point_in.has_value()) zero_point = zero_point_in->contiguous();
   if (pre_quant_scale_in.has_value()) pqs = pre_quant_scale_in->to(at::kFloat).contiguous();
 
   const Isa isa = pick_isa(group_size);
@@ -295,8 +306,9 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   // The GEMV's vector paths read x block-permuted; at::mm and the scalar path read it in natural order.
   const bool permute = direct && isa != Isa::kGeneric;
   std::vector<float> xs(static_cast<size_t>(num_tokens * in));
-  const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight_scale.data_ptr<float>(), in,
-                        out_features, group_size, num_tokens, xs.data(),
+  const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight_scale.data_ptr<float>(),
+                        zero_point.defined() ? zero_point.data_ptr<int8_t>() : nullptr, in, out_features, group_size,
+                        num_tokens, xs.data(),
                         bias.defined() ? bias.data_ptr<float>() : nullptr};
   const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int4_linear",
@@ -317,8 +329,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           }
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
           kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-            avx512bf16::gemv_int4_rows(xb.data(), num_tokens, problem.w, problem.scales, out_features, in, group_size,
-                                       problem.bias, yb, r0, r1);
+            avx512bf16::gemv_int4_rows(xb.data(), num_tokens, problem.w, problem.scales, problem.zeros, out_features, in,
+                                       group_size, problem.bias, yb, r0, r1);
           });
           return;
         }

@@ -99,7 +99,8 @@ def use_reference_ops(network: torch.nn.Module) -> None:
 
     for m in network.modules():
         if isinstance(m, Int4Linear):
-            m.forward = lambda x, m=m: ref.int4_linear_reference(x, m.weight, m.weight_scale, m.pre_quant_scale, m.bias, m.group_size)
+            m.forward = lambda x, m=m: ref.int4_linear_reference(x, m.weight, m.weight_scale, m.pre_quant_scale, m.bias,
+                                                                 m.group_size, m.zero_point)
         elif isinstance(m, Int8Linear):
             m.forward = lambda x, m=m: ref.int8_linear_reference(x, m.weight, m.weight_scale, m.bias)
         elif isinstance(m, Int8SqLinear):
@@ -176,14 +177,16 @@ def test_int8_sq_per_token_engine_matches_the_network_on_reference_ops(tiny_llam
     assert float(((logits - fp32).norm(dim=-1) / fp32.norm(dim=-1)).max()) < FP32_REL_ERR["int8_sq"]
 
 
-def test_int4_linears_take_under_0_3x_their_bf16_bytes(smollm2_hf_dir, tmp_path):
+@pytest.mark.parametrize("zero_point", [False, True], ids=["symmetric", "zero-point"])
+def test_int4_linears_take_under_0_3x_their_bf16_bytes(smollm2_hf_dir, tmp_path, zero_point):
     """int4_wo network of a tiny Llama wide enough for group size 128: every quantized linear's buffers
-    (packed weight, scales, pre_quant_scale) against 2 bytes per weight; embedding / LM head stay bf16."""
+    (packed weight, scales, pre_quant_scale, zero points) against 2 bytes per weight; embedding / LM head
+    stay bf16."""
     from kilnlm.builder.network.layers import Int4Linear
 
     ckpt = make_tiny_checkpoint(tmp_path / "wide", smollm2_hf_dir, "llama", hidden_size=128, intermediate_size=256,
                                 head_dim=32)
-    network = eager_network(ckpt, qformat="int4_wo", dtype="bfloat16", group_size=128)
+    network = eager_network(ckpt, qformat="int4_wo", dtype="bfloat16", group_size=128, zero_point=zero_point)
     linears = [m for m in network.modules() if isinstance(m, Int4Linear)]
     assert len(linears) == 2 * 4  # per layer: qkv, o_proj, gate_up, down
     for m in linears:
@@ -191,6 +194,7 @@ def test_int4_linears_take_under_0_3x_their_bf16_bytes(smollm2_hf_dir, tmp_path)
         packed_bytes = sum(b.numel() * b.element_size() for b in m.buffers())
         assert packed_bytes <= 0.3 * 2 * out_features * in_features, (packed_bytes, out_features, in_features)
         assert m.weight.dtype == torch.uint8 and m.weight_scale.dtype == torch.float32
+        assert (m.zero_point is not None) == zero_point
     assert network.lm_head_weight.dtype == torch.bfloat16  # tied embedding / LM head: 16-bit
 
 
@@ -255,6 +259,61 @@ def test_export_checkpoint_is_modelopts_unified_format(tiny_llama_dir, tmp_path,
     # AWQ's q/k/v scale went into input_layernorm, so q/k/v carry none.
     assert "model.layers.0.self_attn.q_proj.pre_quant_scale" not in names
     assert "model.embed_tokens.weight" in names
+    # int4_awq's default zero points: flagged in both sections, one int8 per group and output row
+    assert quant["has_zero_point"] is True and config["quantization_config"]["has_zero_point"] is True
+    assert {f"model.layers.{i}.{p}.weight_zero_point" for i in range(2) for p in ("self_attn.q_proj", "mlp.down_proj")} <= names
+    with safe_open(str(next(export.glob("*.safetensors"))), framework="pt") as f:
+        zero_point = f.get_tensor("model.layers.0.self_attn.q_proj.weight_zero_point")
+    assert zero_point.dtype == torch.int8 and zero_point.shape == (64, 64 // 32)
+    assert int(zero_point.min()) >= -8 and int(zero_point.max()) <= 7
+
+
+def test_int4_zero_points_round_each_group_over_its_own_range():
+    """quantize_int4_asymmetric: 16 levels over [min(w, 0), max(w, 0)] per group, every weight within half
+    a step, the step never wider than symmetric int4's (amax / 7), zero points in [-8, 7], an all-zero
+    group exact."""
+    from kilnlm.builder.quantize_int import quantize_int4_asymmetric
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=gen) * 0.05 + torch.randn(48, 1, generator=gen) * 0.02  # groups off centre
+    w[3, :32] = 0.0
+    w[5, 32:64] = torch.rand(32, generator=gen) + 0.1  # all positive: zero at the bottom of the range
+    q, scale, zero_point = quantize_int4_asymmetric(w, 32)
+    assert q.dtype == zero_point.dtype == torch.int8 and q.shape == w.shape and scale.shape == zero_point.shape == (48, 4)
+    assert int(q.min()) >= -8 and int(q.max()) <= 7 and int(zero_point.min()) >= -8 and int(zero_point.max()) <= 7
+    dequantized = (q.float() - zero_point.float().repeat_interleave(32, 1)) * scale.repeat_interleave(32, 1)
+    assert ((dequantized - w).abs() <= scale.repeat_interleave(32, 1) / 2 * (1 + 1e-6)).all()
+    amax = w.reshape(48, 4, 32).abs().amax(-1)
+    assert ((scale <= amax / 7 * (1 + 1e-6)) | (amax == 0)).all()  # an all-zero group keeps scale 1
+    assert torch.equal(dequantized[3, :32], torch.zeros(32)) and int(zero_point[5, 1]) == -8
+
+
+def test_int4_awq_zero_points_by_default(tiny_llama_dir):
+    """int4_awq rounds with zero points unless --no-zero-point; int4_wo only with --zero-point. With zero
+    points the eager network stays closer to the float one than ModelOpt's symmetric rounding (the step of
+    every group is at most symmetric's)."""
+    from kilnlm.builder.network.layers import Int4Linear
+
+    def int4_linears(network):
+        return [m for m in network.modules() if isinstance(m, Int4Linear)]
+
+    asymmetric = eager_network(tiny_llama_dir, **format_options("int4_awq"))
+    symmetric = eager_network(tiny_llama_dir, **format_options("int4_awq", zero_point=False))
+    assert all(m.zero_point is not None and m.zero_point.shape == m.weight_scale.shape for m in int4_linears(asymmetric))
+    assert all(m.zero_point is None for m in int4_linears(symmetric))
+    assert all(m.zero_point is None for m in int4_linears(eager_network(tiny_llama_dir, **format_options("int4_wo"))))
+    assert all(m.zero_point is not None
+               for m in int4_linears(eager_network(tiny_llama_dir, **format_options("int4_wo", zero_point=True))))
+    reference = eager_network(tiny_llama_dir, **dict(TINY_LIMITS, qformat="fp32"))
+    inputs = make_engine_inputs([(PROMPTS[0], 0)], 16, 16)
+    kv = torch.zeros(kv_cache_shape(2, 16, 16, 2, 16))
+    errors = {}
+    with torch.no_grad():
+        expected = reference(*inputs.as_args(kv.clone()))
+        for name, network in (("asymmetric", asymmetric), ("symmetric", symmetric)):
+            use_reference_ops(network)
+            errors[name] = float((network(*inputs.as_args(kv.clone())) - expected).norm() / expected.norm())
+    assert errors["asymmetric"] < errors["symmetric"], errors
 
 
 def run_build(capsys, *args: str) -> tuple[int, str]:
@@ -268,6 +327,7 @@ def run_build(capsys, *args: str) -> tuple[int, str]:
     (["--qformat", "int8_sq", "--quantize-lm-head"], ["--quantize-lm-head works with the weight-only formats"]),
     (["--qformat", "int8_wo", "--group-size", "64"], ["--group-size applies to the int4 formats"]),
     (["--qformat", "int8_wo", "--per-token"], ["--per-token / --smoothquant-alpha apply to --qformat int8_sq"]),
+    (["--qformat", "int8_wo", "--zero-point"], ["--zero-point / --no-zero-point apply to the int4 formats"]),
     (["--qformat", "int8_sq", "--smoothquant-alpha", "1.5"], ["--smoothquant-alpha 1.5: it must be within [0, 1]"]),
     (["--qformat", "fp8", "--export-checkpoint", "exp"], ["--export-checkpoint writes ModelOpt's unified checkpoint"]),
     (["--qformat", "int8_sq", "--calib-data", "missing.txt"], ["--calib-data missing.txt does not exist"]),

@@ -97,9 +97,7 @@ def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_
 # this small model, not engine bugs (ModelOpt's AWQ reaches +20% to +22% at group 64 with 8 or 24
 # samples, +18% at group 32, +26% with awq_full's clip search). Strict: a format that starts meeting its
 # bound fails here until its marker is removed.
-KNOWN_MISSES = {
-    "int4_awq": "int4_awq (group 64) measured +24.5% (ModelOpt fake-quant +22.2%) with 8 calibration samples",
-}
+KNOWN_MISSES: dict[str, str] = {}  # none since int4_awq rounds with zero points (symmetric: +24.5%)
 
 
 @pytest.mark.parametrize("qformat", [

@@ -30,6 +30,7 @@ ENGINE_CHANGES = {
     "quantize_lm_head": ({"qformat": "int4_wo"}, {"qformat": "int4_wo", "quantize_lm_head": True}),
     "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": True}),
     "smoothquant_alpha": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "smoothquant_alpha": 0.5}),
+    "zero_point": ({"qformat": "int4_awq"}, {"qformat": "int4_awq", "zero_point": False}),
     "compile": ({}, {"compile": CompileOptions(inductor_configs={"freezing": False})}),
 }
 

@@ -1,16 +1,16 @@
 """The C++ int4_linear kernel (W4A16) against exact float64 arithmetic on the reference's dequantized
 weight and against ``int4_linear_reference``: generation-phase GEMV (T <= 16) and context-phase tiled
 path (T > 16), SmolLM2-shaped and odd small layers, group sizes 32 / 64 / 128 / per-channel / odd,
-pre_quant_scale and bias, every nibble value, every ISA path (the AOTInductor test of all three quantized
+pre_quant_scale, bias and zero points (asymmetric groups), every nibble value, every ISA path (the AOTInductor test of all three quantized
 GEMMs is in test_int8_linear_cpu.py).
 
 Tolerances: float32 outputs must lie within 2e-6 x sum_c |x_c * w_c| of the float64 dot product of the
 same float32 operands (the kernel only sums in another order: with in_features <= 1536 that is a few
 float32 ulps of the accumulated magnitude). bfloat16 outputs are one rounding of such a float32 result:
 within half a bfloat16 ulp (at most 2^-8 relative) of the exact value, plus the float32 bound; in the
-context phase (T > 8) on CPUs with AVX512-BF16 the kernel multiplies bfloat16 tiles of q * scale with
-bfloat16 x * pre_quant_scale (VDPBF16PS), each operand rounded once (2^-9 relative): another 2^-8 of the
-accumulated magnitude.
+context phase (T > 8) on CPUs with AVX512-BF16 the kernel multiplies bfloat16 tiles of (q - zero) * scale
+with bfloat16 x * pre_quant_scale (VDPBF16PS), each operand rounded once (at most 2^-8 relative, bfloat16's
+unit roundoff): another 2^-7 of the accumulated magnitude.
 """
 
 from __future__ import annotations
@@ -39,9 +39,22 @@ def make_layer(out_features: int, in_features: int, group_size: int, *, with_pqs
     return pack_int4(q), scales, pqs, bias
 
 
-def exact_and_magnitude(x, weight, scales, pqs, bias, group_size):
+def make_zero_points(out_features: int, num_groups: int, seed: int) -> torch.Tensor:
+    """Zero points of asymmetric groups: every value of [-8, 7]."""
+    return torch.randint(-8, 8, (out_features, num_groups), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+
+
+def dequantize(weight, scales, group_size, zero_point=None):
+    """The reference's float32 weight (q - zero) * scale."""
+    q = unpack_int4(weight).float()
+    if zero_point is not None:
+        q = q - zero_point.float().repeat_interleave(group_size, dim=1)
+    return q * scales.repeat_interleave(group_size, dim=1)
+
+
+def exact_and_magnitude(x, weight, scales, pqs, bias, group_size, zero_point=None):
     """float64 result of the float32 operands the kernel sees, and sum |x_c w_c| per output."""
-    w = (unpack_int4(weight).float() * scales.repeat_interleave(group_size, dim=1)).double()  # f32-rounded q*s
+    w = dequantize(weight, scales, group_size, zero_point).double()  # f32-rounded (q - zero) * s
     xs = (x.float() if pqs is None else x.float() * pqs).double()
     exact = xs @ w.T
     if bias is not None:
@@ -49,14 +62,14 @@ def exact_and_magnitude(x, weight, scales, pqs, bias, group_size):
     return exact, xs.abs() @ w.abs().T
 
 
-def assert_matches(y, x, weight, scales, pqs, bias, group_size):
-    exact, magnitude = exact_and_magnitude(x, weight, scales, pqs, bias, group_size)
+def assert_matches(y, x, weight, scales, pqs, bias, group_size, zero_point=None):
+    exact, magnitude = exact_and_magnitude(x, weight, scales, pqs, bias, group_size, zero_point)
     assert y.dtype == x.dtype and y.shape == exact.shape
     bound = 2e-6 * magnitude + 1e-7
     if y.dtype == torch.bfloat16:
-        # the output rounding, and (context phase on AVX512-BF16 CPUs) the weight q * scale and the
-        # activation x * pre_quant_scale each rounded once to bfloat16: <= 2^-8 of the magnitude together
-        bound = bound + 2.0 ** -8 * exact.abs() + 2.0 ** -8 * magnitude
+        # the output rounding, and (context phase on AVX512-BF16 CPUs) the weight (q - zero) * scale and
+        # the activation x * pre_quant_scale each rounded once to bfloat16: <= 2^-7 of the magnitude together
+        bound = bound + 2.0 ** -8 * exact.abs() + 2.0 ** -7 * magnitude
     err = (y.double() - exact).abs()
     assert (err <= bound).all(), f"max error {float(err.max()):.3g}, max excess {float((err - bound).max()):.3g}"
 
@@ -74,33 +87,40 @@ SHAPES = [  # (out_features, in_features, group_size)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("num_tokens", [1, 3, 17, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("extras", [False, True], ids=["plain", "pqs+bias"])
+@pytest.mark.parametrize("extras", ["plain", "pqs+bias", "zero-point"])
 def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
     out_features, in_features, group_size = shape
-    weight, scales, pqs, bias = make_layer(out_features, in_features, group_size, with_pqs=extras, with_bias=extras,
+    with_pqs = extras != "plain"
+    weight, scales, pqs, bias = make_layer(out_features, in_features, group_size, with_pqs=with_pqs, with_bias=with_pqs,
                                            seed=num_tokens + out_features)
+    zero_point = make_zero_points(out_features, in_features // group_size, num_tokens) if extras == "zero-point" else None
     x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
-    y = int4_linear(x, weight, scales, pqs, bias, group_size)
-    assert_matches(y, x, weight, scales, pqs, bias, group_size)
+    y = int4_linear(x, weight, scales, pqs, bias, group_size, zero_point)
+    assert_matches(y, x, weight, scales, pqs, bias, group_size, zero_point)
     if dtype == torch.float32:  # and the reference oracle itself (bf16: the bound above is the statement)
-        torch.testing.assert_close(y, int4_linear_reference(x, weight, scales, pqs, bias, group_size),
+        torch.testing.assert_close(y, int4_linear_reference(x, weight, scales, pqs, bias, group_size, zero_point),
                                    atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 16, 17, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_nibble_decodes_exactly(num_tokens, dtype):
-    """One-hot activations read the weight back: q * scale for all 16 values in both nibble positions and
-    both 32-column groups of a 64-column chunk (their own scales), through the generation GEMV (bfloat16,
-    up to 8 tokens: a 16-row block and 8 tail rows) and the context tiles."""
+@pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-point"])
+def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points):
+    """One-hot activations read the weight back: (q - zero) * scale for all 16 values in both nibble
+    positions and both 32-column groups of a 64-column chunk (their own scales and zero points), through
+    the generation GEMV (bfloat16, up to 8 tokens: a 16-row block and 8 tail rows) and the context tiles."""
     in_features = 128
     q = torch.arange(16).repeat(24, in_features // 16) - 8  # [24, 128]
     q = torch.stack([row.roll(i) for i, row in enumerate(q)])
     scales = torch.tensor([0.5, 0.25, 2.0, 0.125]).repeat(24, 1)  # [24, 4]: one per 32 columns
-    expected = (q.float() * scales.repeat_interleave(32, dim=1)).T  # [128, 24]
+    zero_point = None
+    if zero_points:  # the extremes and a different pair in each 64-column chunk, varying by row
+        zero_point = (torch.tensor([-8, 7, 3, -1], dtype=torch.int8) + torch.arange(24, dtype=torch.int8)[:, None]) % 16 - 8
+        zero_point = zero_point.to(torch.int8)
+    expected = dequantize(pack_int4(q), scales, 32, zero_point).T  # [128, 24]
     eye = torch.eye(in_features, dtype=dtype)
     for c0 in range(0, in_features, num_tokens):
-        y = int4_linear(eye[c0:c0 + num_tokens], pack_int4(q), scales, None, None, 32)  # [T, 24]
+        y = int4_linear(eye[c0:c0 + num_tokens], pack_int4(q), scales, None, None, 32, zero_point)  # [T, 24]
         assert torch.equal(y, expected[c0:c0 + num_tokens].to(dtype))
 
 
@@ -110,6 +130,8 @@ def test_odd_group_size_takes_the_scalar_path(num_tokens):
     weight, scales, pqs, bias = make_layer(10, 12, 3, with_pqs=True, with_bias=True, seed=5)
     x = torch.randn(num_tokens, 12)
     assert_matches(int4_linear(x, weight, scales, pqs, bias, 3), x, weight, scales, pqs, bias, 3)
+    zero_point = make_zero_points(10, 4, seed=6)
+    assert_matches(int4_linear(x, weight, scales, pqs, bias, 3, zero_point), x, weight, scales, pqs, bias, 3, zero_point)
 
 
 def test_non_contiguous_x_and_bf16_bias():
@@ -138,13 +160,16 @@ def test_empty_batch():
         (dict(pre_quant_scale=torch.ones(63)), "pre_quant_scale must be \\[in_features=64\\]"),
         (dict(bias=torch.zeros(7)), "bias must be \\[out_features=8\\]"),
         (dict(weight=torch.zeros(32, 8, dtype=torch.uint8).T), "weight must be contiguous"),
+        (dict(weight_zero_point=torch.zeros(8, 2, dtype=torch.uint8)), "weight_zero_point must be int8"),
+        (dict(weight_zero_point=torch.zeros(8, 1, dtype=torch.int8)),
+         "weight_zero_point must be int8 \\[out_features=8, in_features / group_size=2\\]"),
     ],
     ids=["x-dtype", "weight-dtype", "in-features", "group-divides", "group-zero", "scale-shape", "scale-dtype",
-         "pqs-shape", "bias-shape", "weight-contiguous"],
+         "pqs-shape", "bias-shape", "weight-contiguous", "zero-point-dtype", "zero-point-shape"],
 )
 def test_bad_inputs_raise_clear_errors(kwargs, message):
     args = dict(x=torch.zeros(2, 64), weight=torch.zeros(8, 32, dtype=torch.uint8), weight_scale=torch.ones(8, 2),
-                pre_quant_scale=None, bias=None, group_size=32)
+                pre_quant_scale=None, bias=None, group_size=32, weight_zero_point=None)
     args.update(kwargs)
     with pytest.raises(RuntimeError, match=message):
         int4_linear(*args.values())
@@ -159,12 +184,15 @@ for out_features, in_features, group_size in ((72, 200, 40), (96, 576, 64), (16,
     q = torch.randint(-8, 8, (out_features, in_features), generator=gen)
     s = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02
     pqs, bias = torch.rand(in_features, generator=gen) + 0.5, torch.randn(out_features, generator=gen)
+    zeros = torch.randint(-8, 8, (out_features, in_features // group_size), generator=gen, dtype=torch.int8)
     for num_tokens in (1, 2, 5, 40):
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-            y = torch.ops.kilnlm.int4_linear(x, pack_int4(q), s, pqs, bias, group_size)
-            tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-            torch.testing.assert_close(y, int4_linear_reference(x, pack_int4(q), s, pqs, bias, group_size), **tol)
+            for z in (None, zeros):
+                x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+                y = torch.ops.kilnlm.int4_linear(x, pack_int4(q), s, pqs, bias, group_size, z)
+                tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=1e-2)
+                expected = int4_linear_reference(x, pack_int4(q), s, pqs, bias, group_size, z)
+                torch.testing.assert_close(y, expected, **tol)
 print("ok")
 """
 
