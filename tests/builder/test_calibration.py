@@ -110,12 +110,19 @@ def _int4_part(out_features: int, in_features: int, group_size: int, seed: int) 
     return QuantizedWeights(pack_int4(q), scale)
 
 
-def test_fused_int4_linear_equals_its_parts():
+@pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-point"])
+def test_fused_int4_linear_equals_its_parts(zero_points):
+    """Fused q/k/v-like parts (with zero points: two parts with, one without, which counts as zeros)."""
     parts = [_int4_part(8, 32, 16, 0), _int4_part(4, 32, 16, 1), _int4_part(4, 32, 16, 2)]
+    if zero_points:
+        for i in (0, 2):
+            parts[i].zero_point = torch.randint(-8, 8, parts[i].weight_scale.shape, generator=torch.Generator().manual_seed(i),
+                                                dtype=torch.int8)
     fused = Int4Linear(parts, 16, torch.float32)
+    assert (fused.zero_point is not None) == zero_points
     x = torch.randn(5, 32)
-    y = int4_linear_reference(x, fused.weight, fused.weight_scale, fused.pre_quant_scale, fused.bias, 16)
-    expected = torch.cat([int4_linear_reference(x, p.weight, p.weight_scale, None, None, 16) for p in parts], dim=1)
+    y = int4_linear_reference(x, fused.weight, fused.weight_scale, fused.pre_quant_scale, fused.bias, 16, fused.zero_point)
+    expected = torch.cat([int4_linear_reference(x, p.weight, p.weight_scale, None, None, 16, p.zero_point) for p in parts], dim=1)
     torch.testing.assert_close(y, expected, rtol=0, atol=1e-5)
 
 
