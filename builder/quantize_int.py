@@ -32,8 +32,9 @@ rounded over its own ``[min(w, 0), max(w, 0)]`` instead (:func:`quantize_int4_as
 ``scale = (max - min) / 15``, an integer zero point), AWQ's own quantizer (Lin et al., 2023,
 ``zero_point=True`` in llm-awq and AutoAWQ). ModelOpt still searches AWQ's scales; only the final rounding
 of the smoothed weights is kilnlm's (:func:`requantize_with_zero_points`). On SmolLM2-135M (group 64) it
-takes int4_awq from +24% to about +11% perplexity over fp32 (docs/quantization.md). The weight-only recipes
-calibrate from the weights alone (``forward_loop=None``), so their builds read no text. ModelOpt's export
+takes int4_awq from +24% to about +11% perplexity over fp32 (docs/quantization.md).
+
+The weight-only recipes calibrate from the weights alone (``forward_loop=None``), so their builds read no text. ModelOpt's export
 gives the parts of fused linears (q/k/v, gate/up) one shared ``pre_quant_scale`` (their mean; weights
 re-quantized) and folds AWQ's into the preceding RMSNorm; kilnlm folds SmoothQuant's the same way
 (:func:`kilnlm.builder.network.llama.fold_smoothing_into_norms`); o_proj / down_proj keep theirs as the

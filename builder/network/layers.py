@@ -173,8 +173,8 @@ class Int4Linear(nn.Module):
     int8 zero points (asymmetric groups).
 
     Fused parts are concatenated along out_features (their scale and zero-point rows with them: both are
-    per output row and input group, so nothing is re-quantized). x: ``[T, in_features]`` float32 / bfloat16; returns
-    ``[T, out_features]`` in x's dtype."""
+    per output row and input group, so nothing is re-quantized). x: ``[T, in_features]`` float32 /
+    bfloat16; returns ``[T, out_features]`` in x's dtype."""
 
     def __init__(self, parts: list[QuantizedWeights], group_size: int, dtype: torch.dtype):
         super().__init__()

@@ -231,6 +231,23 @@ def test_quantized_lm_head(tiny_llama_dir):
     assert float((quantized_head - float_head).norm() / float_head.norm()) < 0.03
 
 
+def test_int4_awq_quantized_lm_head_gets_zero_points(tiny_llama_dir):
+    """--quantize-lm-head with int4_awq: the (tied) LM head is re-rounded with zero points from the
+    embedding's weights and the final norm's folded AWQ scale, and the logits stay within int4_awq's error
+    of the fp32 network."""
+    from kilnlm.builder.network.layers import Int4Linear
+
+    network = eager_network(tiny_llama_dir, **format_options("int4_awq", quantize_lm_head=True))
+    assert isinstance(network.lm_head, Int4Linear) and network.lm_head.zero_point is not None
+    use_reference_ops(network)
+    reference = eager_network(tiny_llama_dir, **dict(TINY_LIMITS, qformat="fp32"))
+    inputs = make_engine_inputs([(p, 0) for p in PROMPTS], 16, 16)
+    kv = torch.zeros(kv_cache_shape(2, len(PROMPTS) * 16, 16, 2, 16))
+    with torch.no_grad():
+        logits, expected = network(*inputs.as_args(kv.clone())), reference(*inputs.as_args(kv.clone()))
+    assert float(((logits - expected).norm(dim=-1) / expected.norm(dim=-1)).max()) < FP32_REL_ERR["int4_awq"]
+
+
 def test_export_checkpoint_is_modelopts_unified_format(tiny_llama_dir, tmp_path, capsys):
     """`kilnlm build --export-checkpoint DIR` writes config.json with its quantization section,
     hf_quant_config.json and safetensors with packed weights and scales."""
