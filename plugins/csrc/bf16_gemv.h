@@ -44,9 +44,13 @@ struct PlainRows {  // [rows, k] elements of W::elem_t, row-major, natural colum
 // k / group_size] int8 or null) -> bfloat16 of (q - zero) * scale, the group's scale applied before the
 // rounding to bfloat16 (as int4_linear's context-phase tiles). 32 bytes = 64 weights per load, in *nibble order*: the low nibbles (even columns) of the 32
 // bytes, then their high nibbles (odd columns) -- int4_nibble_order permutes x the same way. The 16
-// possible values bf16((q - zero) * scale) of each 32-column half form a 32-entry table that VPERMW indexes with
-// the nibbles (plus 16 for the second half), so a weight costs no conversion of its own: nine
+// possible values bf16((q - zero) * scale) of each 32-column half form a 32-entry table that VPERMW indexes
+// with the nibbles (plus 16 for the second half), so a weight costs no conversion of its own: nine
 // instructions per 64 weights, against ~18 for 32-weight loads that rebuilt the table each time.
+// The table is the per-load cost, so it is specialized: kZeroPoints (asymmetric groups: q - zero, whose
+// scalar load and conversion cost as much as the rest of the table) and kOneGroup (group_size a multiple
+// of 64: both halves of a load lie in one group and share one 16-entry table, built once).
+template <bool kZeroPoints, bool kOneGroup>
 struct Int4Rows {
   Int4Rows(const uint8_t* w_, const float* scales_, const int8_t* zeros_, int64_t k_, int64_t group_size)
       : w(w_), scales(scales_), zeros(zeros_), half_k(k_ / 2), num_groups(k_ / group_size), group_shift(-1),
@@ -63,17 +67,16 @@ struct Int4Rows {
   static constexpr int64_t kCols = 64;
   static constexpr int64_t kChunkBytes = 32;
   inline int64_t group_of(int64_t col) const { return group_shift >= 0 ? (col >> group_shift) : col / group; }
+  // (nibble's q - zero) * scale of group g (a flat [rows, num_groups] index), as float32.
+  inline __m512 group_values(int64_t g) const {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);  // nibble -> q
+    if (kZeroPoints) return _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(static_cast<float>(zeros[g]))), _mm512_set1_ps(scales[g]));
+    return _mm512_mul_ps(q, _mm512_set1_ps(scales[g]));
+  }
   inline void load(int64_t r, int64_t i, __m512bh* out) const {
     const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * half_k + i / 2)));
-    const int64_t g0 = r * num_groups + group_of(i), g1 = r * num_groups + group_of(i + 32);
-    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);  // nibble -> q
-    __m512 q0 = q, q1 = q;
-    if (zeros != nullptr) {  // q - zero, exact
-      q0 = _mm512_sub_ps(q, _mm512_set1_ps(static_cast<float>(zeros[g0])));
-      q1 = _mm512_sub_ps(q, _mm512_set1_ps(static_cast<float>(zeros[g1])));
-    }
-    const __m512 first = _mm512_mul_ps(q0, _mm512_set1_ps(scales[g0]));
-    const __m512 second = _mm512_mul_ps(q1, _mm512_set1_ps(scales[g1]));
+    const __m512 first = group_values(r * num_groups + group_of(i));
+    const __m512 second = kOneGroup ? first : group_values(r * num_groups + group_of(i + 32));
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // entries 16..31: columns i + 32..
     const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);  // bytes 16..31
     const __m512i lo = _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(0x000F), half, 0xEA);  // (b & 15) | half

@@ -75,8 +75,16 @@ namespace {
 void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, const float* scales, const int8_t* zeros,
                     int64_t out_features, int64_t in, int64_t group_size, const float* bias, uint16_t* out, int64_t r0,
                     int64_t r1) {
-  gemv_any_rows(xb, num_tokens, in, Int4Rows(w, scales, zeros, in, group_size), out_features, in, r0, r1,
-                GemvEpilogue(out, out_features, bias));
+  const GemvEpilogue epilogue(out, out_features, bias);
+  const bool one_group = group_size % Int4Rows<false, true>::kCols == 0;
+  if (zeros != nullptr && one_group)
+    gemv_any_rows(xb, num_tokens, in, Int4Rows<true, true>(w, scales, zeros, in, group_size), out_features, in, r0, r1, epilogue);
+  else if (zeros != nullptr)
+    gemv_any_rows(xb, num_tokens, in, Int4Rows<true, false>(w, scales, zeros, in, group_size), out_features, in, r0, r1, epilogue);
+  else if (one_group)
+    gemv_any_rows(xb, num_tokens, in, Int4Rows<false, true>(w, scales, zeros, in, group_size), out_features, in, r0, r1, epilogue);
+  else
+    gemv_any_rows(xb, num_tokens, in, Int4Rows<false, false>(w, scales, zeros, in, group_size), out_features, in, r0, r1, epilogue);
 }
 }  // namespace
 }  // namespace avx512bf16
@@ -319,7 +327,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
-        if (direct && bf16_gemm && in % avx512bf16::Int4Rows::kCols == 0 && group_size % 32 == 0) {  // bf16_gemv.h
+        if (direct && bf16_gemm && in % avx512bf16::Int4Rows<false, false>::kCols == 0 && group_size % 32 == 0) {  // bf16_gemv.h
           prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, xs.data());
           std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));  // x * pre_quant_scale, rounded to bf16
           std::vector<uint16_t> row(static_cast<size_t>(in));

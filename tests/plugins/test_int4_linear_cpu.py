@@ -105,22 +105,25 @@ def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
 @pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 16, 17, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-point"])
-def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points):
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points, group_size):
     """One-hot activations read the weight back: (q - zero) * scale for all 16 values in both nibble
-    positions and both 32-column groups of a 64-column chunk (their own scales and zero points), through
-    the generation GEMV (bfloat16, up to 8 tokens: a 16-row block and 8 tail rows) and the context tiles."""
+    positions, through the generation GEMV (bfloat16, up to 8 tokens: a 16-row block and 8 tail rows) and
+    the context tiles. Group 32: both 32-column halves of a 64-column GEMV load have their own scale and
+    zero point; group 64: they share one table."""
     in_features = 128
+    num_groups = in_features // group_size
     q = torch.arange(16).repeat(24, in_features // 16) - 8  # [24, 128]
     q = torch.stack([row.roll(i) for i, row in enumerate(q)])
-    scales = torch.tensor([0.5, 0.25, 2.0, 0.125]).repeat(24, 1)  # [24, 4]: one per 32 columns
+    scales = torch.tensor([0.5, 0.25, 2.0, 0.125])[:num_groups].repeat(24, 1)  # [24, num_groups]
     zero_point = None
-    if zero_points:  # the extremes and a different pair in each 64-column chunk, varying by row
-        zero_point = (torch.tensor([-8, 7, 3, -1], dtype=torch.int8) + torch.arange(24, dtype=torch.int8)[:, None]) % 16 - 8
+    if zero_points:  # the extremes and different values in each 64-column chunk, varying by row
+        zero_point = (torch.tensor([-8, 7, 3, -1])[:num_groups] + torch.arange(24)[:, None]) % 16 - 8
         zero_point = zero_point.to(torch.int8)
-    expected = dequantize(pack_int4(q), scales, 32, zero_point).T  # [128, 24]
+    expected = dequantize(pack_int4(q), scales, group_size, zero_point).T  # [128, 24]
     eye = torch.eye(in_features, dtype=dtype)
     for c0 in range(0, in_features, num_tokens):
-        y = int4_linear(eye[c0:c0 + num_tokens], pack_int4(q), scales, None, None, 32, zero_point)  # [T, 24]
+        y = int4_linear(eye[c0:c0 + num_tokens], pack_int4(q), scales, None, None, group_size, zero_point)  # [T, 24]
         assert torch.equal(y, expected[c0:c0 + num_tokens].to(dtype))
 
 
