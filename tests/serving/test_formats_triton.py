@@ -119,13 +119,15 @@ def formats_server(smollm2_format_engine, launcher, tmp_path_factory):
         yield http_url, skipped
 
 
-# Engines that answer wrongly today (greedy, measured 2026-11-22). SmolLM2-135M's own fp32 model prefers
-# "The" over "L" (French) as the first answer token by only 0.08 nats (docs/quantization.md), so a format
-# within its perplexity bound can still flip it. Strict: a correct answer fails here until the marker is
-# removed.
+# Engines that answer wrongly today (greedy, measured 2026-11-22). Strict: a correct answer fails here until
+# the marker is removed. int8_sq's static per-tensor activation scales clip this prompt: at the answer
+# position the down projections' (smoothed) inputs exceed their calibrated amax in 26 of 30 layers, by up
+# to 6x, and with only those inputs left unquantized ModelOpt's simulation answers Paris again
+# (docs/quantization.md).
 KNOWN_WRONG = {
     "kilnlm_int8_sq": "int8_sq (per-tensor, searched SmoothQuant alpha 0.8: perplexity +3.6%, within its bound) "
-                      "answers 'The capital of France is France.'",
+                      "answers 'The capital of France is France.': its calibrated down_proj input scales clip "
+                      "this prompt's activations",
 }
 
 
