@@ -92,12 +92,11 @@ def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_
     assert math.isclose(math.exp(nlls.mean()), math.exp(expected.mean()), rel_tol=1e-3)
 
 
-# Formats that miss issue 3's bound today (measured 2026-11-22, SmolLM2-135M, 3,072 GPL-3 tokens): the engine
-# and ModelOpt's own fake-quantized model miss it by about the same amount, so these are recipe limits on
-# this small model, not engine bugs (ModelOpt's AWQ reaches +20% to +22% at group 64 with 8 or 24
-# samples, +18% at group 32, +26% with awq_full's clip search). Strict: a format that starts meeting its
-# bound fails here until its marker is removed.
-KNOWN_MISSES: dict[str, str] = {}  # none since int4_awq rounds with zero points (symmetric: +24.5%)
+# Formats that miss issue 3's bound (format -> the measured miss, as the xfail reason). Strict: a format that
+# starts meeting its bound fails here until its marker is removed. None today: int4_awq met its bound once
+# it rounded with zero points (measured 2026-11-22: +11.30%; ModelOpt's symmetric rounding +24.5%, its
+# simulation +20% to +22% with every AWQ variant tried; docs/quantization.md).
+KNOWN_MISSES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("qformat", [
