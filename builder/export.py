@@ -109,8 +109,8 @@ def kilnlm_int4_to_modelopt(q: torch.Tensor) -> torch.Tensor:
 
 def write_int4_zero_points(export_dir: Path, linears: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """Replace int4 linears of the unified checkpoint in ``export_dir`` by asymmetric ones: ``linears`` maps
-    an HF module name to ``(q [out, in] int8 in [-8, 7], weight_scale [out, in // g] float32, zero_point
-    [out, in // g] int8)``. Rewrites the safetensors files holding them (and the shard index, if any) and
+    an HF module name to ``(weight [out // 2, in] uint8 in ModelOpt's packing (:func:`kilnlm_int4_to_modelopt`),
+    weight_scale [out, in // g] float32, zero_point [out, in // g] int8)``. Rewrites the safetensors files holding them (and the shard index, if any) and
     sets ``has_zero_point`` in hf_quant_config.json and config.json. Raises :class:`BuildError` for a
     module the checkpoint does not hold."""
     from safetensors import safe_open
@@ -126,8 +126,8 @@ def write_int4_zero_points(export_dir: Path, linears: dict[str, tuple[torch.Tens
             metadata = f.metadata()
         here = [name for name in pending if f"{name}.weight" in tensors]
         for name in here:
-            q, scale, zero_point = pending.pop(name)
-            tensors[f"{name}.weight"] = kilnlm_int4_to_modelopt(q).view(tensors[f"{name}.weight"].dtype)
+            packed, scale, zero_point = pending.pop(name)
+            tensors[f"{name}.weight"] = packed.view(tensors[f"{name}.weight"].dtype)
             tensors[f"{name}.weight_scale"] = scale.float().contiguous()
             tensors[f"{name}.weight_zero_point"] = zero_point.to(torch.int8).contiguous()
             if index is not None:

@@ -267,7 +267,7 @@ def requantize_with_zero_points(export_dir: Path, ck: Checkpoint, group_size: in
     (:func:`quantize_int4_asymmetric`) from the checkpoint's float weights, smoothed by the scales ModelOpt's
     AWQ chose (:func:`smoothed_input_scale`), and rewrite it with zero points
     (:func:`kilnlm.builder.export.write_int4_zero_points`)."""
-    from kilnlm.builder.export import load_tensors, write_int4_zero_points
+    from kilnlm.builder.export import kilnlm_int4_to_modelopt, load_tensors, write_int4_zero_points
 
     exported = load_tensors(export_dir)
     original = ck.state_dict
@@ -279,7 +279,8 @@ def requantize_with_zero_points(export_dir: Path, ck: Checkpoint, group_size: in
             weight = original["model.embed_tokens.weight"]
         weight = weight.float()
         p = smoothed_input_scale(name, exported, original)
-        linears[name] = quantize_int4_asymmetric(weight if p is None else weight / p, group_size)
+        q, scale, zero_point = quantize_int4_asymmetric(weight if p is None else weight / p, group_size)
+        linears[name] = (kilnlm_int4_to_modelopt(q), scale, zero_point)  # packed at once: half a byte per weight held
     write_int4_zero_points(export_dir, linears)
     log.info("int4 zero points: re-rounded %d linears asymmetrically (groups of %d)", len(linears), group_size)
 

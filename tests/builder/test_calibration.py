@@ -103,6 +103,18 @@ def test_modelopt_int4_packing_converts_exactly():
     assert torch.equal(unpack_int4(converted), q)
 
 
+def test_kilnlm_int4_packing_converts_back_to_modelopts():
+    """The zero-point rewrite packs int4 values as ModelOpt does (two output rows per byte); reading that back
+    gives the same integers, every value of [-8, 7] in both nibbles."""
+    from kilnlm.builder.export import kilnlm_int4_to_modelopt, modelopt_int4_to_kilnlm
+
+    q = torch.randint(-8, 8, (16, 48), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    q[:2, :16] = torch.arange(-8, 8, dtype=torch.int8)
+    packed = kilnlm_int4_to_modelopt(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (8, 48)
+    assert torch.equal(unpack_int4(modelopt_int4_to_kilnlm(packed)), q)
+
+
 def _int4_part(out_features: int, in_features: int, group_size: int, seed: int) -> QuantizedWeights:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-8, 8, (out_features, in_features), generator=g)
