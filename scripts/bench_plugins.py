@@ -11,7 +11,8 @@
   chunk, SmolLM2's heads (9 query / 3 KV heads, head_dim 64), against dense (unpaged) SDPA of the same
   problem. GB/s counts the K/V bytes read.
 
-- The quantized GEMMs (int4_linear W4A16 with group size 64, int8_linear W8A16, int8_sq_linear W8A8) on
+- The quantized GEMMs (int4_linear W4A16 with group size 64, symmetric and with zero points as int4_awq
+  builds it, int8_linear W8A16, int8_sq_linear W8A8) on
   the same shapes at T = 1 (generation phase) and T = 256 (context phase), against bf16 F.linear. Weight
   GB/s counts the packed weight bytes *and* their scales, read once per call; each figure is the minimum
   over repeats (the machine may be shared), and "x bf16" is the speed-up over bf16 F.linear. Then a cold-
@@ -99,16 +100,18 @@ def quantized_layer(out_features: int, in_features: int, gen: torch.Generator) -
 
     q4 = pack_int4(torch.randint(-8, 8, (out_features, in_features), generator=gen))
     s4 = torch.rand(out_features, in_features // INT4_GROUP_SIZE, generator=gen) * 0.02
+    z4 = torch.randint(-8, 8, s4.shape, generator=gen, dtype=torch.int8)
     q8 = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
     s8 = torch.rand(out_features, generator=gen) * 0.01
     return {
         "int4": ((q4, s4, None, None, INT4_GROUP_SIZE), q4.numel() + 4 * s4.numel()),
+        "int4_zp": ((q4, s4, None, None, INT4_GROUP_SIZE, z4), q4.numel() + 5 * s4.numel()),
         "int8_wo": ((q8, s8, None), q8.numel() + 4 * s8.numel()),
         "int8_sq": ((q8, s8, torch.tensor(0.02), None, None), q8.numel() + 4 * s8.numel()),
     }
 
 
-QUANT_OPS = {"int4": "int4_linear", "int8_wo": "int8_linear", "int8_sq": "int8_sq_linear"}
+QUANT_OPS = {"int4": "int4_linear", "int4_zp": "int4_linear", "int8_wo": "int8_linear", "int8_sq": "int8_sq_linear"}
 
 
 def bench_quantized_linear(dtype: torch.dtype, min_time_s: float) -> None:
@@ -149,7 +152,7 @@ def bench_quantized_decode_sweep(dtype: torch.dtype, min_time_s: float, num_laye
     print(f"{'bf16 F.linear':>14}: {t_bf16 * 1e3:7.2f} ms per step, {num_bf16_bytes / t_bf16 / 1e9:6.1f} GB/s")
     for fmt, op_name in QUANT_OPS.items():
         op = getattr(torch.ops.kilnlm, op_name)
-        calls = [(xs[args[0].shape[1] * (2 if fmt == "int4" else 1)], args)
+        calls = [(xs[args[0].shape[1] * (2 if fmt.startswith("int4") else 1)], args)
                  for layer in layers for formats in layer.values() for args in [formats[fmt][0]]]
         num_bytes = sum(formats[fmt][1] for layer in layers for formats in layer.values())
         t = time_call_min(lambda: [op(x, *args) for x, args in calls], min_time_s)
