@@ -66,9 +66,10 @@ def export_unified_checkpoint(model, tokenizer, export_dir: Path) -> Path:
     return export_dir
 
 
-def load_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint's ``*.safetensors`` files by name. Raises :class:`BuildError` when
-    there are none."""
+def load_tensors(export_dir: Path, suffixes: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint's ``*.safetensors`` files by name: every one, or with ``suffixes``
+    only those whose names end with one of them (the others are not read). Raises :class:`BuildError` when
+    there are no files."""
     from safetensors import safe_open
 
     files = sorted(export_dir.glob("*.safetensors"))
@@ -78,7 +79,8 @@ def load_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                state[name] = f.get_tensor(name)
+                if suffixes is None or name.endswith(suffixes):
+                    state[name] = f.get_tensor(name)
     return state
 
 

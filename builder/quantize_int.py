@@ -34,11 +34,11 @@ rounded over its own ``[min(w, 0), max(w, 0)]`` instead (:func:`quantize_int4_as
 of the smoothed weights is kilnlm's (:func:`requantize_with_zero_points`). On SmolLM2-135M (group 64) it
 takes int4_awq from +24% to about +11% perplexity over fp32 (docs/quantization.md).
 
-The weight-only recipes calibrate from the weights alone (``forward_loop=None``), so their builds read no text. ModelOpt's export
-gives the parts of fused linears (q/k/v, gate/up) one shared ``pre_quant_scale`` (their mean; weights
-re-quantized) and folds AWQ's into the preceding RMSNorm; kilnlm folds SmoothQuant's the same way
-(:func:`kilnlm.builder.network.llama.fold_smoothing_into_norms`); o_proj / down_proj keep theirs as the
-op's ``pre_quant_scale``. Embeddings and (unless ``--quantize-lm-head``) the LM head stay 16-bit.
+The weight-only recipes calibrate from the weights alone (``forward_loop=None``), so their builds read no
+text. ModelOpt's export gives the parts of fused linears (q/k/v, gate/up) one shared ``pre_quant_scale``
+(their mean; weights re-quantized) and folds AWQ's into the preceding RMSNorm; kilnlm folds SmoothQuant's
+the same way (:func:`kilnlm.builder.network.llama.fold_smoothing_into_norms`); o_proj / down_proj keep
+theirs as the op's ``pre_quant_scale``. Embeddings and (unless ``--quantize-lm-head``) the LM head stay 16-bit.
 
 Determinism: the calibration batches are fixed (:mod:`kilnlm.builder.calibration`), ModelOpt's recipes here
 draw no random numbers, and torch's RNG is seeded before calibration anyway.
@@ -269,7 +269,9 @@ def requantize_with_zero_points(export_dir: Path, ck: Checkpoint, group_size: in
     (:func:`kilnlm.builder.export.write_int4_zero_points`)."""
     from kilnlm.builder.export import kilnlm_int4_to_modelopt, load_tensors, write_int4_zero_points
 
-    exported = load_tensors(export_dir)
+    # what the re-rounding reads: which linears are int4 (their scales), AWQ's scales and the norms they were
+    # folded into; not the packed weights or the embedding
+    exported = load_tensors(export_dir, suffixes=(".weight_scale", ".pre_quant_scale", "norm.weight"))
     original = ck.state_dict
     names = sorted(n[: -len(".weight_scale")] for n in exported if n.endswith(".weight_scale"))
     linears = {}
