@@ -42,11 +42,12 @@ struct PlainRows {  // [rows, k] elements of W::elem_t, row-major, natural colum
 // Packed int4 rows ([rows, k / 2] bytes, two's complement, column 2j in the low nibble of byte j, 2j + 1
 // in the high one; scales [rows, k / group_size] float32, group_size a multiple of 32; zero points [rows,
 // k / group_size] int8 or null) -> bfloat16 of (q - zero) * scale, the group's scale applied before the
-// rounding to bfloat16 (as int4_linear's context-phase tiles). 32 bytes = 64 weights per load, in *nibble order*: the low nibbles (even columns) of the 32
-// bytes, then their high nibbles (odd columns) -- int4_nibble_order permutes x the same way. The 16
-// possible values bf16((q - zero) * scale) of each 32-column half form a 32-entry table that VPERMW indexes
-// with the nibbles (plus 16 for the second half), so a weight costs no conversion of its own: nine
-// instructions per 64 weights, against ~18 for 32-weight loads that rebuilt the table each time.
+// rounding to bfloat16 (as int4_linear's context-phase tiles). 32 bytes = 64 weights per load, in *nibble
+// order*: the low nibbles (even columns) of the 32 bytes, then their high nibbles (odd columns) --
+// int4_nibble_order permutes x the same way. The 16 possible values bf16((q - zero) * scale) of each
+// 32-column half form a 32-entry table that VPERMW indexes with the nibbles (plus 16 for the second half),
+// so a weight costs no conversion of its own: nine instructions per 64 weights, against ~18 for 32-weight
+// loads that rebuilt the table each time.
 // The table is the per-load cost, so it is specialized: kZeroPoints (asymmetric groups: q - zero, whose
 // scalar load and conversion cost as much as the rest of the table) and kOneGroup (group_size a multiple
 // of 64: both halves of a load lie in one group and share one 16-entry table, built once).
@@ -70,8 +71,8 @@ struct Int4Rows {
   // (nibble's q - zero) * scale of group g (a flat [rows, num_groups] index), as float32.
   inline __m512 group_values(int64_t g) const {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);  // nibble -> q
-    if (kZeroPoints) return _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(static_cast<float>(zeros[g]))), _mm512_set1_ps(scales[g]));
-    return _mm512_mul_ps(q, _mm512_set1_ps(scales[g]));
+    const __m512 q_minus_zero = kZeroPoints ? _mm512_sub_ps(q, _mm512_set1_ps(static_cast<float>(zeros[g]))) : q;
+    return _mm512_mul_ps(q_minus_zero, _mm512_set1_ps(scales[g]));
   }
   inline void load(int64_t r, int64_t i, __m512bh* out) const {
     const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * half_k + i / 2)));

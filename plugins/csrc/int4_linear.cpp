@@ -76,15 +76,12 @@ void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, co
                     int64_t out_features, int64_t in, int64_t group_size, const float* bias, uint16_t* out, int64_t r0,
                     int64_t r1) {
   const GemvEpilogue epilogue(out, out_features, bias);
+  const auto run = [&](const auto& rows) { gemv_any_rows(xb, num_tokens, in, rows, out_features, in, r0, r1, epilogue); };
   const bool one_group = group_size % Int4Rows<false, true>::kCols == 0;
-  if (zeros != nullptr && one_group)
-    gemv_any_rows(xb, num_tokens, in, Int4Rows<true, true>(w, scales, zeros, in, group_size), out_features, in, r0, r1, epilogue);
-  else if (zeros != nullptr)
-    gemv_any_rows(xb, num_tokens, in, Int4Rows<true, false>(w, scales, zeros, in, group_size), out_features, in, r0, r1, epilogue);
-  else if (one_group)
-    gemv_any_rows(xb, num_tokens, in, Int4Rows<false, true>(w, scales, zeros, in, group_size), out_features, in, r0, r1, epilogue);
-  else
-    gemv_any_rows(xb, num_tokens, in, Int4Rows<false, false>(w, scales, zeros, in, group_size), out_features, in, r0, r1, epilogue);
+  if (zeros != nullptr && one_group) run(Int4Rows<true, true>(w, scales, zeros, in, group_size));
+  else if (zeros != nullptr) run(Int4Rows<true, false>(w, scales, zeros, in, group_size));
+  else if (one_group) run(Int4Rows<false, true>(w, scales, zeros, in, group_size));
+  else run(Int4Rows<false, false>(w, scales, zeros, in, group_size));
 }
 }  // namespace
 }  // namespace avx512bf16
