@@ -6,7 +6,7 @@
 - ``network/``       shared layers (``layers.py``) and one file per architecture (``llama.py``: Llama,
   Mistral, Qwen2) whose ``forward`` is the engine ABI of :mod:`kilnlm.runtime.abi`;
 - ``calibration.py`` ``CalibrationConfig``, ``calibration_batches`` (``--calib-data`` text / JSONL, default
-  ``pydoc_data.topics``; deterministic evenly spaced samples);
+  kilnlm's general English text and ``pydoc_data.topics``; deterministic evenly spaced samples);
 - ``quantize.py``    ``calibrate_fp8`` with NVIDIA ModelOpt's FP8 recipe;
 - ``quantize_int.py`` ``quantize_int(Checkpoint, IntQuantConfig)``: int4_awq / int4_wo / int8_wo / int8_sq with
   ModelOpt's recipes, read back from its unified HF export (``export.py``, also ``--export-checkpoint``);

@@ -110,8 +110,8 @@ def _normalize(value: Any, name: str) -> Any:
 def normalized_build_config(opts) -> dict[str, Any]:
     """The engine-affecting part of ``opts`` (a :class:`BuildOptions`) as a JSON-ready dict, defaults
     resolved: ``dtype auto`` -> the activation dtype; unset calibration sizes -> the defaults the build
-    applies; unset calibration data -> the digest of the default text (``pydoc_data.topics``, which may
-    change with the Python release). An unset int4 group size stays unset: the build picks it per model
+    applies; unset calibration data -> the digest of the default texts (kilnlm's ``data/general_en.txt``
+    and ``pydoc_data.topics``, which may change with the Python release). An unset int4 group size stays unset: the build picks it per model
     (128, or the largest of 64/32/16 that divides), so it is not the same as an explicit 128. Options a format does not use are
     refused by :func:`~kilnlm.builder.build.check_quant_options` (so they are always unset there) rather
     than dropped here. Raises :class:`BuildError` for options the build would refuse."""
@@ -128,8 +128,12 @@ def normalized_build_config(opts) -> dict[str, Any]:
     if "calib_data" in config and config["calib_data"] is None:
         import pydoc_data.topics
 
+        from kilnlm.builder.calibration import GENERAL_TEXT_PATH
+
         topics = Path(pydoc_data.topics.__file__)
-        config["calib_data"] = {"default": "pydoc_data.topics", "content": _digest_tree([topics], topics.parent)}
+        config["calib_data"] = {"default": ["general_en.txt", "pydoc_data.topics"],
+                                "content": [_digest_tree([GENERAL_TEXT_PATH], GENERAL_TEXT_PATH.parent),
+                                            _digest_tree([topics], topics.parent)]}
     return config
 
 

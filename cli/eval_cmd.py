@@ -2,7 +2,8 @@
 
 The method (strided sliding windows through the engine's paged KV cache) is described in
 :mod:`kilnlm.runtime.perplexity`. Use held-out text, never the calibration text (``kilnlm build``
-calibrates on the standard library's ``pydoc_data.topics`` by default).
+calibrates on kilnlm's ``builder/data/general_en.txt`` and the standard library's ``pydoc_data.topics`` by
+default).
 """
 
 from __future__ import annotations

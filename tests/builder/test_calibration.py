@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, read_calibration_text
+from kilnlm.builder.calibration import (CalibrationConfig, calibration_batches, default_calibration_texts,
+                                        read_calibration_text)
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.network.layers import Int4Linear, Int8SqLinear, IntQuantization, QuantizedWeights
 from kilnlm.plugins.reference import int4_linear_reference, pack_int4, unpack_int4
@@ -30,9 +31,48 @@ def test_plain_text_and_jsonl_give_the_same_text(tmp_path):
     assert read_calibration_text(tmp_path / "calib.txt") == read_calibration_text(tmp_path / "calib.jsonl")
 
 
-def test_default_text_is_the_standard_library_reference():
-    text = read_calibration_text(None)
-    assert len(text) > 400_000 and " the " in text
+# The factual questions the quality and serving tests ask (test_formats_triton, test_quality's probes): the
+# bundled calibration text must never contain their answers, or a right answer would prove nothing.
+HELD_OUT_WORDS = ("france", "french", "paris", "tokyo", "berlin", "madrid", "romeo", "jupiter", "capital of")
+
+
+def test_default_text_is_general_english_then_the_standard_library_reference():
+    general, reference = default_calibration_texts()
+    assert read_calibration_text(None) == general + "\n\n" + reference
+    assert len(reference) > 400_000 and " the " in reference
+    assert len(general) > 40_000 and general.count("\n\nQuestion: ") >= 40
+    lowered = general.lower()
+    assert [word for word in HELD_OUT_WORDS if word in lowered] == []
+
+
+def _is_window_of(window: torch.Tensor, ids: list[int]) -> bool:
+    tokens = window[0].tolist()
+    return any(ids[i: i + len(tokens)] == tokens for i, first in enumerate(ids) if first == tokens[0])
+
+
+@pytest.mark.parametrize("num_samples", [1, 5, 6])
+def test_default_samples_alternate_between_the_general_text_and_the_reference(tokenizer, num_samples):
+    general, reference = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in default_calibration_texts())
+    batches = calibration_batches(tokenizer, CalibrationConfig(num_samples=num_samples, seq_len=64))
+    assert len(batches) == num_samples and all(b.shape == (1, 64) for b in batches)
+    assert all(_is_window_of(b, general if i % 2 == 0 else reference) for i, b in enumerate(batches))
+    assert len({tuple(b[0].tolist()) for b in batches}) == num_samples
+
+
+def test_default_validation_windows_are_disjoint_from_the_calibration_windows(tokenizer):
+    """At the default 24 x 256 tokens each default text holds two windows per sample, so int8_sq's alpha
+    search validates on windows the calibration never saw."""
+    cfg = CalibrationConfig(num_samples=24, seq_len=256)
+    calibration, validation = calibration_batches(tokenizer, cfg), calibration_batches(tokenizer, cfg, validation=True)
+    assert len(calibration) == len(validation) == 24
+    assert not any(torch.equal(c, v) for c in calibration for v in validation)
+
+
+def test_default_windows_longer_than_the_general_text_come_from_the_reference(tokenizer):
+    general, reference = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in default_calibration_texts())
+    seq_len = len(general) + 1
+    batches = calibration_batches(tokenizer, CalibrationConfig(num_samples=2, seq_len=seq_len))
+    assert len(batches) == 2 and all(_is_window_of(b, reference) for b in batches)
 
 
 @pytest.mark.parametrize("content, suffix, fragment", [

@@ -3,7 +3,7 @@ engine, through the engines themselves (:mod:`kilnlm.runtime.perplexity`, what `
 
 Held-out text: the first ``NUM_TOKENS`` tokens of Debian's GPL-3 licence text
 (``/usr/share/common-licenses/GPL-3``, ~7,650 SmolLM2 tokens in all), never the calibration text
-(``pydoc_data.topics``, the builder's default). Windows of ``CONTEXT_LEN`` tokens every ``STRIDE`` tokens.
+(the builder's default: kilnlm's general English text and ``pydoc_data.topics``). Windows of ``CONTEXT_LEN`` tokens every ``STRIDE`` tokens.
 
 Bounds (issue 3, item 9), perplexity relative to fp32 on the same tokens and windows: fp8 <= +3%,
 int8_sq <= +5%, int8_wo <= +2%, int4_awq <= +12%, and int4_awq below int4_wo. The 8-bit KV caches
@@ -12,6 +12,11 @@ engine with a bfloat16 KV cache; bound: <= +3% (KV_CACHE_BOUND). Measured on Smo
 int8 KV +1.8%; 3% leaves room for machine-to-machine differences of the bf16 kernels (AVX-512 / AVX2)
 without hiding a broken scale (which costs tens of percent). Each engine is built once per
 session (the ``smollm2_format_engine`` factory in tests/conftest.py).
+
+Factual recall (``FACT_PROBES``): perplexity on licence text does not show whether a quantized model still
+recalls facts. Each 8-bit format must keep the answer of six one-line factual questions its most likely
+next token (probability above 1/2), as fp32 does. int8_sq calibrated on the language reference alone
+failed four of them (e.g. " Paris" at log-probability -2.28 after "The capital of France is").
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_
 
 # Formats that miss issue 3's bound (format -> the measured miss, as the xfail reason). Strict: a format that
 # starts meeting its bound fails here until its marker is removed. None today: int4_awq met its bound once
-# it rounded with zero points (measured 2026-11-22: +11.30%; ModelOpt's symmetric rounding +24.5%, its
+# it rounded with zero points (measured 2026-11-22: +11.01%; ModelOpt's symmetric rounding +24.5%, its
 # simulation +20% to +22% with every AWQ variant tried; docs/quantization.md).
 KNOWN_MISSES: dict[str, str] = {}
 
@@ -116,13 +121,50 @@ def test_format_perplexity_within_bound(perplexity, qformat):
 def test_int8_sq_per_token_within_the_int8_sq_bound(perplexity):
     """int8_sq with TensorRT-LLM's recipe for outlier-heavy models (``--per-token --smoothquant-alpha 0.5``:
     dynamic per-token activation scales, half the activations' range migrated into the weights) meets
-    int8_sq's bound too. Measured on SmolLM2: +1.68% (the per-tensor default with its searched alpha 0.8:
-    +3.55%)."""
+    int8_sq's bound too. Measured on SmolLM2: +1.38% (the per-tensor default with its searched alpha 0.8:
+    +2.97%)."""
     base = perplexity("fp32")
     sq = perplexity("int8_sq", per_token=True, smoothquant_alpha=0.5)
     ratio = sq.perplexity / base.perplexity
     print(f"[quality] int8_sq --per-token --smoothquant-alpha 0.5: perplexity {sq.perplexity:.4f} = {ratio:.4f} x fp32")
     assert ratio <= FORMAT_BOUNDS["int8_sq"], f"{100 * (ratio - 1):+.2f}% over fp32"
+
+
+# (question, answer prefix, answer's first token): fp32 gives each answer token a log-probability of -0.02 to
+# -0.16. None of them appears in the bundled calibration text (tests/builder/test_calibration.py).
+FACT_PROBES = [("What is the capital of France?", "The capital of France is", " Paris"),
+               ("What is the capital of Japan?", "The capital of Japan is", " Tokyo"),
+               ("What is the capital of Italy?", "The capital of Italy is", " Rome"),
+               ("What is the capital of Germany?", "The capital of Germany is", " Berlin"),
+               ("Who wrote Romeo and Juliet?", "Romeo and Juliet was written by", " William"),
+               ("What is the chemical symbol for gold?", "The chemical symbol for gold is", " Au")]
+FACT_QFORMATS = ("fp32", "fp8", "int8_sq", "int8_wo")
+
+
+@pytest.mark.parametrize("qformat", FACT_QFORMATS)
+def test_8bit_formats_keep_factual_answers_most_likely(smollm2_format_engine, qformat):
+    """After the chat-templated question and the answer's prefix, the answer's first token has probability
+    above 1/2 (so greedy decoding picks it) through the engine. Measured 2026-11-22, log-probabilities
+    Paris / Tokyo / Rome / Berlin / William / Au: fp32 -0.05 / -0.07 / -0.16 / -0.04 / -0.04 / -0.02;
+    int8_sq -0.15 / -0.18 / -0.43 / -0.12 / -0.24 / -0.03 (calibrated on the language reference alone,
+    ModelOpt's simulation: -2.28 / -1.61 / -3.42 / -2.14 / -0.28 / -0.15). int4 formats are not held to
+    it (int4_awq: Rome -3.11, Tokyo -1.23; docs/quantization.md)."""
+    from kilnlm.runtime.engine import Engine
+    from kilnlm.runtime.perplexity import PerplexityConfig, token_nlls
+    from kilnlm.runtime.tokenizer import Tokenizer
+
+    engine = Engine.load(smollm2_format_engine(qformat))
+    tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
+    log_probs = {}
+    for question, prefix, answer in FACT_PROBES:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        ids = tokenizer.encode(prompt + prefix + answer)
+        assert tokenizer.decode(ids[-1:]) == answer, "the answer must be one token"
+        nlls, _ = token_nlls(engine, ids, PerplexityConfig(context_len=len(ids), stride=len(ids) - 1))
+        log_probs[answer.strip()] = -float(nlls[-1])
+    print(f"\n[quality] {qformat} factual answers' log-probabilities: "
+          + " ".join(f"{a} {lp:.2f}" for a, lp in log_probs.items()))
+    assert {a: lp for a, lp in log_probs.items() if lp <= math.log(0.5)} == {}
 
 
 def test_int4_awq_better_than_int4_wo(perplexity):

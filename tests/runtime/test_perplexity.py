@@ -2,7 +2,7 @@
 tokens and windows, the window plan, and the ABI's own ``num_logits`` dimension (N logits rows, N > B).
 
 Held-out text: Debian's GPL-3 licence text (``/usr/share/common-licenses/GPL-3``), never the calibration
-text (``pydoc_data.topics``); tests that need it skip where the file is missing.
+text (kilnlm's general English text and ``pydoc_data.topics``); tests that need it skip where the file is missing.
 """
 
 from __future__ import annotations

@@ -119,16 +119,12 @@ def formats_server(smollm2_format_engine, launcher, tmp_path_factory):
         yield http_url, skipped
 
 
-# Engines that answer wrongly today (greedy, measured 2026-11-22). Strict: a correct answer fails here until
-# the marker is removed. int8_sq's static per-tensor activation scales clip this prompt: at the answer
-# position the down projections' (smoothed) inputs exceed their calibrated amax in 26 of 30 layers, by up
-# to 6x, and with only those inputs left unquantized ModelOpt's simulation answers Paris again
+# Engines that answer wrongly today (greedy). Strict: a correct answer fails here until the marker is
+# removed. None since 2026-11-22: int8_sq answered "The capital of France is France." while it calibrated on
+# the Python language reference alone, whose activations never reach the range factual recall produces in
+# the down projections; with kilnlm's general English text in the default calibration it answers Paris
 # (docs/quantization.md).
-KNOWN_WRONG = {
-    "kilnlm_int8_sq": "int8_sq (per-tensor, searched SmoothQuant alpha 0.8: perplexity +3.6%, within its bound) "
-                      "answers 'The capital of France is France.': its calibrated down_proj input scales clip "
-                      "this prompt's activations",
-}
+KNOWN_WRONG: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("model", [
