@@ -66,7 +66,7 @@ class BuildOptions:
     calib_data: Path | None = None  # calibrated formats: plain text / JSONL "text" (default: calibration.py's texts)
     calib_num_samples: int | None = None  # calibrated formats: samples (default 24)
     calib_seq_len: int | None = None  # calibrated formats: tokens per sample (default 256)
-    quantize_lm_head: bool = False  # int4_awq / int4_wo / int8_wo: the LM head through the same format
+    quantize_lm_head: bool = False  # fp8 / int4_awq / int4_wo / int8_wo: the LM head through the same format
     per_token: bool = False  # int8_sq: dynamic per-token activation scales instead of the calibrated per-tensor one
     smoothquant_alpha: float | None = None  # int8_sq: SmoothQuant's alpha (None: searched; 0.5 with per_token)
     zero_point: bool | None = None  # int4 formats: asymmetric groups (None: the format's default, on for int4_awq)
@@ -112,7 +112,7 @@ def check_quant_options(opts: BuildOptions) -> None:
     if opts.group_size is not None and q not in INT4_QFORMATS:
         raise BuildError(f"--group-size applies to the int4 formats ({', '.join(INT4_QFORMATS)}), not --qformat {q}: drop it")
     if opts.quantize_lm_head and q not in LM_HEAD_QFORMATS:
-        raise BuildError(f"--quantize-lm-head works with the weight-only formats ({', '.join(LM_HEAD_QFORMATS)}), not "
+        raise BuildError(f"--quantize-lm-head works with {', '.join(LM_HEAD_QFORMATS)}, not "
                          f"--qformat {q}: drop it or pick one of those")
     if opts.zero_point is not None and q not in INT4_QFORMATS:
         raise BuildError(f"--zero-point / --no-zero-point apply to the int4 formats ({', '.join(INT4_QFORMATS)}), not "
@@ -252,7 +252,7 @@ def build_network(opts: BuildOptions, ck: Checkpoint, model_cfg: ModelConfig, dt
         from kilnlm.builder.quantize import calibrate_fp8
 
         t0 = time.perf_counter()
-        fp8_amax = calibrate_fp8(ck, _calibration_config(opts))
+        fp8_amax = calibrate_fp8(ck, _calibration_config(opts), opts.quantize_lm_head)
         log.info("FP8 calibration (ModelOpt) took %.1f s", time.perf_counter() - t0)
         return LlamaNetwork(model_cfg, ck.state_dict, dtype, fp8_amax)
     if opts.qformat in INT_QFORMATS:

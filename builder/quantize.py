@@ -5,12 +5,13 @@ ModelOpt inserts max-calibrating quantizers into every linear of a transformers 
 records each linear's weight amax and input (activation) amax. The builder turns those into static
 per-tensor scales ``amax / 448`` (see :class:`kilnlm.builder.network.layers.Fp8Linear`); each part of a
 fused linear keeps its own weight scale. Calibration text (:mod:`kilnlm.builder.calibration`) defaults to
-the standard library's ``pydoc_data.topics`` (the Python language reference), so builds need no network and
-are deterministic. The integer formats live in :mod:`kilnlm.builder.quantize_int`.
+kilnlm's bundled general English text and the standard library's ``pydoc_data.topics`` (the Python
+language reference), so builds need no network and are deterministic. The integer formats live in :mod:`kilnlm.builder.quantize_int`.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -23,12 +24,14 @@ from kilnlm.builder.network.layers import Fp8Amax
 log = logging.getLogger(__name__)
 
 
-def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig) -> dict[str, Fp8Amax]:
+def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig, quantize_lm_head: bool = False) -> dict[str, Fp8Amax]:
     """Run ModelOpt FP8 calibration on the checkpoint's float32 weights.
 
     Returns HF linear name (``model.layers.{i}.self_attn.q_proj``, ...) -> :class:`Fp8Amax` for every
-    decoder linear (the LM head is not quantized). Raises :class:`BuildError` if ModelOpt is missing or
-    a quantizer recorded no amax."""
+    decoder linear, and for ``lm_head`` too with ``quantize_lm_head`` (``--quantize-lm-head``: ModelOpt's
+    recipe with the LM head's weight and input quantizers enabled; a tied LM head is calibrated on a copy
+    of the embedding, which stays 16-bit). Raises :class:`BuildError` if ModelOpt is missing or a
+    quantizer recorded no amax."""
     try:
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
@@ -40,14 +43,18 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig) -> dict[str, Fp8Amax]:
     if getattr(ck.config, "tie_word_embeddings", False):
         model.tie_weights()
     model.eval()
+    recipe = mtq.FP8_DEFAULT_CFG
+    if quantize_lm_head:  # the default recipe leaves the LM head (and embeddings) unquantized
+        recipe = copy.deepcopy(recipe)
+        recipe["quant_cfg"] = [e for e in recipe["quant_cfg"] if e.get("quantizer_name") != "*lm_head*"]
     batches = calibration_batches(ck.tokenizer, cfg)
     log.info("calibrating FP8 on %d samples x %d tokens of %s", len(batches), batches[0].shape[1], cfg.describe())
-    # The default recipe already leaves the LM head (and embeddings) unquantized.
     loop = forward_loop(batches, "FP8 calibration", log.isEnabledFor(logging.INFO))
-    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, loop)
+    model = mtq.quantize(model, recipe, loop)
     amax: dict[str, Fp8Amax] = {}
     for name, module in model.named_modules():
-        if not name.startswith("model.layers.") or not hasattr(module, "weight_quantizer"):
+        wanted = name.startswith("model.layers.") or (quantize_lm_head and name == "lm_head")
+        if not wanted or not hasattr(module, "weight_quantizer"):
             continue
         w_amax, in_amax = module.weight_quantizer.amax, module.input_quantizer.amax
         if w_amax is None or in_amax is None:
@@ -55,6 +62,8 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig) -> dict[str, Fp8Amax]:
         amax[name] = Fp8Amax(float(w_amax.float().max()), float(in_amax.float().max()))
     if not amax:
         raise BuildError("ModelOpt FP8 calibration quantized no linear layer: check the model architecture")
+    if quantize_lm_head and "lm_head" not in amax:
+        raise BuildError("ModelOpt FP8 calibration did not quantize the LM head: report this as a kilnlm bug")
     return amax
 
 

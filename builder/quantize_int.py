@@ -67,8 +67,9 @@ INT_QFORMATS = ("int4_awq", "int4_wo", "int8_wo", "int8_sq")
 INT4_QFORMATS = ("int4_awq", "int4_wo")
 # Formats whose quantization reads calibration text.
 CALIBRATED_QFORMATS = ("fp8", "int4_awq", "int8_sq")
-# W4A16 / W8A16 formats whose LM head may go through the same weight quantization (--quantize-lm-head).
-LM_HEAD_QFORMATS = ("int4_awq", "int4_wo", "int8_wo")
+# Formats whose LM head may go through the same quantization (--quantize-lm-head): the weight-only ones, and
+# fp8 (W8A8 with its own calibrated input scale). int8_sq's smoothing would have to fold into the final norm.
+LM_HEAD_QFORMATS = ("fp8", "int4_awq", "int4_wo", "int8_wo")
 # Group sizes offered in error messages (the int4 kernels' natural block widths).
 GROUP_SIZE_CHOICES = (16, 32, 64, 128, 256)
 # SmoothQuant alphas a per-tensor int8_sq build tries when --smoothquant-alpha is not given.

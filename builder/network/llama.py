@@ -91,7 +91,7 @@ class LlamaNetwork(nn.Module):
 
     ``dtype``: activation and KV-cache dtype. ``fp8_amax``: HF linear name (e.g.
     ``model.layers.0.self_attn.q_proj``) -> calibrated amax; when given, the decoder's linears are FP8
-    and the embedding / LM head stay in ``dtype`` (bfloat16). ``quant``: integer-format linears (int4 /
+    and the embedding stays in ``dtype`` (bfloat16), the LM head too unless ``lm_head`` is there. ``quant``: integer-format linears (int4 /
     int8, see :class:`IntQuantization`); every linear named there is built from it instead of from
     ``state_dict`` (the LM head too when ``lm_head`` is there; the embedding then stays in ``dtype``)."""
 
@@ -128,6 +128,11 @@ class LlamaNetwork(nn.Module):
         self.lm_head = None
         if quant is not None and "lm_head" in quant.linears:  # --quantize-lm-head: a 16-bit embedding of its own
             self.lm_head = make_quantized_linear([quant.linears["lm_head"]], quant.qformat, quant.group_size, dtype)
+            self.register_buffer("lm_head_weight", None)
+            self.register_buffer("embed_tokens", embed.contiguous())
+        elif fp8_amax is not None and "lm_head" in fp8_amax:  # fp8 --quantize-lm-head (tied: from the float embedding)
+            head = sd.take("model.embed_tokens.weight") if cfg.tie_word_embeddings else sd.take("lm_head.weight")
+            self.lm_head = make_linear([head], [None], dtype, [fp8_amax["lm_head"]])
             self.register_buffer("lm_head_weight", None)
             self.register_buffer("embed_tokens", embed.contiguous())
         elif cfg.tie_word_embeddings:
