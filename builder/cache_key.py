@@ -111,10 +111,11 @@ def normalized_build_config(opts) -> dict[str, Any]:
     """The engine-affecting part of ``opts`` (a :class:`BuildOptions`) as a JSON-ready dict, defaults
     resolved: ``dtype auto`` -> the activation dtype; unset calibration sizes -> the defaults the build
     applies; unset calibration data -> the digest of the default texts (kilnlm's ``data/general_en.txt``
-    and ``pydoc_data.topics``, which may change with the Python release). An unset int4 group size stays unset: the build picks it per model
-    (128, or the largest of 64/32/16 that divides), so it is not the same as an explicit 128. Options a format does not use are
-    refused by :func:`~kilnlm.builder.build.check_quant_options` (so they are always unset there) rather
-    than dropped here. Raises :class:`BuildError` for options the build would refuse."""
+    and ``pydoc_data.topics``, which may change with the Python release). An unset int4 group size stays
+    unset: the build picks it per model (128, or the largest of 64/32/16 that divides), so it is not the
+    same as an explicit 128. Options a format does not use are refused by
+    :func:`~kilnlm.builder.build.check_quant_options` (so they are always unset there) rather than dropped
+    here. Raises :class:`BuildError` for options the build would refuse."""
     from kilnlm.builder import build
 
     build.check_quant_options(opts)

@@ -10,8 +10,9 @@ per line with a ``"text"`` field) -- or, by default, two sources, never a networ
 
 Half the default samples come from each. The language reference alone is technical prose that never asks
 a model to recall a fact, and activations that only factual recall produces then fall outside the
-calibrated ranges: SmolLM2's int8_sq calibrated on it alone answered 6 of 8 one-line factual questions
-wrongly ("The capital of France is France."), and right with the general text added (docs/quantization.md).
+calibrated ranges: SmolLM2's int8_sq calibrated on it alone answered 5 of 7 one-line factual questions
+that fp32 gets right wrongly ("The capital of France is France."), and all 7 right with the general text
+added (docs/quantization.md).
 
 Sampling is deterministic: each text is tokenized once and windows of ``seq_len`` tokens are taken at
 evenly spaced offsets, so the same inputs always give the same calibration batches (and the same engine).
@@ -142,7 +143,8 @@ def calibration_batches(tokenizer, cfg: CalibrationConfig, validation: bool = Fa
     if len(ids) == 1:
         return _windows(ids[0], cfg.num_samples, cfg.seq_len, validation)
     general = _windows(ids[0], -(-cfg.num_samples // 2), cfg.seq_len, validation)
-    reference = _windows(ids[1], cfg.num_samples - len(general), cfg.seq_len, validation) if len(general) < cfg.num_samples else []
+    remaining = cfg.num_samples - len(general)
+    reference = _windows(ids[1], remaining, cfg.seq_len, validation) if remaining > 0 else []
     interleaved = [w for pair in zip(general, reference) for w in pair]
     shorter = min(len(general), len(reference))
     return interleaved + general[shorter:] + reference[shorter:]

@@ -6,7 +6,8 @@ records each linear's weight amax and input (activation) amax. The builder turns
 per-tensor scales ``amax / 448`` (see :class:`kilnlm.builder.network.layers.Fp8Linear`); each part of a
 fused linear keeps its own weight scale. Calibration text (:mod:`kilnlm.builder.calibration`) defaults to
 kilnlm's bundled general English text and the standard library's ``pydoc_data.topics`` (the Python
-language reference), so builds need no network and are deterministic. The integer formats live in :mod:`kilnlm.builder.quantize_int`.
+language reference), so builds need no network and are deterministic. The integer formats live in
+:mod:`kilnlm.builder.quantize_int`.
 """
 
 from __future__ import annotations

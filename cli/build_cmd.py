@@ -28,8 +28,8 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                         "(default: 128, or the largest of 64 / 32 / 16 that divides them, e.g. 64 for SmolLM2's 576)")
     p.add_argument("--calib-data", type=Path, default=None, metavar="PATH",
                    help="calibration text for fp8 / int4_awq / int8_sq: a plain UTF-8 text file, or .jsonl with a "
-                        "\"text\" field per line (default: half the samples from kilnlm's general English text, half from the "
-                        "Python standard library's pydoc_data.topics)")
+                        "\"text\" field per line (default: half the samples from kilnlm's general English text, half "
+                        "from the Python standard library's pydoc_data.topics)")
     p.add_argument("--calib-size", type=int, default=None, metavar="SAMPLES",
                    help="calibration samples taken at evenly spaced offsets of the text (default: 24; 16 for int4_awq, whose "
                         "AWQ search runs every sample once per candidate scaling)")

@@ -52,7 +52,7 @@ def _is_window_of(window: torch.Tensor, ids: list[int]) -> bool:
 
 @pytest.mark.parametrize("num_samples", [1, 5, 6])
 def test_default_samples_alternate_between_the_general_text_and_the_reference(tokenizer, num_samples):
-    general, reference = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in default_calibration_texts())
+    general, reference = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in default_calibration_texts())
     batches = calibration_batches(tokenizer, CalibrationConfig(num_samples=num_samples, seq_len=64))
     assert len(batches) == num_samples and all(b.shape == (1, 64) for b in batches)
     assert all(_is_window_of(b, general if i % 2 == 0 else reference) for i, b in enumerate(batches))
@@ -69,7 +69,7 @@ def test_default_validation_windows_are_disjoint_from_the_calibration_windows(to
 
 
 def test_default_windows_longer_than_the_general_text_come_from_the_reference(tokenizer):
-    general, reference = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in default_calibration_texts())
+    general, reference = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in default_calibration_texts())
     seq_len = len(general) + 1
     batches = calibration_batches(tokenizer, CalibrationConfig(num_samples=2, seq_len=seq_len))
     assert len(batches) == 2 and all(_is_window_of(b, reference) for b in batches)

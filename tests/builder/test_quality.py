@@ -3,7 +3,8 @@ engine, through the engines themselves (:mod:`kilnlm.runtime.perplexity`, what `
 
 Held-out text: the first ``NUM_TOKENS`` tokens of Debian's GPL-3 licence text
 (``/usr/share/common-licenses/GPL-3``, ~7,650 SmolLM2 tokens in all), never the calibration text
-(the builder's default: kilnlm's general English text and ``pydoc_data.topics``). Windows of ``CONTEXT_LEN`` tokens every ``STRIDE`` tokens.
+(the builder's default: kilnlm's general English text and ``pydoc_data.topics``). Windows of
+``CONTEXT_LEN`` tokens every ``STRIDE`` tokens.
 
 Bounds (issue 3, item 9), perplexity relative to fp32 on the same tokens and windows: fp8 <= +3%,
 int8_sq <= +5%, int8_wo <= +2%, int4_awq <= +12%, and int4_awq below int4_wo. The 8-bit KV caches
