@@ -34,9 +34,11 @@ REF_ATOL = 2e-3
 # int4 (group 32) moves each weight by ~9% of its standard deviation, int8 by ~0.5%; int8_sq also rounds
 # every activation to 8 bits with one per-tensor scale, and AWQ / SmoothQuant calibrate on 4 x 64 tokens
 # only. Bound: the relative RMS error of each logits row, ||engine - fp32|| / ||fp32||, about 1.3x the
-# measured worst row (int4_awq 0.37, int4_wo < 0.35, int8_wo < 0.03, int8_sq 0.19). Real-model quality is
+# measured worst row (int4_awq 0.37, int4_wo < 0.35, int8_wo < 0.03, int8_sq 0.29; int8_sq was 0.19 with the
+# language reference's 4 calibration windows, 0.29 with two of them replaced by the general text's: its one
+# per-tensor activation scale per linear depends on which 256 tokens it saw). Real-model quality is
 # measured as perplexity on SmolLM2 (tests/builder/test_quality.py).
-FP32_REL_ERR = {"int4_awq": 0.5, "int4_wo": 0.45, "int8_wo": 0.04, "int8_sq": 0.25}
+FP32_REL_ERR = {"int4_awq": 0.5, "int4_wo": 0.45, "int8_wo": 0.04, "int8_sq": 0.38}
 
 
 def format_options(qformat: str, **extra) -> dict:
