@@ -11,8 +11,8 @@ per line with a ``"text"`` field) -- or, by default, two sources, never a networ
 Half the default samples come from each. The language reference alone is technical prose that never asks
 a model to recall a fact, and activations that only factual recall produces then fall outside the
 calibrated ranges: SmolLM2's int8_sq calibrated on it alone answered 5 of 7 one-line factual questions
-that fp32 gets right wrongly ("The capital of France is France."), and all 7 right with the general text
-added (docs/quantization.md).
+that fp32 gets right wrongly ("The capital of France is France."); with the general text added its engine
+keeps every answer of test_quality's factual probes (docs/quantization.md).
 
 Sampling is deterministic: each text is tokenized once and windows of ``seq_len`` tokens are taken at
 evenly spaced offsets, so the same inputs always give the same calibration batches (and the same engine).
@@ -65,7 +65,8 @@ def default_calibration_texts() -> tuple[str, str]:
 
 
 def default_calibration_text() -> str:
-    """The default sources joined by a blank line (what the default samples are drawn from)."""
+    """The default sources joined by a blank line, as one text (``read_calibration_text(None)``). The default
+    samples are not drawn from this join but from each source in turn (:func:`calibration_batches`)."""
     return "\n\n".join(default_calibration_texts())
 
 

@@ -111,10 +111,11 @@ def kilnlm_int4_to_modelopt(q: torch.Tensor) -> torch.Tensor:
 
 def write_int4_zero_points(export_dir: Path, linears: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """Replace int4 linears of the unified checkpoint in ``export_dir`` by asymmetric ones: ``linears`` maps
-    an HF module name to ``(weight [out // 2, in] uint8 in ModelOpt's packing (:func:`kilnlm_int4_to_modelopt`),
-    weight_scale [out, in // g] float32, zero_point [out, in // g] int8)``. Rewrites the safetensors files holding them (and the shard index, if any) and
-    sets ``has_zero_point`` in hf_quant_config.json and config.json. Raises :class:`BuildError` for a
-    module the checkpoint does not hold."""
+    an HF module name to ``(weight [out // 2, in] uint8 in ModelOpt's packing
+    (:func:`kilnlm_int4_to_modelopt`), weight_scale [out, in // g] float32, zero_point [out, in // g] int8)``.
+    Rewrites the safetensors files holding them (and the shard index, if any) and sets ``has_zero_point`` in
+    hf_quant_config.json and config.json. Raises :class:`BuildError` for a module the checkpoint does not
+    hold."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 

@@ -126,14 +126,13 @@ class LlamaNetwork(nn.Module):
         # The LM head is a [vocab, hidden] weight applied by kilnlm::gemm (rows read in place, no transposed
         # copy); tied embeddings look tokens up in that same tensor: one copy in the package.
         embed = sd.take("model.embed_tokens.weight").to(dtype)
-        self.lm_head = None
-        if quant is not None and "lm_head" in quant.linears:  # --quantize-lm-head: a 16-bit embedding of its own
+        self.lm_head = None  # --quantize-lm-head: the head in the engine's format
+        if quant is not None and "lm_head" in quant.linears:
             self.lm_head = make_quantized_linear([quant.linears["lm_head"]], quant.qformat, quant.group_size, dtype)
-            self.register_buffer("lm_head_weight", None)
-            self.register_buffer("embed_tokens", embed.contiguous())
-        elif fp8_amax is not None and "lm_head" in fp8_amax:  # fp8 --quantize-lm-head (tied: from the float embedding)
+        elif fp8_amax is not None and "lm_head" in fp8_amax:  # tied: from the float embedding
             head = sd.take("model.embed_tokens.weight") if cfg.tie_word_embeddings else sd.take("lm_head.weight")
             self.lm_head = make_linear([head], [None], dtype, [fp8_amax["lm_head"]])
+        if self.lm_head is not None:  # a 16-bit embedding of its own
             self.register_buffer("lm_head_weight", None)
             self.register_buffer("embed_tokens", embed.contiguous())
         elif cfg.tie_word_embeddings:
