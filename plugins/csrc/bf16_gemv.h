@@ -1,6 +1,7 @@
 // Generation-phase GEMV / small GEMM on CPUs with AVX512-BF16, shared by gemm.cpp (bfloat16 weights),
-// fp8_linear.cpp (FP8 weights, its own row loader Fp8Rows), int8_linear.cpp (int8 weights) and
-// int4_linear.cpp (packed int4), the quantized ones converted to bfloat16 in registers. Compiled under
+// fp8_linear.cpp (FP8 weights, its own row loader Fp8Rows) and int8_linear.cpp (int8 weights), the
+// quantized ones converted to bfloat16 in registers; int4_linear.cpp has its own loop (int4_bf16_gemv.h)
+// around this file's epilogue. Compiled under
 // `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")` (plus avx512vbmi for Fp8Rows) and included
 // inside a namespace after every system / torch header, next to fp8_bf16_gemm.h (reduce16).
 //
@@ -38,65 +39,6 @@ struct PlainRows {  // [rows, k] elements of W::elem_t, row-major, natural colum
   inline void load(int64_t r, int64_t i, __m512bh* out) const { out[0] = W::load(w + r * k + i); }
   inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
 };
-
-// Packed int4 rows ([rows, k / 2] bytes, two's complement, column 2j in the low nibble of byte j, 2j + 1
-// in the high one; scales [rows, k / group_size] float32, group_size a multiple of 32; zero points [rows,
-// k / group_size] int8 or null) -> bfloat16 of (q - zero) * scale, the group's scale applied before the
-// rounding to bfloat16 (as int4_linear's context-phase tiles). 32 bytes = 64 weights per load, in *nibble
-// order*: the low nibbles (even columns) of the 32 bytes, then their high nibbles (odd columns) --
-// int4_nibble_order permutes x the same way. The 16 possible values bf16((q - zero) * scale) of each
-// 32-column half form a 32-entry table that VPERMW indexes with the nibbles (plus 16 for the second half),
-// so a weight costs no conversion of its own: nine instructions per 64 weights, against ~18 for 32-weight
-// loads that rebuilt the table each time.
-// The table is the per-load cost, so it is specialized: kZeroPoints (asymmetric groups: q - zero, whose
-// scalar load and conversion cost as much as the rest of the table) and kOneGroup (group_size a multiple
-// of 64: both halves of a load lie in one group and share one 16-entry table, built once).
-template <bool kZeroPoints, bool kOneGroup>
-struct Int4Rows {
-  Int4Rows(const uint8_t* w_, const float* scales_, const int8_t* zeros_, int64_t k_, int64_t group_size)
-      : w(w_), scales(scales_), zeros(zeros_), half_k(k_ / 2), num_groups(k_ / group_size), group_shift(-1),
-        group(group_size) {
-    for (int s = 0; s < 31; ++s)
-      if ((int64_t{1} << s) == group_size) group_shift = s;  // the usual 32 / 64 / 128: no division per load
-  }
-  const uint8_t* w;
-  const float* scales;
-  const int8_t* zeros;  // or null: symmetric
-  int64_t half_k, num_groups;
-  int group_shift;
-  int64_t group;
-  static constexpr int64_t kCols = 64;
-  static constexpr int64_t kChunkBytes = 32;
-  inline int64_t group_of(int64_t col) const { return group_shift >= 0 ? (col >> group_shift) : col / group; }
-  // (nibble's q - zero) * scale of group g (a flat [rows, num_groups] index), as float32.
-  inline __m512 group_values(int64_t g) const {
-    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);  // nibble -> q
-    const __m512 q_minus_zero = kZeroPoints ? _mm512_sub_ps(q, _mm512_set1_ps(static_cast<float>(zeros[g]))) : q;
-    return _mm512_mul_ps(q_minus_zero, _mm512_set1_ps(scales[g]));
-  }
-  inline void load(int64_t r, int64_t i, __m512bh* out) const {
-    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * half_k + i / 2)));
-    const __m512 first = group_values(r * num_groups + group_of(i));
-    const __m512 second = kOneGroup ? first : group_values(r * num_groups + group_of(i + 32));
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);  // entries 16..31: columns i + 32..
-    const __m512i half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);  // bytes 16..31
-    const __m512i lo = _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(0x000F), half, 0xEA);  // (b & 15) | half
-    const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), half);
-    out[0] = (__m512bh)_mm512_permutexvar_epi16(lo, table);
-    out[1] = (__m512bh)_mm512_permutexvar_epi16(hi, table);
-  }
-  inline const void* address(int64_t r, int64_t i) const { return w + r * half_k + i / 2; }
-};
-
-// dst = src (n bf16 values, n a multiple of 64) with each 64-column chunk in Int4Rows' nibble order:
-// dst[c + j] = src[c + 2j], dst[c + 32 + j] = src[c + 2j + 1].
-static inline void int4_nibble_order(const uint16_t* src, int64_t n, uint16_t* dst) {
-  for (int64_t c = 0; c < n; c += 64)
-    for (int64_t j = 0; j < 32; ++j) {
-      dst[c + j] = src[c + 2 * j];
-      dst[c + 32 + j] = src[c + 2 * j + 1];
-    }
-}
 
 // What happens to a dot product: y[t, r] = sum * row_scale[r] + bias[r] (each factor
 // optional, in this order: the rounding steps of the ops' references), stored as bfloat16 (round to nearest

@@ -7,8 +7,8 @@
 // The packed weight [out, in / 2] uint8 is read directly, never dequantized as a whole:
 // - few tokens (generation phase): a fused unpack-and-multiply GEMV over output rows, each weight byte read
 //   once per call (memory bound at half a byte per weight): bfloat16 x with AVX512-BF16 through
-//   bf16_gemv.h (q * scale rounded to bfloat16 in registers, as the context phase's tiles, VDPBF16PS),
-//   otherwise float32 FMAs (int4_kernels.h);
+//   int4_bf16_gemv.h (nibbles made bfloat16 integers in registers, VDPBF16PS, the group scale applied to
+//   each group's float32 partial sums), otherwise float32 FMAs (int4_kernels.h);
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local buffer
 //   and multiplied with all T rows: float32 x -> float32 tiles (exactly the reference's q * scale) through
 //   at::mm; bfloat16 x on CPUs with AVX512-BF16 -> bfloat16 tiles (q * scale rounded once to bfloat16, as
@@ -69,19 +69,14 @@ namespace {
 #include "fp8_bf16_gemm.h"
 #include "bf16_tile.h"
 #include "bf16_gemv.h"
+#include "int4_bf16_gemv.h"
 
-// Generation phase, bfloat16 x: y[t, o] = sum (+ bias[o]) for rows [r0, r1), each weight unpacked in
-// registers to bfloat16(q * scale) -- the context phase's bf16 tiles, without the tile.
-void gemv_int4_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, const float* scales, const int8_t* zeros,
-                    int64_t out_features, int64_t in, int64_t group_size, const float* bias, uint16_t* out, int64_t r0,
+// Generation phase, bfloat16 x: y[t, o] (+ bias[o]) for rows [r0, r1) through int4_bf16_gemv.h.
+void gemv_int4_rows(const Int4GemvArgs& args, int64_t num_tokens, const float* bias, uint16_t* out, int64_t r0,
                     int64_t r1) {
-  const GemvEpilogue epilogue(out, out_features, bias);
-  const auto run = [&](const auto& rows) { gemv_any_rows(xb, num_tokens, in, rows, out_features, in, r0, r1, epilogue); };
-  const bool one_group = group_size % Int4Rows<false, true>::kCols == 0;
-  if (zeros != nullptr && one_group) run(Int4Rows<true, true>(w, scales, zeros, in, group_size));
-  else if (zeros != nullptr) run(Int4Rows<true, false>(w, scales, zeros, in, group_size));
-  else if (one_group) run(Int4Rows<false, true>(w, scales, zeros, in, group_size));
-  else run(Int4Rows<false, false>(w, scales, zeros, in, group_size));
+  const GemvEpilogue epilogue(out, args.num_rows, bias);
+  if (args.zeros != nullptr) int4_gemv_rows<true>(args, num_tokens, r0, r1, epilogue);
+  else int4_gemv_rows<false>(args, num_tokens, r0, r1, epilogue);
 }
 }  // namespace
 }  // namespace avx512bf16
@@ -324,18 +319,25 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
-        if (direct && bf16_gemm && in % avx512bf16::Int4Rows<false, false>::kCols == 0 && group_size % 32 == 0) {  // bf16_gemv.h
+        if (direct && bf16_gemm && group_size % 32 == 0) {  // int4_bf16_gemv.h
           prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, xs.data());
-          std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));  // x * pre_quant_scale, rounded to bf16
-          std::vector<uint16_t> row(static_cast<size_t>(in));
-          for (int64_t t = 0; t < num_tokens; ++t) {
-            avx512bf16::to_bf16_padded(xs.data() + t * in, in, row.data(), in);
-            avx512bf16::int4_nibble_order(row.data(), in, xb.data() + t * in);
-          }
+          const int64_t num_loads = avx512bf16::int4_gemv_num_loads(in);
+          std::vector<int64_t> first_group(static_cast<size_t>(num_loads));
+          std::vector<int32_t> lane_group(static_cast<size_t>(num_loads * 16));
+          std::vector<uint16_t> group_mask(static_cast<size_t>(num_loads));
+          avx512bf16::Int4GemvPlan plan{in, num_loads, first_group.data(), lane_group.data(), group_mask.data(), 0};
+          avx512bf16::int4_gemv_plan(group_size, plan);
+          // x * pre_quant_scale rounded to bf16 once, in the kernel's order, and its lane sums
+          std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * plan.num_loads * avx512bf16::kInt4LoadCols));
+          std::vector<float> neg_sums(static_cast<size_t>(num_tokens * plan.num_loads * 16));
+          for (int64_t t = 0; t < num_tokens; ++t)
+            avx512bf16::int4_gemv_prepare_x(xs.data() + t * in, plan, xb.data() + t * plan.num_loads * avx512bf16::kInt4LoadCols,
+                                           neg_sums.data() + t * plan.num_loads * 16);
+          const avx512bf16::Int4GemvArgs args{problem.w, problem.scales, problem.zeros, in / 2, in / group_size,
+                                              out_features, &plan, xb.data(), neg_sums.data()};
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
           kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-            avx512bf16::gemv_int4_rows(xb.data(), num_tokens, problem.w, problem.scales, problem.zeros, out_features, in,
-                                       group_size, problem.bias, yb, r0, r1);
+            avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias, yb, r0, r1);
           });
           return;
         }

@@ -80,6 +80,7 @@ SHAPES = [  # (out_features, in_features, group_size)
     (576, 1536, 128),   # SmolLM2 down
     (576, 1536, 1536),  # per-channel (group_size == in_features)
     (40, 200, 40),      # groups with a 8-column tail after a 32-column block, 40 rows
+    (33, 352, 32),      # rows of 2.75 x 128 columns (a partial last load in the bf16 GEMV), 33 rows
     (7, 6, 6),          # smaller than one vector block
 ]
 

@@ -1,0 +1,204 @@
+// Generation-phase GEMV of kilnlm::int4_linear for bfloat16 x on CPUs with AVX512-BF16, compiled by
+// int4_linear.cpp under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")` and included inside a
+// namespace after fp8_bf16_gemm.h (reduce16) and bf16_gemv.h (GemvEpilogue, kGemvBlockRows).
+//
+// Decode reads each packed weight once, so the kernel must unpack faster than DRAM delivers: four
+// instructions per 32 weights here (one shift, one VPTERNLOG, one VDPBF16PS, plus a share of the load), no
+// table lookups and no per-group conversions inside the dot products.
+//
+// - A 64-byte load holds 128 columns as 32 little-endian 16-bit words; word j holds columns 4j .. 4j + 3,
+//   column 4j + k in bits 4k .. 4k + 3 (the packed layout: two nibbles per byte, low nibble first).
+// - Nibble k of every word becomes a bfloat16 without arithmetic: (nibble ^ 8) | 0x4300 is the bfloat16
+//   of 128 + 8 + q = 136 + q (0x4300 is 128; the 7 mantissa bits hold the integer added to it; q in
+//   [-8, 7] is the two's complement nibble), one VPTERNLOG per 32 weights. VDPBF16PS multiplies 32 of them
+//   with x exactly (bf16 x bf16 is exact in float32) and accumulates pairs in float32.
+// - The bias of 136 (and the zero point) leaves the dot products through x's sums: for the columns C of
+//   one float32 lane (eight consecutive columns, all in one group g),
+//       sum_C (q - zero) x = sum_C (136 + q) x - (136 + zero[g]) * sum_C x,
+//   so each lane starts from -(136 + zero[g]) * sum_C x instead of 0. x's lane sums are computed once per
+//   call (x_lane_sums), not per row.
+// - The group scale multiplies each load's lanes after its four VDPBF16PS (every lane lies in one group,
+//   because group_size is a multiple of 32): acc += partial * scale[g(lane)], float32.
+//
+// So y = sum_g scale[g] * sum_{c in g} (q - zero) * x[c]: the reference's float32-accumulated product with
+// the scale applied per group instead of per weight (q - zero is exact either way; this rounds fewer times
+// than bfloat16((q - zero) * scale) weights would).
+
+constexpr int64_t kInt4LoadCols = 128;  // columns per 64-byte load
+
+// The row-independent part of one call: for each 128-column load l, which groups its 16 float32 lanes use
+// (lane i covers columns 128 l + 8 i .. + 7). Raw arrays of num_loads (* 16) entries owned by the caller.
+struct Int4GemvPlan {
+  int64_t in, num_loads;
+  int64_t* first_group;  // [num_loads] the group of the load's first column
+  int32_t* lane_group;   // [num_loads, 16] each lane's group, relative to first_group
+  uint16_t* group_mask;  // [num_loads] the groups the load touches, as a mask from first_group
+  uint64_t tail_mask;    // the bytes of the last load that lie inside the row
+};
+
+static inline int64_t int4_gemv_num_loads(int64_t in) { return (in + kInt4LoadCols - 1) / kInt4LoadCols; }
+
+// Fills plan's arrays for rows of `in` columns (a multiple of 32) and group_size (a multiple of 32).
+static void int4_gemv_plan(int64_t group_size, Int4GemvPlan& plan) {
+  for (int64_t l = 0; l < plan.num_loads; ++l) {
+    const int64_t c0 = l * kInt4LoadCols, g0 = c0 / group_size;
+    int64_t last = g0;
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t c = c0 + 8 * i;
+      const int64_t g = c < plan.in ? c / group_size : g0;  // lanes past the row: x is 0 there
+      plan.lane_group[l * 16 + i] = static_cast<int32_t>(g - g0);
+      if (g > last) last = g;
+    }
+    plan.first_group[l] = g0;
+    plan.group_mask[l] = static_cast<uint16_t>((1u << (last - g0 + 1)) - 1u);
+  }
+  const int64_t tail_bytes = (plan.in % kInt4LoadCols) / 2;
+  plan.tail_mask = tail_bytes == 0 ? ~uint64_t{0} : (uint64_t{1} << tail_bytes) - 1;
+}
+
+// x rows for the kernel, one token = num_loads * 128 bfloat16 + num_loads * 16 float32:
+// xb[t, 128 l + 32 k + j] = bfloat16 of x[t, 128 l + 4 j + k] (0 past in), the order in which the k-th
+// nibble of each word meets x; neg_sums[t, 16 l + i] = -sum of lane i's eight columns of that bfloat16 x.
+static inline void int4_gemv_prepare_x(const float* x, const Int4GemvPlan& plan, uint16_t* xb, float* neg_sums) {
+  alignas(64) uint16_t row[kInt4LoadCols];
+  for (int64_t l = 0; l < plan.num_loads; ++l) {
+    const int64_t c0 = l * kInt4LoadCols, n = plan.in - c0 < kInt4LoadCols ? plan.in - c0 : kInt4LoadCols;
+    to_bf16_padded(x + c0, n, row, kInt4LoadCols);
+    uint16_t* dst = xb + l * kInt4LoadCols;
+    for (int64_t j = 0; j < 32; ++j)
+      for (int64_t k = 0; k < 4; ++k) dst[32 * k + j] = row[4 * j + k];
+    for (int64_t i = 0; i < 16; ++i) {
+      float s = 0.f;
+      for (int64_t c = 8 * i; c < 8 * i + 8; ++c) {
+        const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
+        float v;
+        __builtin_memcpy(&v, &bits, sizeof(v));
+        s += v;
+      }
+      neg_sums[l * 16 + i] = -s;
+    }
+  }
+}
+
+// Every cache line of [p, p + num_bytes) into L1.
+static inline void prefetch_lines(const void* p, int64_t num_bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}, end = reinterpret_cast<uintptr_t>(p) + num_bytes;
+  for (uintptr_t line = first; line < end; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+
+struct Int4GemvArgs {
+  const uint8_t* w;        // [rows, in / 2] packed int4
+  const float* scales;     // [rows, num_groups]
+  const int8_t* zeros;     // [rows, num_groups] or null (symmetric)
+  int64_t half_k, num_groups, num_rows;
+  const Int4GemvPlan* plan;
+  const uint16_t* xb;      // [num_tokens, num_loads * 128] (int4_gemv_prepare_x)
+  const float* neg_sums;   // [num_tokens, num_loads * 16]
+};
+
+// Lane t * NR + r of the result (NT * NR == 16) or, for NT * NR < 16, sums[t * NR + r]: dot(x_{t0 + t},
+// row r0 + r). pf_row (or -1): the first of NR rows of a later block, one prefetch per row and load.
+template <bool kZeroPoints, int NT, int NR>
+static inline void int4_gemv_tile(const Int4GemvArgs& a, int64_t t0, int64_t r0, int64_t pf_row, float* sums) {
+  const Int4GemvPlan& plan = *a.plan;
+  const int64_t xb_stride = plan.num_loads * kInt4LoadCols, sums_stride = plan.num_loads * 16;
+  const __m512i nibble = _mm512_set1_epi16(0x000F), to_bf16 = _mm512_set1_epi16(0x4308);
+  const __m512 bias = _mm512_set1_ps(136.f);
+  __m512 acc[NT][NR];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < NR; ++r) acc[t][r] = _mm512_setzero_ps();
+  const uint8_t* w_load = a.w + r0 * a.half_k;  // row r0, load l
+  const uint8_t* pf_load = pf_row >= 0 ? a.w + pf_row * a.half_k : nullptr;
+  if (pf_row >= 0) {  // the later block's scales and zero points: streams of their own, which the weights' prefetches miss
+    prefetch_lines(a.scales + pf_row * a.num_groups, NR * a.num_groups * sizeof(float));
+    if (kZeroPoints) prefetch_lines(a.zeros + pf_row * a.num_groups, NR * a.num_groups);
+  }
+  for (int64_t l = 0; l < plan.num_loads; ++l, w_load += 64) {
+    const __m512i lane_group = _mm512_loadu_si512(plan.lane_group + l * 16);
+    const __mmask16 group_mask = plan.group_mask[l];
+    const __mmask64 byte_mask = l + 1 == plan.num_loads ? plan.tail_mask : ~__mmask64{0};
+    const float* scale_load = a.scales + r0 * a.num_groups + plan.first_group[l];
+    const int8_t* zero_load = kZeroPoints ? a.zeros + r0 * a.num_groups + plan.first_group[l] : nullptr;
+    __m512bh xv[NT][4];
+    __m512 start[NT];  // -(lane sums); symmetric rows all start from -136 * lane sums
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const uint16_t* xt = a.xb + (t0 + t) * xb_stride + l * kInt4LoadCols;
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) xv[t][k] = (__m512bh)_mm512_loadu_si512(xt + 32 * k);
+      start[t] = _mm512_loadu_ps(a.neg_sums + (t0 + t) * sums_stride + l * 16);
+      if (!kZeroPoints) start[t] = _mm512_mul_ps(bias, start[t]);
+    }
+    if (pf_load != nullptr) {
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf_load + r * a.half_k + l * 64), _MM_HINT_T0);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      const __m512i bytes = _mm512_maskz_loadu_epi8(byte_mask, w_load + r * a.half_k);
+      // bfloat16(136 + q) of column 4j + k in word j: VPTERNLOG's f(a, b, c) = b ? a ^ c : c (truth table
+      // 0x6A) over (a, b, c) = (word >> 4k, 0x000F, 0x4308) keeps the nibble, flips its sign bit, sets 0x4300.
+      __m512bh w[4];
+      w[0] = (__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, to_bf16, 0x6A);
+      w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 4), nibble, to_bf16, 0x6A);
+      w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 8), nibble, to_bf16, 0x6A);
+      w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 12), nibble, to_bf16, 0x6A);
+      const __m512 scale = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(group_mask, scale_load + r * a.num_groups));
+      __m512 zero_bias;  // 136 + zero[g] per lane
+      if (kZeroPoints) {
+        const __m128i z8 = _mm_maskz_loadu_epi8(group_mask, zero_load + r * a.num_groups);
+        zero_bias = _mm512_add_ps(bias, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane_group, _mm512_cvtepi8_epi32(z8))));
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        __m512 part = kZeroPoints ? _mm512_mul_ps(zero_bias, start[t]) : start[t];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) part = _mm512_dpbf16_ps(part, xv[t][k], w[k]);
+        acc[t][r] = _mm512_fmadd_ps(part, scale, acc[t][r]);
+      }
+    }
+  }
+  if constexpr (NT * NR == 16) {
+    alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
+    reduce16(&acc[0][0], reduced);
+    const __m512i natural = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(sums, _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced)));
+  } else {
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < NR; ++r) sums[t * NR + r] = _mm512_reduce_add_ps(acc[t][r]);
+  }
+}
+
+// y[t, r] by `epilogue` for rows [r0, r1) and every token t < num_tokens; whole 16-row blocks in tiles of
+// 4 tokens x 4 rows, 2 x 8 or 1 x 16 (each weight load used by every token of the tile), the rows past
+// the last whole block one at a time.
+template <bool kZeroPoints>
+static void int4_gemv_rows(const Int4GemvArgs& a, int64_t num_tokens, int64_t r0, int64_t r1,
+                           const GemvEpilogue& epilogue) {
+  alignas(64) float sums[16];
+  const int64_t full_end = r0 + (r1 - r0) / kGemvBlockRows * kGemvBlockRows;
+  for (int64_t r = r0; r < full_end; r += kGemvBlockRows) {
+    const int64_t ahead = r + kGemvPrefetchBlocks * kGemvBlockRows;
+    const int64_t pf = ahead + kGemvBlockRows <= a.num_rows ? ahead : -1;
+    int64_t t = 0;
+    for (; t + 4 <= num_tokens; t += 4)
+      for (int64_t sub = 0; sub < kGemvBlockRows; sub += 4) {
+        int4_gemv_tile<kZeroPoints, 4, 4>(a, t, r + sub, t == 0 && pf >= 0 ? pf + sub : -1, sums);
+        epilogue.store16<4>(t, r + sub, _mm512_load_ps(sums));
+      }
+    for (; t + 2 <= num_tokens; t += 2)
+      for (int64_t sub = 0; sub < kGemvBlockRows; sub += 8) {
+        int4_gemv_tile<kZeroPoints, 2, 8>(a, t, r + sub, t == 0 && pf >= 0 ? pf + sub : -1, sums);
+        epilogue.store16<8>(t, r + sub, _mm512_load_ps(sums));
+      }
+    if (t < num_tokens) {
+      int4_gemv_tile<kZeroPoints, 1, 16>(a, t, r, t == 0 ? pf : -1, sums);
+      epilogue.store16<16>(t, r, _mm512_load_ps(sums));
+    }
+  }
+  for (int64_t r = full_end; r < r1; ++r)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      int4_gemv_tile<kZeroPoints, 1, 1>(a, t, r, -1, sums);
+      epilogue.store1(t, r, sums[0]);
+    }
+}
