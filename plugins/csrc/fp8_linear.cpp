@@ -332,7 +332,7 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   at::Tensor out = at::empty({num_tokens, out_features}, x.options());
   if (num_tokens == 0 || out_features == 0) return out;
 
-  const float s_in = input_scale.item<float>();
+  const float s_in = *input_scale.data_ptr<float>();  // checked 0-dim float32 CPU; item() dispatches (~1 us)
   // scale[o] = input_scale * weight_scale[o], one float32 product per output row as the reference.
   std::vector<float> scale_buf(static_cast<size_t>(out_features));
   const at::Tensor w_scale = weight_scale.contiguous();

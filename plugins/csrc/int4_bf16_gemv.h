@@ -38,19 +38,22 @@ struct Int4GemvPlan {
 
 static inline int64_t int4_gemv_num_loads(int64_t in) { return (in + kInt4LoadCols - 1) / kInt4LoadCols; }
 
-// Fills plan's arrays for rows of `in` columns (a multiple of 32) and group_size (a multiple of 32).
+// Fills plan's arrays for rows of `in` columns (a multiple of 32) and group_size (a multiple of 32), without
+// a division per lane (this runs on every call).
 static void int4_gemv_plan(int64_t group_size, Int4GemvPlan& plan) {
+  int64_t g0 = 0, offset = 0;  // the load's first group, and its first column's offset in that group
   for (int64_t l = 0; l < plan.num_loads; ++l) {
-    const int64_t c0 = l * kInt4LoadCols, g0 = c0 / group_size;
-    int64_t last = g0;
+    int32_t last = 0;
     for (int64_t i = 0; i < 16; ++i) {
-      const int64_t c = c0 + 8 * i;
-      const int64_t g = c < plan.in ? c / group_size : g0;  // lanes past the row: x is 0 there
-      plan.lane_group[l * 16 + i] = static_cast<int32_t>(g - g0);
-      if (g > last) last = g;
+      int32_t rel = 0;  // lanes past the row stay in group g0: x is 0 there
+      if (l * kInt4LoadCols + 8 * i < plan.in)
+        for (int64_t o = offset + 8 * i; o >= group_size; o -= group_size) ++rel;
+      plan.lane_group[l * 16 + i] = rel;
+      if (rel > last) last = rel;
     }
     plan.first_group[l] = g0;
-    plan.group_mask[l] = static_cast<uint16_t>((1u << (last - g0 + 1)) - 1u);
+    plan.group_mask[l] = static_cast<uint16_t>((1u << (last + 1)) - 1u);
+    for (offset += kInt4LoadCols; offset >= group_size; offset -= group_size) ++g0;
   }
   const int64_t tail_bytes = (plan.in % kInt4LoadCols) / 2;
   plan.tail_mask = tail_bytes == 0 ? ~uint64_t{0} : (uint64_t{1} << tail_bytes) - 1;
@@ -58,25 +61,29 @@ static void int4_gemv_plan(int64_t group_size, Int4GemvPlan& plan) {
 
 // x rows for the kernel, one token = num_loads * 128 bfloat16 + num_loads * 16 float32:
 // xb[t, 128 l + 32 k + j] = bfloat16 of x[t, 128 l + 4 j + k] (0 past in), the order in which the k-th
-// nibble of each word meets x; neg_sums[t, 16 l + i] = -sum of lane i's eight columns of that bfloat16 x.
+// nibble of each word meets x; neg_sums[t, 16 l + i] = -sum of lane i's eight columns of that bfloat16 x
+// (VDPBF16PS against ones adds exactly the pairs a lane of the GEMV multiplies).
 static inline void int4_gemv_prepare_x(const float* x, const Int4GemvPlan& plan, uint16_t* xb, float* neg_sums) {
+  static const uint16_t kEveryFourth[32] = {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+                                            0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60};
+  const __m512i every_fourth = _mm512_loadu_si512(kEveryFourth);
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bfloat16 1.0
   alignas(64) uint16_t row[kInt4LoadCols];
   for (int64_t l = 0; l < plan.num_loads; ++l) {
     const int64_t c0 = l * kInt4LoadCols, n = plan.in - c0 < kInt4LoadCols ? plan.in - c0 : kInt4LoadCols;
     to_bf16_padded(x + c0, n, row, kInt4LoadCols);
-    uint16_t* dst = xb + l * kInt4LoadCols;
-    for (int64_t j = 0; j < 32; ++j)
-      for (int64_t k = 0; k < 4; ++k) dst[32 * k + j] = row[4 * j + k];
-    for (int64_t i = 0; i < 16; ++i) {
-      float s = 0.f;
-      for (int64_t c = 8 * i; c < 8 * i + 8; ++c) {
-        const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
-        float v;
-        __builtin_memcpy(&v, &bits, sizeof(v));
-        s += v;
-      }
-      neg_sums[l * 16 + i] = -s;
+    const __m512i w0 = _mm512_load_si512(row), w1 = _mm512_load_si512(row + 32);
+    const __m512i w2 = _mm512_load_si512(row + 64), w3 = _mm512_load_si512(row + 96);
+    __m512 sums = _mm512_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      const __m512i idx = _mm512_add_epi16(every_fourth, _mm512_set1_epi16(static_cast<short>(k)));
+      // lanes j < 16: row[4 j + k] from words 0..63; lanes j >= 16: row[64 + 4 (j - 16) + k]
+      const __m512i v = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_permutex2var_epi16(w0, idx, w1),
+                                                _mm512_permutex2var_epi16(w2, idx, w3));
+      _mm512_storeu_si512(xb + c0 + 32 * k, v);
+      sums = _mm512_dpbf16_ps(sums, (__m512bh)v, ones);
     }
+    _mm512_storeu_ps(neg_sums + l * 16, _mm512_sub_ps(_mm512_setzero_ps(), sums));
   }
 }
 
