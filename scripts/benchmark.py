@@ -2,7 +2,7 @@
 """kilnlm engines vs Hugging Face ``generate`` on SmolLM2-135M-Instruct, side by side on this machine.
 
     python scripts/benchmark.py [--formats fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq] [--work-dir .work/bench]
-        [--num-requests 32] [--decode-only] [--no-transformers]
+        [--num-requests 32] [--decode-only] [--no-transformers] [--decode-rounds N]
 
 Scenarios (greedy, EOS ignored, the same prompt token ids for both; prompts are real English text from the
 standard library's ``pydoc_data.topics``):
@@ -13,6 +13,10 @@ standard library's ``pydoc_data.topics``):
 (b) 32 requests at once, 256 prompt tokens each, 128 output tokens each: wall time and output tokens/s.
     kilnlm: all submitted together to the executor (in-flight batching, chunked context);
     transformers: one ``generate`` call on the batch (equal lengths, so no padding).
+
+With ``--decode-rounds N`` scenario (a)'s decode is measured again in N rounds, each engine in a fresh process
+in turn (round-robin): on a shared machine bandwidth and load drift by tens of percent within minutes, so a
+ratio to bf16 is only meaningful within a round; the table then shows medians and the per-round ratios.
 
 Also the cold start: seconds from launching a fresh Python process to its first generated token from an
 already built engine (load + verify + first forward).
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -224,6 +229,36 @@ import os; os._exit(0)
 """
 
 
+DECODE_ONCE = """
+import json, sys, time
+from kilnlm.runtime.executor import Executor
+from kilnlm.runtime.request import SamplingParams
+ex = Executor.from_engine_dir(sys.argv[1])
+prompt, max_tokens = json.loads(sys.argv[2]), int(sys.argv[3])
+ex.generate(prompt[:16], SamplingParams(max_tokens=4, ignore_eos=True))
+stamps = []
+for response in ex.stream(ex.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))):
+    stamps += [time.perf_counter()] * len(response.token_ids)
+print((len(stamps) - 1) / (stamps[-1] - stamps[0]), flush=True)
+import os; os._exit(0)
+"""
+
+
+def decode_rounds(engines: dict[str, Path], prompt: list[int], max_tokens: int, num_rounds: int) -> dict[str, list[float]]:
+    """Scenario (a)'s decode tokens/s of every engine in ``num_rounds`` rounds, each engine in a fresh process
+    in turn within a round (round-robin), so that the machine's drift in bandwidth and load (large on shared
+    machines) falls on every format alike and ratios can be taken within a round."""
+    rates: dict[str, list[float]] = {spec: [] for spec in engines}
+    for round_idx in range(num_rounds):
+        for spec, engine_dir in engines.items():
+            out = subprocess.run([sys.executable, "-c", DECODE_ONCE, str(engine_dir), json.dumps(prompt), str(max_tokens)],
+                                 check=True, capture_output=True, text=True)
+            rates[spec].append(float(out.stdout.strip().splitlines()[-1]))
+        print(f"[bench] decode round {round_idx + 1}/{num_rounds}: " +
+              ", ".join(f"{spec} {r[-1]:.1f}" for spec, r in rates.items()), flush=True)
+    return rates
+
+
 def cold_start_s(engine_dir: Path) -> float:
     """Seconds from launching a new Python process to its first token from ``engine_dir``."""
     t0 = time.time()
@@ -243,6 +278,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default: 128)")
     parser.add_argument("--decode-only", action="store_true", help="run scenario (a) only, no batch and no cold start")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--decode-rounds", type=int, default=1,
+                        help="with N > 1, scenario (a)'s decode tokens/s is also measured in N round-robin rounds of one "
+                             "fresh process per engine; the table then shows the median over rounds and x bf16 the "
+                             "median of each round's ratio to that round's bf16 (default: 1)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this file")
     args = parser.parse_args()
 
@@ -280,6 +319,13 @@ def main() -> int:
         weight_bytes = decode_weight_bytes(read_manifest(engines[qformat]), qformat)
         cold_s = None if args.decode_only else cold_start_s(engines[qformat])
         rows.append((f"kilnlm {qformat}", qformat, result, hf_results.get(dtype), weight_bytes, cold_s))
+    rounds = decode_rounds(engines, single_prompt, args.max_tokens, args.decode_rounds) if args.decode_rounds > 1 else {}
+    round_ratios: dict[str, list[float]] = {}
+    for _, qformat, r, *_ in rows:
+        if qformat in rounds:
+            r.decode_tokens_per_s = statistics.median(rounds[qformat])
+            if "bf16" in rounds:
+                round_ratios[qformat] = [a / b for a, b in zip(rounds[qformat], rounds["bf16"])]
     bf16 = next((r for _, q, r, *_ in rows if q == "bf16"), None)
 
     header = (f"{'':<22}{'TTFT ms':>9}{'decode tok/s':>14}{'x HF':>7}{'x bf16':>8}{'MB/token':>10}{'GB/s':>7}{'% BW':>6}"
@@ -289,6 +335,8 @@ def main() -> int:
     for name, qformat, r, base, weight_bytes, cold_s in rows:
         ratio_a = r.decode_tokens_per_s / base.decode_tokens_per_s if base else None
         ratio_bf16 = r.decode_tokens_per_s / bf16.decode_tokens_per_s if bf16 and qformat else None
+        if qformat in round_ratios:
+            ratio_bf16 = statistics.median(round_ratios[qformat])
         ratio_b = r.batch_tokens_per_s / base.batch_tokens_per_s if base and batch_prompts else None
         gbs = weight_bytes * r.decode_tokens_per_s / 1e9 if weight_bytes else None
 
@@ -302,7 +350,13 @@ def main() -> int:
         records.append({"name": name, **vars(r), "weight_bytes_per_token": weight_bytes, "weight_gbs": gbs,
                         "fraction_of_bandwidth": gbs / bandwidth_gbs if gbs else None, "cold_start_s": cold_s,
                         "decode_ratio_vs_transformers": ratio_a, "decode_ratio_vs_bf16_engine": ratio_bf16,
-                        "batch_ratio_vs_transformers": ratio_b, "memory_read_bandwidth_gbs": bandwidth_gbs})
+                        "batch_ratio_vs_transformers": ratio_b, "memory_read_bandwidth_gbs": bandwidth_gbs,
+                        "decode_tokens_per_s_rounds": rounds.get(qformat), "decode_ratio_vs_bf16_rounds": round_ratios.get(qformat)})
+    if round_ratios:
+        print(f"\nx bf16 in each of {args.decode_rounds} rounds (decode tok/s of one fresh process per engine, round-robin):")
+        for spec, ratios in round_ratios.items():
+            print(f"  {spec:<20} " + " ".join(f"{x:.2f}" for x in ratios) + f"   (min {min(ratios):.2f}, median "
+                  f"{statistics.median(ratios):.2f}, max {max(ratios):.2f})")
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
     return 0
