@@ -208,6 +208,25 @@ void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t 
   }
 }
 
+// The bf16 GEMV's per-call buffers (int4_bf16_gemv.h), kept per thread and only ever grown.
+struct Int4GemvScratch {
+  std::vector<float> xs;             // [in] one token's x * pre_quant_scale
+  std::vector<uint16_t> xb;          // [num_tokens, num_loads * 128]
+  std::vector<float> neg_sums;       // [num_tokens, num_loads * 16]
+  std::vector<int64_t> first_group;  // the plan's arrays
+  std::vector<int32_t> lane_group;
+  std::vector<uint16_t> group_mask;
+  void resize(int64_t num_tokens, int64_t in, int64_t num_loads) {
+    const auto grow = [](auto& v, int64_t n) { if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n)); };
+    grow(xs, in);
+    grow(xb, num_tokens * num_loads * 128);
+    grow(neg_sums, num_tokens * num_loads * 16);
+    grow(first_group, num_loads);
+    grow(lane_group, num_loads * 16);
+    grow(group_mask, num_loads);
+  }
+};
+
 struct Problem {
   const uint8_t* w;       // [out, in / 2] packed int4
   const float* scales;    // [out, in / group_size]
@@ -295,17 +314,26 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   if (num_tokens == 0 || out_features == 0) return out;
 
   const at::Tensor weight_scale = weight_scale_in.contiguous();
+  // float32 contiguous as given without a dispatch (a decode step makes ~120 of these calls)
+  const auto as_float = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat ? t.contiguous() : t.to(at::kFloat).contiguous();
+  };
   at::Tensor bias, pqs, zero_point;
-  if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
+  if (bias_in.has_value()) bias = as_float(*bias_in);
   if (zero_point_in.has_value()) zero_point = zero_point_in->contiguous();
-  if (pre_quant_scale_in.has_value()) pqs = pre_quant_scale_in->to(at::kFloat).contiguous();
+  if (pre_quant_scale_in.has_value()) pqs = as_float(*pre_quant_scale_in);
 
   const Isa isa = pick_isa(group_size);
   const bool bf16_gemm = x.scalar_type() == at::kBFloat16 && kiln::cpu_has_avx512_bf16();
   const bool direct = num_tokens <= (bf16_gemm ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm);
   // The GEMV's vector paths read x block-permuted; at::mm and the scalar path read it in natural order.
   const bool permute = direct && isa != Isa::kGeneric;
-  std::vector<float> xs(static_cast<size_t>(num_tokens * in));
+#if defined(__x86_64__)
+  const bool bf16_gemv = direct && bf16_gemm && group_size % 32 == 0;  // int4_bf16_gemv.h, its own buffers
+#else
+  const bool bf16_gemv = false;
+#endif
+  std::vector<float> xs(static_cast<size_t>(bf16_gemv ? 0 : num_tokens * in));
   const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight_scale.data_ptr<float>(),
                         zero_point.defined() ? zero_point.data_ptr<int8_t>() : nullptr, in, out_features, group_size,
                         num_tokens, xs.data(),
@@ -319,22 +347,27 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
-        if (direct && bf16_gemm && group_size % 32 == 0) {  // int4_bf16_gemv.h
-          prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, xs.data());
+        if (bf16_gemv) {
+          // Per-thread buffers, reused: a decode step makes ~120 calls of a few microseconds each.
+          thread_local Int4GemvScratch scratch;
           const int64_t num_loads = avx512bf16::int4_gemv_num_loads(in);
-          std::vector<int64_t> first_group(static_cast<size_t>(num_loads));
-          std::vector<int32_t> lane_group(static_cast<size_t>(num_loads * 16));
-          std::vector<uint16_t> group_mask(static_cast<size_t>(num_loads));
-          avx512bf16::Int4GemvPlan plan{in, num_loads, first_group.data(), lane_group.data(), group_mask.data(), 0};
+          const int64_t xb_row = num_loads * avx512bf16::kInt4LoadCols, sums_row = num_loads * 16;
+          scratch.resize(num_tokens, in, num_loads);
+          avx512bf16::Int4GemvPlan plan{in, num_loads, scratch.first_group.data(), scratch.lane_group.data(),
+                                        scratch.group_mask.data(), 0};
           avx512bf16::int4_gemv_plan(group_size, plan);
-          // x * pre_quant_scale rounded to bf16 once, in the kernel's order, and its lane sums
-          std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * plan.num_loads * avx512bf16::kInt4LoadCols));
-          std::vector<float> neg_sums(static_cast<size_t>(num_tokens * plan.num_loads * 16));
-          for (int64_t t = 0; t < num_tokens; ++t)
-            avx512bf16::int4_gemv_prepare_x(xs.data() + t * in, plan, xb.data() + t * plan.num_loads * avx512bf16::kInt4LoadCols,
-                                           neg_sums.data() + t * plan.num_loads * 16);
+          // x * pre_quant_scale in float32, then rounded to bf16 once, in the kernel's order, with its lane sums
+          const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+          for (int64_t t = 0; t < num_tokens; ++t) {
+            float* row = scratch.xs.data();
+            for (int64_t c = 0; c < in; ++c) {
+              const float v = static_cast<float>(xp[t * in + c]);
+              row[c] = pqs_ptr != nullptr ? v * pqs_ptr[c] : v;
+            }
+            avx512bf16::int4_gemv_prepare_x(row, plan, scratch.xb.data() + t * xb_row, scratch.neg_sums.data() + t * sums_row);
+          }
           const avx512bf16::Int4GemvArgs args{problem.w, problem.scales, problem.zeros, in / 2, in / group_size,
-                                              out_features, &plan, xb.data(), neg_sums.data()};
+                                              out_features, &plan, scratch.xb.data(), scratch.neg_sums.data()};
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
           kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
             avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias, yb, r0, r1);
