@@ -16,13 +16,14 @@
 //   one float32 lane (eight consecutive columns, all in one group g),
 //       sum_C (q - zero) x = sum_C (136 + q) x - (136 + zero[g]) * sum_C x,
 //   so each lane starts from -(136 + zero[g]) * sum_C x instead of 0. x's lane sums are computed once per
-//   call (x_lane_sums), not per row.
+//   call (int4_gemv_prepare_x), not per row.
 // - The group scale multiplies each load's lanes after its four VDPBF16PS (every lane lies in one group,
 //   because group_size is a multiple of 32): acc += partial * scale[g(lane)], float32.
 //
-// So y = sum_g scale[g] * sum_{c in g} (q - zero) * x[c]: the reference's float32-accumulated product with
-// the scale applied per group instead of per weight (q - zero is exact either way; this rounds fewer times
-// than bfloat16((q - zero) * scale) weights would).
+// So y = sum_g scale[g] * sum_{c in g} (q - zero) * x[c], x being x * pre_quant_scale rounded once to
+// bfloat16: the reference's float32-accumulated product with the scale applied per group instead of per
+// weight (q - zero is exact either way; this rounds fewer times than bfloat16((q - zero) * scale) weights
+// would).
 
 constexpr int64_t kInt4LoadCols = 128;  // columns per 64-byte load
 
