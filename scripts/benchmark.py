@@ -225,7 +225,7 @@ ex = Executor.from_engine_dir(sys.argv[1])
 rid = ex.submit([1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
 next(iter(ex.stream(rid)))
 print(time.time(), flush=True)
-import os; os._exit(0)
+ex.shutdown()  # and a normal exit: os._exit would leave torch's extracted engine (~0.2-0.6 GB) in the temp dir
 """
 
 
@@ -240,7 +240,7 @@ stamps = []
 for response in ex.stream(ex.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))):
     stamps += [time.perf_counter()] * len(response.token_ids)
 print((len(stamps) - 1) / (stamps[-1] - stamps[0]), flush=True)
-import os; os._exit(0)
+ex.shutdown()  # and a normal exit: os._exit would leave torch's extracted engine (~0.2-0.6 GB) in the temp dir
 """
 
 
