@@ -167,19 +167,22 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
 }
 
-// xs [T, in] float32 = x * pre_quant_scale, in natural order or block-permuted (see int4_kernels.h).
+// xs [T, in] float32 = x * pre_quant_scale, in natural order or block-permuted (see int4_kernels.h). Few
+// tokens (the generation phase) run on the calling thread, and natural order needs no buffer of its own.
 template <typename scalar_t>
 void prepare_activations(const at::Tensor& x, const float* pqs, int64_t group_size, bool permute, float* xs) {
   const int64_t num_tokens = x.size(0), in = x.size(1);
   const int64_t num_blocks = permute ? group_size / 32 : 0;
   const scalar_t* src = x.data_ptr<scalar_t>();
   at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
-    std::vector<float> row(static_cast<size_t>(in));
+    std::vector<float> row(static_cast<size_t>(permute ? in : 0));
     for (int64_t t = t0; t < t1; ++t) {
+      float* scaled = permute ? row.data() : xs + t * in;
       for (int64_t c = 0; c < in; ++c) {
         const float v = static_cast<float>(src[t * in + c]);
-        row[c] = pqs != nullptr ? v * pqs[c] : v;
+        scaled[c] = pqs != nullptr ? v * pqs[c] : v;
       }
+      if (!permute) continue;
       float* dst = xs + t * in;
       for (int64_t c0 = 0; c0 < in; c0 += group_size) {
         for (int64_t b = 0; b < num_blocks; ++b) {
@@ -210,7 +213,7 @@ void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t 
 
 // The bf16 GEMV's per-call buffers (int4_bf16_gemv.h), kept per thread and only ever grown.
 struct Int4GemvScratch {
-  std::vector<float> xs;             // [in] one token's x * pre_quant_scale
+  std::vector<float> xs;             // [num_tokens, in] x * pre_quant_scale
   std::vector<uint16_t> xb;          // [num_tokens, num_loads * 128]
   std::vector<float> neg_sums;       // [num_tokens, num_loads * 16]
   std::vector<int64_t> first_group;  // the plan's arrays
@@ -218,7 +221,7 @@ struct Int4GemvScratch {
   std::vector<uint16_t> group_mask;
   void resize(int64_t num_tokens, int64_t in, int64_t num_loads) {
     const auto grow = [](auto& v, int64_t n) { if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n)); };
-    grow(xs, in);
+    grow(xs, num_tokens * in);
     grow(xb, num_tokens * num_loads * 128);
     grow(neg_sums, num_tokens * num_loads * 16);
     grow(first_group, num_loads);
@@ -357,15 +360,10 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
                                         scratch.group_mask.data(), 0};
           avx512bf16::int4_gemv_plan(group_size, plan);
           // x * pre_quant_scale in float32, then rounded to bf16 once, in the kernel's order, with its lane sums
-          const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-          for (int64_t t = 0; t < num_tokens; ++t) {
-            float* row = scratch.xs.data();
-            for (int64_t c = 0; c < in; ++c) {
-              const float v = static_cast<float>(xp[t * in + c]);
-              row[c] = pqs_ptr != nullptr ? v * pqs_ptr[c] : v;
-            }
-            avx512bf16::int4_gemv_prepare_x(row, plan, scratch.xb.data() + t * xb_row, scratch.neg_sums.data() + t * sums_row);
-          }
+          prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, scratch.xs.data());
+          for (int64_t t = 0; t < num_tokens; ++t)
+            avx512bf16::int4_gemv_prepare_x(scratch.xs.data() + t * in, plan, scratch.xb.data() + t * xb_row,
+                                           scratch.neg_sums.data() + t * sums_row);
           const avx512bf16::Int4GemvArgs args{problem.w, problem.scales, problem.zeros, in / 2, in / group_size,
                                               out_features, &plan, scratch.xb.data(), scratch.neg_sums.data()};
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
