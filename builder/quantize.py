@@ -25,6 +25,14 @@ from kilnlm.builder.network.layers import Fp8Amax
 log = logging.getLogger(__name__)
 
 
+def without_lm_head_exclusion(recipe: dict) -> dict:
+    """A deep copy of the ModelOpt quantization recipe ``recipe`` without its ``*lm_head*`` entry (ModelOpt's
+    recipes disable the LM head's quantizers with it), for ``--quantize-lm-head``."""
+    recipe = copy.deepcopy(recipe)
+    recipe["quant_cfg"] = [e for e in recipe["quant_cfg"] if e.get("quantizer_name") != "*lm_head*"]
+    return recipe
+
+
 def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig, quantize_lm_head: bool = False) -> dict[str, Fp8Amax]:
     """Run ModelOpt FP8 calibration on the checkpoint's float32 weights.
 
@@ -44,10 +52,8 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig, quantize_lm_head: bool
     if getattr(ck.config, "tie_word_embeddings", False):
         model.tie_weights()
     model.eval()
-    recipe = mtq.FP8_DEFAULT_CFG
-    if quantize_lm_head:  # the default recipe leaves the LM head (and embeddings) unquantized
-        recipe = copy.deepcopy(recipe)
-        recipe["quant_cfg"] = [e for e in recipe["quant_cfg"] if e.get("quantizer_name") != "*lm_head*"]
+    # the default recipe leaves the LM head (and embeddings) unquantized
+    recipe = without_lm_head_exclusion(mtq.FP8_DEFAULT_CFG) if quantize_lm_head else mtq.FP8_DEFAULT_CFG
     batches = calibration_batches(ck.tokenizer, cfg)
     log.info("calibrating FP8 on %d samples x %d tokens of %s", len(batches), batches[0].shape[1], cfg.describe())
     loop = forward_loop(batches, "FP8 calibration", log.isEnabledFor(logging.INFO))

@@ -60,6 +60,7 @@ from kilnlm.builder.errors import BuildError
 from kilnlm.builder.export import export_unified_checkpoint, read_unified_checkpoint
 from kilnlm.builder.network.layers import IntQuantization
 from kilnlm.builder.network.llama import fold_smoothing_into_norms
+from kilnlm.builder.quantize import without_lm_head_exclusion
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool, smoot
             entry["cfg"]["block_sizes"] = {-1: group_size, "type": "static"}
     if quantize_lm_head:
         weight_cfg = next(e["cfg"] for e in entries if e.get("quantizer_name") == "*weight_quantizer")
-        recipe["quant_cfg"] = [e for e in entries if e.get("quantizer_name") != "*lm_head*"]
+        recipe = without_lm_head_exclusion(recipe)
         recipe["quant_cfg"] += [{"quantizer_name": "*lm_head*weight_quantizer", "cfg": copy.deepcopy(weight_cfg)},
                                 {"quantizer_name": "*lm_head*input_quantizer", "enable": False}]
     if qformat == "int8_sq" and smoothquant_alpha is not None:
