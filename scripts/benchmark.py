@@ -229,30 +229,26 @@ ex.shutdown()  # and a normal exit: os._exit would leave torch's extracted engin
 """
 
 
+# Scenario (a) alone through bench_engine (this file), in a fresh process that exits normally.
 DECODE_ONCE = """
-import json, sys, time
-from kilnlm.runtime.executor import Executor
-from kilnlm.runtime.request import SamplingParams
-ex = Executor.from_engine_dir(sys.argv[1])
-prompt, max_tokens = json.loads(sys.argv[2]), int(sys.argv[3])
-ex.generate(prompt[:16], SamplingParams(max_tokens=4, ignore_eos=True))
-stamps = []
-for response in ex.stream(ex.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))):
-    stamps += [time.perf_counter()] * len(response.token_ids)
-print((len(stamps) - 1) / (stamps[-1] - stamps[0]), flush=True)
-ex.shutdown()  # and a normal exit: os._exit would leave torch's extracted engine (~0.2-0.6 GB) in the temp dir
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from benchmark import bench_engine
+print(bench_engine(Path(sys.argv[2]), json.loads(sys.argv[3]), [], int(sys.argv[4])).decode_tokens_per_s, flush=True)
 """
 
 
-def decode_rounds(engines: dict[str, Path], prompt: list[int], max_tokens: int, num_rounds: int) -> dict[str, list[float]]:
+def decode_rounds(engines: dict[str, Path], prompt: list[int], max_tokens: int,
+                  num_rounds: int) -> dict[str, list[float]]:
     """Scenario (a)'s decode tokens/s of every engine in ``num_rounds`` rounds, each engine in a fresh process
     in turn within a round (round-robin), so that the machine's drift in bandwidth and load (large on shared
     machines) falls on every format alike and ratios can be taken within a round."""
     rates: dict[str, list[float]] = {spec: [] for spec in engines}
     for round_idx in range(num_rounds):
         for spec, engine_dir in engines.items():
-            out = subprocess.run([sys.executable, "-c", DECODE_ONCE, str(engine_dir), json.dumps(prompt), str(max_tokens)],
-                                 check=True, capture_output=True, text=True)
+            args = [str(Path(__file__).resolve().parent), str(engine_dir), json.dumps(prompt), str(max_tokens)]
+            out = subprocess.run([sys.executable, "-c", DECODE_ONCE, *args], check=True, capture_output=True, text=True)
             rates[spec].append(float(out.stdout.strip().splitlines()[-1]))
         print(f"[bench] decode round {round_idx + 1}/{num_rounds}: " +
               ", ".join(f"{spec} {r[-1]:.1f}" for spec, r in rates.items()), flush=True)
