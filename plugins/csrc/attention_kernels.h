@@ -34,6 +34,14 @@ static inline float kv_f32(uint8_t v) {  // 2^-8 * E4M3 value, exact
   return (v & 0x80u) ? -f : f;
 }
 
+// float32 -> bfloat16 bits, rounding to nearest even (NaN -> quiet NaN), as c10::BFloat16 converts.
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 #if KILN_AVX512
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -379,29 +387,32 @@ static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int
   return M * (D + 2) + tpb + 2 * tpb * kv_row_stride;
 }
 
-// Query vectors reading each KV row (the item's query tokens x the query heads sharing a KV head) from
-// which a 16/8-bit block is converted to float32 once rather than read in the pool's dtype by each of
-// them. A generation-phase item reads each row `group` times (3 for SmolLM2): converting the block (a
-// store and a reload of 4 bytes per element, 48 KB for a 32-token SmolLM2 block, past L1) costs more
-// than converting on every read.
-constexpr int64_t kConvertBlockMinQueries = 8;
+// Query vectors reading each KV row of one KV head (the item's query tokens x its query heads sharing
+// that KV head) from which the item's KV heads' rows of a 16/8-bit block are converted to float32 once
+// rather than converted on every read. A generation-phase item over one KV head of SmolLM2 reads each
+// row 3 times (its GQA group); converting for it measured 1.25-1.5x slower than reading the pool's dtype
+// three times.
+constexpr int64_t kConvertMinQueries = 8;
 
-// The online-softmax update of every query vector of the item with one KV block of num_block_tokens
-// tokens starting at KV position base_pos; k_block / v_block: the block's first pool row (all KV heads).
+// The online-softmax update with one KV block of num_block_tokens tokens starting at KV position
+// base_pos, for the item's query vectors of KV head kv_head; k_head / v_head: that head's slice of the
+// block's first row, consecutive rows row_stride elements apart.
 template <typename kv_t>
-static inline void attend_block(const AttnWork& w, const kv_t* k_block, const kv_t* v_block, int64_t row_stride,
-                                int64_t base_pos, int64_t num_block_tokens, float* m, float* l, float* acc, float* s) {
+static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* k_head, const kv_t* v_head,
+                                int64_t row_stride, int64_t base_pos, int64_t num_block_tokens, float* m, float* l,
+                                float* acc, float* s) {
   const int64_t D = w.head_dim, num_heads_item = w.head_end - w.head_begin;
+  const int64_t h_begin = (kv_head * w.group > w.head_begin ? kv_head * w.group : w.head_begin) - w.head_begin;
+  const int64_t h_end = ((kv_head + 1) * w.group < w.head_end ? (kv_head + 1) * w.group : w.head_end) - w.head_begin;
   for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
     const int64_t q_pos = w.first_q_pos + qi;
     int64_t num_valid = q_pos - base_pos + 1;  // causal: KV positions <= q_pos
     if (num_valid <= 0) continue;
     if (num_valid > num_block_tokens) num_valid = num_block_tokens;
-    for (int64_t h = 0; h < num_heads_item; ++h) {
+    for (int64_t h = h_begin; h < h_end; ++h) {
       const int64_t i = qi * num_heads_item + h;
-      const int64_t kv_head = (w.head_begin + h) / w.group;
       const float* qv = w.q + qi * w.q_tok_stride + h * D;
-      block_scores(qv, k_block + kv_head * D, row_stride, num_valid, D, s);
+      block_scores(qv, k_head, row_stride, num_valid, D, s);
       float block_max = -__builtin_inff();
       for (int64_t o = 0; o < num_valid; ++o) block_max = s[o] > block_max ? s[o] : block_max;
       const float m_new = block_max > m[i] ? block_max : m[i];
@@ -413,7 +424,7 @@ static inline void attend_block(const AttnWork& w, const kv_t* k_block, const kv
         m[i] = m_new;
       }
       l[i] += block_exp(s, m_new, num_valid);  // s now holds the probabilities
-      block_pv(s, v_block + kv_head * D, row_stride, num_valid, D, a);
+      block_pv(s, v_head, row_stride, num_valid, D, a);
     }
   }
 }
@@ -427,15 +438,17 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   float* l = m + M;                                    // [M] running sum of exp
   float* acc = l + M;                                  // [M, D] unnormalized output
   float* s = acc + M * D;                              // [tpb] scores, then probabilities, of one block
-  float* k_f32 = s + tpb;                              // [tpb, row_stride] a bf16 block as float32
-  float* v_f32 = k_f32 + tpb * row_stride;
+  float* k_f32 = s + tpb;                              // [tpb, span] the item's KV heads' rows of a block,
+  float* v_f32 = k_f32 + tpb * row_stride;             //   as float32 (span <= row_stride)
   for (int64_t i = 0; i < M; ++i) {
     m[i] = -__builtin_inff();
     l[i] = 0.f;
   }
   for (int64_t i = 0; i < M * D; ++i) acc[i] = 0.f;
+  const int64_t kv_head_begin = w.head_begin / w.group, kv_head_end = (w.head_end - 1) / w.group + 1;
+  const int64_t span = (kv_head_end - kv_head_begin) * D;  // elements of a row the item reads
   const int64_t reads_per_row = w.num_q_tokens * (num_heads_item < w.group ? num_heads_item : w.group);
-  const bool convert = sizeof(kv_t) != sizeof(float) && reads_per_row >= kConvertBlockMinQueries;
+  const bool convert = sizeof(kv_t) != sizeof(float) && reads_per_row >= kConvertMinQueries;
 
   const kv_t* k_pool = static_cast<const kv_t*>(w.k_base);
   const kv_t* v_pool = static_cast<const kv_t*>(w.v_base);
@@ -461,26 +474,38 @@ static void attend_typed(const AttnWork& w, float* scratch) {
       }
     }
     if (convert) {
-      if constexpr (sizeof(kv_t) == 1) {  // 8-bit pools: vector conversion (the scalar FP8 decode branches)
-        to_f32(k_block, k_f32, num_block_tokens * row_stride);
-        to_f32(v_block, v_f32, num_block_tokens * row_stride);
+      const kv_t* k_span = k_block + kv_head_begin * D;
+      const kv_t* v_span = v_block + kv_head_begin * D;
+      if (span == row_stride) {  // all KV heads: the block is contiguous
+        to_f32(k_span, k_f32, num_block_tokens * span);
+        to_f32(v_span, v_f32, num_block_tokens * span);
       } else {
-        for (int64_t e = 0; e < num_block_tokens * row_stride; ++e) {
-          k_f32[e] = kv_f32(k_block[e]);
-          v_f32[e] = kv_f32(v_block[e]);
+        for (int64_t r = 0; r < num_block_tokens; ++r) {
+          to_f32(k_span + r * row_stride, k_f32 + r * span, span);
+          to_f32(v_span + r * row_stride, v_f32 + r * span, span);
         }
       }
-      attend_block<float>(w, k_f32, v_f32, row_stride, base_pos, num_block_tokens, m, l, acc, s);
+      for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
+        const int64_t offset = (g - kv_head_begin) * D;
+        attend_block<float>(w, g, k_f32 + offset, v_f32 + offset, span, base_pos, num_block_tokens, m, l, acc, s);
+      }
     } else {
-      attend_block<kv_t>(w, k_block, v_block, row_stride, base_pos, num_block_tokens, m, l, acc, s);
+      for (int64_t g = kv_head_begin; g < kv_head_end; ++g)
+        attend_block<kv_t>(w, g, k_block + g * D, v_block + g * D, row_stride, base_pos, num_block_tokens, m, l, acc, s);
     }
   }
   for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
     for (int64_t h = 0; h < num_heads_item; ++h) {
       const int64_t i = qi * num_heads_item + h;
       const float inv_l = w.out_scale / l[i];  // out_scale: 1, or the 8-bit pool's folded v_scale
-      float* dst = w.out + qi * w.out_tok_stride + h * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv_l;
+      const int64_t offset = qi * w.out_tok_stride + h * D;
+      if (w.out_bf16) {
+        uint16_t* dst = static_cast<uint16_t*>(w.out) + offset;
+        for (int64_t d = 0; d < D; ++d) dst[d] = bf16_bits(acc[i * D + d] * inv_l);
+      } else {
+        float* dst = static_cast<float*>(w.out) + offset;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv_l;
+      }
     }
   }
 }

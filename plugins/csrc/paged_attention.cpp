@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -45,7 +46,8 @@ enum class KvType { kFloat32, kBFloat16, kFp8E4M3, kInt8 };
 struct AttnWork {
   const float* q;           // first query vector: q_rot[tok_begin, head_begin], float32, pre-scaled
   int64_t q_tok_stride;     // floats between consecutive tokens' query vectors (num_heads * head_dim)
-  float* out;               // out_f32[tok_begin, head_begin]
+  void* out;                // out[tok_begin, head_begin], the activation dtype
+  bool out_bf16;            // out holds bfloat16 (else float32)
   int64_t out_tok_stride;   // num_heads * head_dim
   const void* k_base;       // kv_cache[layer, 0], pool dtype
   const void* v_base;       // kv_cache[layer, 1]
@@ -101,10 +103,12 @@ namespace {
 
 using AttendFn = void (*)(const AttnWork&, float*);
 
-// The kernel variant for an item. AVX-512 pays off for items with many query vectors (context phase:
-// +10-25% measured); a generation-phase item (a few query vectors, one pass over the KV) runs faster on
-// the AVX2 variant, whose shorter reductions suit its dependency chain (scripts/bench_plugins.py).
-constexpr int64_t kWideMinQueries = 8;
+// The kernel variant for an item. AVX-512 pays off for items with several query vectors: a context-phase
+// item (+10-25% measured), and a generation-phase item over one KV head's GQA group (3 query heads for
+// SmolLM2: 1.4-1.7x the AVX2 variant single-threaded at 512-2048 KV positions). An item of a single query
+// vector runs as fast or faster on the AVX2 variant, whose shorter reductions suit its dependency chain
+// (scripts/bench_plugins.py).
+constexpr int64_t kWideMinQueries = 2;
 
 AttendFn attend_fn(int64_t num_query_vectors) {
 #if defined(__x86_64__)
@@ -296,16 +300,17 @@ void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
 
 // Step 2: work items, largest first. An item covers all heads of a chunk of query tokens when there are
 // enough chunks to keep the threads busy (each KV row is then read once, whole); otherwise items are
-// split per KV head, and in a small generation-phase batch per query head (re-reading KV rows, from cache).
+// split per KV head (one GQA group: each KV row read once per item, for all its query heads), and only
+// when there are fewer of those than threads, per query head (re-reading KV rows, from cache).
 std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables,
-                                const float* q_rot, float* out, const void* k_layer, const void* v_layer, KvType kv_type,
-                                float out_scale) {
+                                const float* q_rot, void* out, bool out_bf16, const void* k_layer, const void* v_layer,
+                                KvType kv_type, float out_scale) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) num_chunks += (cu[b + 1] - cu[b] + kQueryChunkTokens - 1) / kQueryChunkTokens;
-  const int64_t min_items = 4 * at::get_num_threads();
+  const int64_t num_threads = at::get_num_threads();
   int64_t heads_per_item = H;
-  if (num_chunks < min_items) heads_per_item = (num_chunks * Hkv < min_items) ? 1 : group;
+  if (num_chunks < 4 * num_threads) heads_per_item = (num_chunks * Hkv < num_threads) ? 1 : group;
 
   std::vector<AttnWork> work;
   work.reserve(static_cast<size_t>(num_chunks * (H / heads_per_item)));
@@ -319,7 +324,8 @@ std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t*
         AttnWork w{};
         w.q = q_rot + (tok * H + h0) * D;
         w.q_tok_stride = H * D;
-        w.out = out + (tok * H + h0) * D;
+        w.out = static_cast<char*>(out) + (tok * H + h0) * D * (out_bf16 ? 2 : 4);
+        w.out_bf16 = out_bf16;
         w.out_tok_stride = H * D;
         w.k_base = k_layer;
         w.v_base = v_layer;
@@ -355,10 +361,16 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
   const int64_t num_items = static_cast<int64_t>(work.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(scratch_floats);
+    // Per thread, kept across calls (a decode step makes one call per layer); never read before written.
+    thread_local std::unique_ptr<float[]> scratch;
+    thread_local size_t scratch_capacity = 0;
+    if (scratch_capacity < scratch_floats) {
+      scratch.reset(new float[scratch_floats]);
+      scratch_capacity = scratch_floats;
+    }
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const AttnWork& w = work[i];
-      attend_fn(w.num_q_tokens * (w.head_end - w.head_begin))(w, scratch.data());
+      attend_fn(w.num_q_tokens * (w.head_end - w.head_begin))(w, scratch.get());
     }
   });
 }
@@ -370,13 +382,15 @@ void rope_write_attend(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
                        const at::Tensor& kv_cache, int64_t layer_idx, const int64_t* pos, const float* inv_freq,
                        const int32_t* cu, const int32_t* kv_lens, const int32_t* tables, const int64_t* slots,
                        float q_scale, float k_scale, float v_scale, float out_scale, KvType kv_type, float* q_rot,
-                       float* out_f32) {
+                       void* out) {
   const int64_t layer_elems = 2 * d.num_blocks * d.tokens_per_block * d.num_kv_heads * d.head_dim;
   const int64_t kv_elems = layer_elems / 2;
   cache_t* k_pool = static_cast<cache_t*>(kv_cache.data_ptr()) + layer_idx * layer_elems;
   rope_and_write_kv<scalar_t, cache_t>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq, slots, q_scale, k_scale,
                                        v_scale, q_rot);
-  run_work(make_work(d, cu, kv_lens, tables, q_rot, out_f32, k_pool, k_pool + kv_elems, kv_type, out_scale), d);
+  run_work(make_work(d, cu, kv_lens, tables, q_rot, out, std::is_same_v<scalar_t, at::BFloat16>, k_pool,
+                     k_pool + kv_elems, kv_type, out_scale),
+           d);
 }
 
 }  // namespace
@@ -408,7 +422,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
   if (d.num_tokens == 0) return out;
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   at::Tensor q_rot = at::empty({d.num_tokens, d.num_heads, d.head_dim}, q.options().dtype(at::kFloat));
-  at::Tensor out_f32 = is_bf16 ? at::empty({d.num_tokens, d.num_heads, d.head_dim}, q.options().dtype(at::kFloat)) : out;
 
   // 8-bit pools: the scales (validated finite and positive), and their folded forms (FP8 reads as
   // 2^-8 * value, see attention_kernels.h).
@@ -428,7 +441,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
   const float q_scale = static_cast<float>(scale) * (kv_scale.has_value() ? fold * k_scale : 1.0f);
   const float out_scale = kv_scale.has_value() ? fold * v_scale : 1.0f;
   float* q_rot_p = q_rot.data_ptr<float>();
-  float* out_p = out_f32.data_ptr<float>();
+  void* out_p = out.data_ptr();
   const float* inv_freq_p = inv_freq.data_ptr<float>();
   auto run = [&](auto activation_tag, auto cache_tag) {
     using scalar_t = decltype(activation_tag);
@@ -446,7 +459,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
       if (is_bf16) run(at::BFloat16{}, int8_t{}); else run(float{}, int8_t{});
       break;
   }
-  if (is_bf16) out.copy_(out_f32);
   return out;
 }
 
