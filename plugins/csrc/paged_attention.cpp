@@ -300,7 +300,7 @@ void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
 
 // Step 2: work items, largest first. An item covers all heads of a chunk of query tokens when there are
 // enough chunks to keep the threads busy (each KV row is then read once, whole); otherwise items are
-// split per KV head (one GQA group: each KV row read once per item, for all its query heads), and only
+// split per KV head (one GQA group: its query heads take each KV block in turn, from L1), and only
 // when there are fewer of those than threads, per query head (re-reading KV rows, from cache).
 std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables,
                                 const float* q_rot, void* out, bool out_bf16, const void* k_layer, const void* v_layer,
