@@ -283,7 +283,7 @@ class Executor:
             return {}
         requests = [batch.seqs[b].request for b in rows]
         try:
-            next_tokens = self.sampler.sample(logits[rows], requests)
+            next_tokens = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests)
         except Exception as exc:
             logger.exception("sampling failed")
             for request in requests:
