@@ -28,6 +28,10 @@ def test_greedy_is_argmax_per_row():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     requests = [make_request(i) for i in range(3)]
     assert Sampler().sample(logits, requests) == logits.argmax(-1).tolist()
+    tied = torch.zeros(2, 50)
+    tied[0, [7, 3, 40]] = 1.0
+    tied[1, [45, 44]] = 2.0
+    assert Sampler().sample(tied, requests[:2]) == [3, 44]  # the first of equal maxima, as torch.argmax
 
 
 def test_seeded_sampling_is_independent_of_batch_composition():
@@ -38,6 +42,7 @@ def test_seeded_sampling_is_independent_of_batch_composition():
              make_request(3, temperature=1.3, top_k=5)]
     together = Sampler().sample(logits, batch)
     assert together[2] == alone[0]
+    assert together[0] == int(logits[0].argmax())  # the greedy row of a mixed batch
     # the whole sequence of draws repeats with the same seed, and differs with another one
     r = make_request(temperature=1.0, seed=7)
     seq_b = [Sampler().sample(logits[1:2], [r])[0] for _ in range(10)]
