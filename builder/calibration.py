@@ -64,25 +64,13 @@ def default_calibration_texts() -> tuple[str, str]:
     return general_text(), reference_text()
 
 
-def default_calibration_text() -> str:
-    """The default sources joined by a blank line, as one text (``read_calibration_text(None)``). The default
-    samples are not drawn from this join but from each source in turn (:func:`calibration_batches`)."""
-    return "\n\n".join(default_calibration_texts())
-
-
-# The name the FP8 path and its tests use.
-calibration_text = default_calibration_text
-
-
-def read_calibration_text(path: Path | None) -> str:
-    """The calibration text of ``--calib-data`` (None: :func:`default_calibration_text`).
+def read_calibration_text(path: Path) -> str:
+    """The calibration text of ``--calib-data``.
 
     A ``.jsonl`` / ``.json`` file is read as one JSON object per line (blank lines skipped); the ``"text"``
     fields are joined with blank lines in file order. Any other file is plain UTF-8 text. Raises
     :class:`BuildError` for a missing, unreadable or empty file, a JSONL line that is not an object with a
     string ``"text"``, or a file with no text at all."""
-    if path is None:
-        return default_calibration_text()
     path = Path(path)
     if not path.is_file():
         raise BuildError(f"--calib-data {path} does not exist: pass a plain-text file or a JSONL file with a \"text\" "

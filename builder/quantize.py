@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, calibration_text, forward_loop
+from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, forward_loop
 from kilnlm.builder.checkpoint import Checkpoint
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.network.layers import Fp8Amax
@@ -74,4 +74,4 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig, quantize_lm_head: bool
     return amax
 
 
-__all__ = ["CalibrationConfig", "calibration_batches", "calibration_text", "calibrate_fp8"]
+__all__ = ["CalibrationConfig", "calibration_batches", "calibrate_fp8"]
