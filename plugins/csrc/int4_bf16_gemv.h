@@ -26,6 +26,7 @@
 // would).
 
 constexpr int64_t kInt4LoadCols = 128;  // columns per 64-byte load
+constexpr int64_t kInt4LoadLanes = 16;  // float32 lanes per load, 8 columns each
 
 // The row-independent part of one call: for each 128-column load l, which groups its 16 float32 lanes use
 // (lane i covers columns 128 l + 8 i .. + 7). Raw arrays of num_loads (* 16) entries owned by the caller.
@@ -109,7 +110,7 @@ struct Int4GemvArgs {
 template <bool kZeroPoints, int NT, int NR>
 static inline void int4_gemv_tile(const Int4GemvArgs& a, int64_t t0, int64_t r0, int64_t pf_row, float* sums) {
   const Int4GemvPlan& plan = *a.plan;
-  const int64_t xb_stride = plan.num_loads * kInt4LoadCols, sums_stride = plan.num_loads * 16;
+  const int64_t xb_stride = plan.num_loads * kInt4LoadCols, sums_stride = plan.num_loads * kInt4LoadLanes;
   const __m512i nibble = _mm512_set1_epi16(0x000F), to_bf16 = _mm512_set1_epi16(0x4308);
   const __m512 bias = _mm512_set1_ps(136.f);
   __m512 acc[NT][NR];

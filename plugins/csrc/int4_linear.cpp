@@ -212,20 +212,22 @@ void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t 
 }
 
 // The bf16 GEMV's per-call buffers (int4_bf16_gemv.h), kept per thread and only ever grown.
+// Sizes: a row of x in the kernel's order holds num_loads * kInt4LoadCols bf16 values, and num_lanes =
+// num_loads * kInt4LoadLanes lane sums.
 struct Int4GemvScratch {
   std::vector<float> xs;             // [num_tokens, in] x * pre_quant_scale
-  std::vector<uint16_t> xb;          // [num_tokens, num_loads * 128]
-  std::vector<float> neg_sums;       // [num_tokens, num_loads * 16]
-  std::vector<int64_t> first_group;  // the plan's arrays
-  std::vector<int32_t> lane_group;
-  std::vector<uint16_t> group_mask;
-  void resize(int64_t num_tokens, int64_t in, int64_t num_loads) {
+  std::vector<uint16_t> xb;          // [num_tokens, xb_row]
+  std::vector<float> neg_sums;       // [num_tokens, num_lanes]
+  std::vector<int64_t> first_group;  // the plan's arrays: [num_loads]
+  std::vector<int32_t> lane_group;   // [num_lanes]
+  std::vector<uint16_t> group_mask;  // [num_loads]
+  void resize(int64_t num_tokens, int64_t in, int64_t num_loads, int64_t xb_row, int64_t num_lanes) {
     const auto grow = [](auto& v, int64_t n) { if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n)); };
     grow(xs, num_tokens * in);
-    grow(xb, num_tokens * num_loads * 128);
-    grow(neg_sums, num_tokens * num_loads * 16);
+    grow(xb, num_tokens * xb_row);
+    grow(neg_sums, num_tokens * num_lanes);
     grow(first_group, num_loads);
-    grow(lane_group, num_loads * 16);
+    grow(lane_group, num_lanes);
     grow(group_mask, num_loads);
   }
 };
@@ -354,8 +356,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           // Per-thread buffers, reused: a decode step makes ~120 calls of a few microseconds each.
           thread_local Int4GemvScratch scratch;
           const int64_t num_loads = avx512bf16::int4_gemv_num_loads(in);
-          const int64_t xb_row = num_loads * avx512bf16::kInt4LoadCols, sums_row = num_loads * 16;
-          scratch.resize(num_tokens, in, num_loads);
+          const int64_t xb_row = num_loads * avx512bf16::kInt4LoadCols, sums_row = num_loads * avx512bf16::kInt4LoadLanes;
+          scratch.resize(num_tokens, in, num_loads, xb_row, sums_row);
           avx512bf16::Int4GemvPlan plan{in, num_loads, scratch.first_group.data(), scratch.lane_group.data(),
                                         scratch.group_mask.data(), 0};
           avx512bf16::int4_gemv_plan(group_size, plan);
