@@ -62,6 +62,15 @@ def verify_engine(engine_dir: str | os.PathLike) -> Manifest:
     return manifest
 
 
+def load_package(package_path: Path):
+    """The AOTInductor package at ``package_path``, loaded by torch's own loader behind kilnlm's
+    ``torch.classes.kilnlm.AotiPackage`` (plugins/csrc/aoti_package.cpp), whose ``run`` releases the GIL:
+    ``torch._inductor.aoti_load_package``'s runner holds it for the whole forward, stalling every other
+    Python thread of the process (request submission, response streaming, metrics) for 3-10 ms per step.
+    Needs the plugins' CPU kernels loaded. Raises RuntimeError for a package that fails to load."""
+    return torch.classes.kilnlm.AotiPackage(str(package_path))
+
+
 class Engine:
     """A loaded engine: one compiled forward over the packed-batch ABI of :mod:`kilnlm.runtime.abi`.
 
@@ -90,7 +99,7 @@ class Engine:
         except plugins.KernelBuildError as exc:
             raise EngineError(f"cannot serve {root}: {exc}") from None
         try:
-            runner = torch._inductor.aoti_load_package(str(root / manifest.engine_file))
+            runner = load_package(root / manifest.engine_file)
         except RuntimeError as exc:
             raise EngineError(f"cannot load {root / manifest.engine_file} ({str(exc).splitlines()[0]}): "
                               "rebuild the engine with this torch version "
@@ -136,4 +145,5 @@ class Engine:
         if kv_cache.dtype != self.kv_cache_dtype:
             raise EngineError(f"kv_cache is {kv_cache.dtype} but the engine expects {self.kv_cache_dtype}: "
                               "use Engine.allocate_kv_cache")
-        return self._runner(*inputs.as_args(kv_cache))
+        (logits,) = self._runner.run(list(inputs.as_args(kv_cache)))
+        return logits

@@ -94,3 +94,47 @@ def test_generate_cli_on_the_tiny_engine(tiny_engine_dir, tiny_llama_dir, capsys
     out = capsys.readouterr().out
     # The CLI stops at EOS where transformers (min_new_tokens) does not: compare up to the CLI's length.
     assert out.endswith("\n") and expected.startswith(out[:-1]) and out[:-1]
+
+
+def test_engine_forward_releases_the_gil(tiny_engine_dir):
+    """Another Python thread runs while the compiled forward runs (kilnlm.runtime.engine.load_package), and
+    the logits equal those of torch's own runner (which holds the GIL)."""
+    import sys
+    import threading
+    import time
+
+    from kilnlm.builder.compile import example_inputs
+    from kilnlm.runtime.abi import EngineInputs
+    from kilnlm.runtime.engine import Engine
+
+    engine = Engine.load(tiny_engine_dir)
+    *tensors, kv_cache = example_inputs(engine.manifest.model, engine.manifest.build, engine.dtype)
+    inputs = EngineInputs(*tensors)
+    reference = torch._inductor.aoti_load_package(str(tiny_engine_dir / engine.manifest.engine_file))
+    expected = reference(*inputs.as_args(kv_cache.clone()))
+    torch.testing.assert_close(engine.forward(inputs, kv_cache.clone()), expected, rtol=0, atol=0)
+
+    counted, stop = [0], threading.Event()
+
+    def count() -> None:  # takes the GIL whenever it is free, and gives it back at once (sleep(0))
+        while not stop.is_set():
+            counted[0] += 1
+            time.sleep(0)
+
+    # With preemption of the GIL holder pushed out of reach, this thread lets go of the GIL only inside
+    # forward(): the counter can then move only if forward() releases it.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        time.sleep(0.01)  # let the counter start
+        start = counted[0]
+        for _ in range(50):
+            engine.forward(inputs, kv_cache)
+        advanced = counted[0] - start
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(switch_interval)
+    assert advanced > 0
