@@ -3,8 +3,8 @@
 Everything is written into buffers allocated once, at their maximum size (``max_num_tokens`` tokens,
 ``max_batch_size`` sequences): by a few vectorised numpy calls, or for a batch of one token per sequence
 (a generation step) by scalar writes. The tensors handed to the engine are views of those buffers, valid
-until the next :meth:`InputBuilder.build`. For sequence b with ``start`` computed
-tokens and ``n`` new ones::
+until the next :meth:`InputBuilder.build`. For sequence b with ``start`` computed tokens and ``n`` new
+ones::
 
     positions     start, start+1, ..., start+n-1                 (absolute, per token)
     slot_mapping  block_table[b][p // tokens_per_block] * tokens_per_block + p % tokens_per_block
@@ -56,7 +56,7 @@ class InputBuilder:
         lim = self.limits
         if not (0 < num_seqs <= lim.max_batch_size and num_tokens <= lim.max_num_tokens):
             raise ValueError(f"batch of {num_seqs} sequences / {num_tokens} tokens exceeds the engine's limits {lim}")
-        if num_tokens == num_seqs:
+        if num_tokens == num_seqs and all(s.num_new_tokens == 1 for s in batch.seqs):
             return self._build_one_token_each(batch, kv_cache)
         starts = np.fromiter((s.request.num_computed_tokens for s in batch.seqs), np.int64, num_seqs)
         num_new = np.fromiter((s.num_new_tokens for s in batch.seqs), np.int64, num_seqs)
