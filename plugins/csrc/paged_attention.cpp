@@ -105,9 +105,9 @@ using AttendFn = void (*)(const AttnWork&, float*);
 
 // The kernel variant for an item. AVX-512 pays off for items with several query vectors: a context-phase
 // item (+10-25% measured), and a generation-phase item over one KV head's GQA group (3 query heads for
-// SmolLM2: 1.4-1.7x the AVX2 variant single-threaded at 512-2048 KV positions). An item of a single query
-// vector runs as fast or faster on the AVX2 variant, whose shorter reductions suit its dependency chain
-// (scripts/bench_plugins.py).
+// SmolLM2: 1.4-1.7x the AVX2 variant single-threaded at 128-2048 KV positions). An item of a single query
+// vector showed no gain beyond this machine's noise from AVX-512 (its reductions are longer for one
+// dependency chain), so it stays on AVX2 (scripts/bench_plugins.py).
 constexpr int64_t kWideMinQueries = 2;
 
 AttendFn attend_fn(int64_t num_query_vectors) {
