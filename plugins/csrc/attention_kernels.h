@@ -4,7 +4,8 @@
 //
 // Included *inside* a namespace after every system / torch header: includes nothing, uses raw pointers
 // only (see fp8_kernels.h for why). KILN_AVX512 / KILN_AVX2 (0 or 1) select the code path; `AttnWork` is
-// defined by the including file, outside the ISA namespaces.
+// defined by the including file, outside the ISA namespaces, which also includes bf16_bits.h
+// (kiln::bf16_bits, the bfloat16 output's rounding).
 
 // KV elements are float (float32 pool), uint16_t (bfloat16 bits), uint8_t (float8_e4m3fn bits) or int8_t
 // (int8 pool); kv_f32() reads one as float32 (exact: bf16 bits are a float's upper half).
@@ -32,14 +33,6 @@ static inline float kv_f32(uint8_t v) {  // 2^-8 * E4M3 value, exact
     __builtin_memcpy(&f, &bits, sizeof(f));
   }
   return (v & 0x80u) ? -f : f;
-}
-
-// float32 -> bfloat16 bits, rounding to nearest even (NaN -> quiet NaN), as c10::BFloat16 converts.
-static inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 #if KILN_AVX512
@@ -501,7 +494,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
       const int64_t offset = qi * w.out_tok_stride + h * D;
       if (w.out_bf16) {
         uint16_t* dst = static_cast<uint16_t*>(w.out) + offset;
-        for (int64_t d = 0; d < D; ++d) dst[d] = bf16_bits(acc[i * D + d] * inv_l);
+        for (int64_t d = 0; d < D; ++d) dst[d] = kiln::bf16_bits(acc[i * D + d] * inv_l);
       } else {
         float* dst = static_cast<float*>(w.out) + offset;
         for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv_l;

@@ -3,7 +3,7 @@
 // quantized ones converted to bfloat16 in registers; int4_linear.cpp has its own loop (int4_bf16_gemv.h)
 // around this file's epilogue. Compiled under
 // `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")` (plus avx512vbmi for Fp8Rows) and included
-// inside a namespace after every system / torch header, next to fp8_bf16_gemm.h (reduce16).
+// inside a namespace after every system / torch header and bf16_bits.h, next to fp8_bf16_gemm.h (reduce16).
 //
 // y[t, r] = sum_k x[t, k] * w[r, k] for a few tokens t: each 16-row block of w is read from memory once
 // and multiplied with VDPBF16PS (pairwise bf16 products, exact in float32, accumulated in float32)
@@ -83,11 +83,7 @@ struct GemvEpilogue {
     if (row_scale != nullptr) y = y * row_scale[r];
     if (bias != nullptr) y = y + bias[r];
     if (out_bf16) {
-      uint32_t u;
-      __builtin_memcpy(&u, &y, sizeof(u));
-      const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-      static_cast<uint16_t*>(out)[t * out_stride + r] =
-          nan ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // RNE
+      static_cast<uint16_t*>(out)[t * out_stride + r] = kiln::bf16_bits(y);  // bf16_bits.h
     } else {
       static_cast<float*>(out)[t * out_stride + r] = y;
     }

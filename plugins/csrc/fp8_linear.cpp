@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "cpu_features.h"
 #include "row_blocks.h"
 

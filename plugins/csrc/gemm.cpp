@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "bf16_bits.h"
 #include "cpu_features.h"
 #include "row_blocks.h"
 

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "cpu_features.h"
 #include "row_blocks.h"
 

@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "cpu_features.h"
 
 namespace kiln_attn {
