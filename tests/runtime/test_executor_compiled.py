@@ -6,11 +6,18 @@ the first ones decode, and the long prompt's context phase is chunked (``max_num
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import pytest
 import torch
 
 from factories import hf_greedy, run_in_flight
 
+from kilnlm.builder.compile import example_inputs
+from kilnlm.runtime.abi import EngineInputs
+from kilnlm.runtime.engine import Engine
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.request import FinishReason, SamplingParams
 
@@ -99,14 +106,6 @@ def test_generate_cli_on_the_tiny_engine(tiny_engine_dir, tiny_llama_dir, capsys
 def test_engine_forward_releases_the_gil(tiny_engine_dir):
     """Another Python thread runs while the compiled forward runs (kilnlm.runtime.engine.load_package), and
     the logits equal those of torch's own runner (which holds the GIL)."""
-    import sys
-    import threading
-    import time
-
-    from kilnlm.builder.compile import example_inputs
-    from kilnlm.runtime.abi import EngineInputs
-    from kilnlm.runtime.engine import Engine
-
     engine = Engine.load(tiny_engine_dir)
     *tensors, kv_cache = example_inputs(engine.manifest.model, engine.manifest.build, engine.dtype)
     inputs = EngineInputs(*tensors)
