@@ -187,6 +187,114 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int
   for (int64_t c = c0; c < c0 + 32 * num_blocks; ++c) out[c] = static_cast<float>(int4_at(row, c) - zero) * scale;
 }
 
+// The generation-phase kernel for group_size % 32 == 0 and in % 64 == 0, without shuffles: the one above
+// spends eight shuffles (two PSHUFB, four widenings, two byte shifts) per 32 weights, and on AVX2 those
+// ports bound it (~7 GB/s on SmolLM2's layers, where int8_linear streams ~20).
+//
+// A chunk is 64 columns = 32 bytes = eight 32-bit words; word i holds columns 8i .. 8i+7, column 8i + k in
+// bits [4k, 4k + 4). Shifting the eight words left by 28 - 4k and arithmetically right by 28 gives the
+// signed q of columns 8i + k (i = 0..7) in the eight int32 lanes, so x is read in *chunk order*:
+//
+//   x_chunk[64 j + 8 k + i] = x[64 j + 8 i + k]      (i, k in 0..7)
+//
+// Each 32-column half of a chunk lies in one group (group_size % 32 == 0): the lanes sum (q - zero) * x
+// exactly in integers-then-float32 over a group (one chunk when group_size % 64 != 0) and the group's scale
+// multiplies the partial sums once.
+constexpr int64_t kChunkCols = 64;
+
+static inline bool chunk_kernel_applies(int64_t in, int64_t group_size) {
+  return group_size % 32 == 0 && in % kChunkCols == 0;
+}
+
+template <int NR, int NT, bool kZeroPoint>
+static inline void gemv_chunk_block(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
+                                    int64_t group_size, const float* x, int64_t x_stride, float* y, int64_t y_stride) {
+  const int64_t row_bytes = in / 2, num_groups = in / group_size, num_chunks = in / kChunkCols;
+  const int64_t span = group_size % kChunkCols == 0 ? group_size / kChunkCols : 1;  // chunks per scale
+  __m256 total[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) total[r][t] = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < num_chunks; j0 += span) {
+    const int64_t g0 = j0 * kChunkCols / group_size, g1 = (j0 * kChunkCols + 32) / group_size;
+    __m256i zero[NR];
+    if (kZeroPoint) {
+      for (int r = 0; r < NR; ++r)
+        zero[r] = _mm256_setr_m128i(_mm_set1_epi32(zeros[r * num_groups + g0]), _mm_set1_epi32(zeros[r * num_groups + g1]));
+    }
+    __m256 acc[NR][NT][2];
+    for (int r = 0; r < NR; ++r)
+      for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    for (int64_t j = j0; j < j0 + span; ++j) {
+      if ((j & 1) == 0) {
+        // the rows 4*NR ahead (this thread's next blocks), one 64-byte line per two chunks
+        for (int r = 0; r < NR; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + j * 32), _MM_HINT_T0);
+      }
+      const float* xj = x + j * kChunkCols;
+      for (int r = 0; r < NR; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + j * 32));
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          __m256i q = _mm256_srai_epi32(k == 7 ? v : _mm256_slli_epi32(v, 28 - 4 * k), 28);
+          if (kZeroPoint) q = _mm256_sub_epi32(q, zero[r]);
+          const __m256 wv = _mm256_cvtepi32_ps(q);
+          for (int t = 0; t < NT; ++t)
+            acc[r][t][k & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xj + t * x_stride + 8 * k), acc[r][t][k & 1]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256 scale = _mm256_setr_m128(_mm_set1_ps(scales[r * num_groups + g0]), _mm_set1_ps(scales[r * num_groups + g1]));
+      for (int t = 0; t < NT; ++t)
+        total[r][t] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][t][0], acc[r][t][1]), scale, total[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * y_stride + r] = hsum8(total[r][t]);
+}
+
+template <int NT, bool kZeroPoint>
+static inline void gemv_chunk_rows_nt(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
+                                      int64_t group_size, int64_t row_begin, int64_t row_end, const float* x,
+                                      int64_t x_stride, float* y, int64_t y_stride) {
+  constexpr int NR = 4 / NT;
+  const int64_t row_bytes = in / 2, num_groups = in / group_size;
+  const int8_t* z = kZeroPoint ? zeros : nullptr;
+  int64_t r = row_begin;
+  for (; r + NR <= row_end; r += NR)
+    gemv_chunk_block<NR, NT, kZeroPoint>(w + r * row_bytes, in, scales + r * num_groups,
+                                         kZeroPoint ? z + r * num_groups : nullptr, group_size, x, x_stride, y + r, y_stride);
+  for (; r < row_end; ++r)
+    gemv_chunk_block<1, NT, kZeroPoint>(w + r * row_bytes, in, scales + r * num_groups,
+                                        kZeroPoint ? z + r * num_groups : nullptr, group_size, x, x_stride, y + r, y_stride);
+}
+
+template <bool kZeroPoint>
+static void gemv_chunk_rows_zp(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
+                               int64_t group_size, int64_t row_begin, int64_t row_end, const float* x,
+                               int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride) {
+  int64_t t = 0;
+  for (; t + 4 <= num_tokens; t += 4)
+    gemv_chunk_rows_nt<4, kZeroPoint>(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride,
+                                      y + t * y_stride, y_stride);
+  if (num_tokens - t >= 2) {
+    gemv_chunk_rows_nt<2, kZeroPoint>(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride,
+                                      y + t * y_stride, y_stride);
+    t += 2;
+  }
+  if (t < num_tokens)
+    gemv_chunk_rows_nt<1, kZeroPoint>(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride,
+                                      y + t * y_stride, y_stride);
+}
+
+// y[t, r] for rows [row_begin, row_end) and every token; x in chunk order (chunk_kernel_applies).
+static void gemv_chunk_rows(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros, int64_t group_size,
+                            int64_t row_begin, int64_t row_end, const float* x, int64_t num_tokens, int64_t x_stride,
+                            float* y, int64_t y_stride) {
+  if (zeros != nullptr) gemv_chunk_rows_zp<true>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride, y, y_stride);
+  else gemv_chunk_rows_zp<false>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride, y, y_stride);
+}
+
 #endif
 
 #if KILN_ISA == 0  // ---------------------------------------------------------------- portable scalar

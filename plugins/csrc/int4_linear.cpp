@@ -168,12 +168,17 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
 }
 
-// xs [T, in] float32 = x * pre_quant_scale, in natural order or block-permuted (see int4_kernels.h). Few
-// tokens (the generation phase) run on the calling thread, and natural order needs no buffer of its own.
+// The column order a kernel reads x in (int4_kernels.h): at::mm and the scalar path natural, the AVX-512
+// GEMV and AVX2's general one block-permuted, AVX2's shuffle-free one (gemv_chunk_rows) in chunk order.
+enum class XOrder { kNatural, kBlocks32, kChunks64 };
+
+// xs [T, in] float32 = x * pre_quant_scale, in `order`. Few tokens (the generation phase) run on the
+// calling thread, and natural order needs no buffer of its own.
 template <typename scalar_t>
-void prepare_activations(const at::Tensor& x, const float* pqs, int64_t group_size, bool permute, float* xs) {
+void prepare_activations(const at::Tensor& x, const float* pqs, int64_t group_size, XOrder order, float* xs) {
   const int64_t num_tokens = x.size(0), in = x.size(1);
-  const int64_t num_blocks = permute ? group_size / 32 : 0;
+  const bool permute = order != XOrder::kNatural;
+  const int64_t num_blocks = order == XOrder::kBlocks32 ? group_size / 32 : 0;
   const scalar_t* src = x.data_ptr<scalar_t>();
   at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
     std::vector<float> row(static_cast<size_t>(permute ? in : 0));
@@ -185,6 +190,12 @@ void prepare_activations(const at::Tensor& x, const float* pqs, int64_t group_si
       }
       if (!permute) continue;
       float* dst = xs + t * in;
+      if (order == XOrder::kChunks64) {
+        for (int64_t c0 = 0; c0 < in; c0 += 64)
+          for (int64_t k = 0; k < 8; ++k)
+            for (int64_t i = 0; i < 8; ++i) dst[c0 + 8 * k + i] = row[c0 + 8 * i + k];
+        continue;
+      }
       for (int64_t c0 = 0; c0 < in; c0 += group_size) {
         for (int64_t b = 0; b < num_blocks; ++b) {
           const int64_t c = c0 + 32 * b;
@@ -244,8 +255,7 @@ struct Problem {
 
 // Generation phase (few tokens): fused unpack-and-FMA GEMV, each weight byte read once per call.
 template <typename scalar_t>
-void run_direct(const Problem& p, Isa isa, scalar_t* out) {
-  const GemvFn gemv = gemv_fn(isa);
+void run_direct(const Problem& p, GemvFn gemv, scalar_t* out) {
   std::vector<float> acc(static_cast<size_t>(p.num_tokens * p.out_features));
   float* acc_ptr = acc.data();
   // ~16 KiB of packed weights per task at least, so that small layers do not pay for threading.
@@ -332,10 +342,14 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   const Isa isa = pick_isa(group_size);
   const bool bf16_gemm = x.scalar_type() == at::kBFloat16 && kiln::cpu_has_avx512_bf16();
   const bool direct = num_tokens <= (bf16_gemm ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm);
-  // The GEMV's vector paths read x block-permuted; at::mm and the scalar path read it in natural order.
-  const bool permute = direct && isa != Isa::kGeneric;
+  XOrder order = direct && isa != Isa::kGeneric ? XOrder::kBlocks32 : XOrder::kNatural;
+  GemvFn gemv = gemv_fn(isa);
 #if defined(__x86_64__)
   const bool bf16_gemv = direct && bf16_gemm && group_size % 32 == 0;  // int4_bf16_gemv.h, its own buffers
+  if (direct && isa == Isa::kAvx2 && avx2::chunk_kernel_applies(in, group_size)) {
+    order = XOrder::kChunks64;
+    gemv = avx2::gemv_chunk_rows;
+  }
 #else
   const bool bf16_gemv = false;
 #endif
@@ -347,8 +361,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int4_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        prepare_activations<float>(x, pqs_ptr, group_size, permute, xs.data());
-        if (direct) run_direct<float>(problem, isa, out.data_ptr<float>());
+        prepare_activations<float>(x, pqs_ptr, group_size, order, xs.data());
+        if (direct) run_direct<float>(problem, gemv, out.data_ptr<float>());
         else run_tiled<float>(problem, isa, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
@@ -363,7 +377,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
                                         scratch.group_mask.data(), 0};
           avx512bf16::int4_gemv_plan(group_size, plan);
           // x * pre_quant_scale in float32, then rounded to bf16 once, in the kernel's order, with its lane sums
-          prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, false, scratch.xs.data());
+          prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, XOrder::kNatural, scratch.xs.data());
           for (int64_t t = 0; t < num_tokens; ++t)
             avx512bf16::int4_gemv_prepare_x(scratch.xs.data() + t * in, plan, scratch.xb.data() + t * xb_row,
                                            scratch.neg_sums.data() + t * sums_row);
@@ -376,8 +390,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           return;
         }
 #endif
-        prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, permute, xs.data());
-        if (direct) run_direct<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
+        prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, order, xs.data());
+        if (direct) run_direct<at::BFloat16>(problem, gemv, out.data_ptr<at::BFloat16>());
 #if defined(__x86_64__)
         else if (bf16_gemm) run_tiled_bf16<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
 #endif
