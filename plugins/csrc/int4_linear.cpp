@@ -8,7 +8,9 @@
 // - few tokens (generation phase): a fused unpack-and-multiply GEMV over output rows, each weight byte read
 //   once per call (memory bound at half a byte per weight): bfloat16 x with AVX512-BF16 through
 //   int4_bf16_gemv.h (nibbles made bfloat16 integers in registers, VDPBF16PS, the group scale applied to
-//   each group's float32 partial sums), otherwise float32 FMAs (int4_kernels.h);
+//   each group's float32 partial sums); bfloat16 x on AVX2 as block floating point int16 (per token and
+//   group, 15 significant bits) through VPMADDWD (int4_kernels.h, gemv_int16_rows); otherwise float32 FMAs
+//   (int4_kernels.h);
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local buffer
 //   and multiplied with all T rows: float32 x -> float32 tiles (exactly the reference's q * scale) through
 //   at::mm; bfloat16 x on CPUs with AVX512-BF16 -> bfloat16 tiles (q * scale rounded once to bfloat16, as
@@ -24,7 +26,9 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "bf16_bits.h"
@@ -253,18 +257,78 @@ struct Problem {
   const float* bias;      // [out] or nullptr
 };
 
-// Generation phase (few tokens): fused unpack-and-FMA GEMV, each weight byte read once per call.
-template <typename scalar_t>
-void run_direct(const Problem& p, GemvFn gemv, scalar_t* out) {
+// Generation phase (few tokens): fused unpack-and-multiply GEMV, each weight byte read once per call.
+// gemv(r0, r1, acc) writes acc[t, r] (row stride out_features) for rows [r0, r1).
+template <typename scalar_t, typename RowsFn>
+void run_direct(const Problem& p, const RowsFn& gemv, scalar_t* out) {
   std::vector<float> acc(static_cast<size_t>(p.num_tokens * p.out_features));
   float* acc_ptr = acc.data();
   // ~16 KiB of packed weights per task at least, so that small layers do not pay for threading.
   const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(p.in, 1));
   at::parallel_for(0, p.out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(p.w, p.in, p.scales, p.zeros, p.group_size, r0, r1, p.xs, p.num_tokens, p.in, acc_ptr, p.out_features);
+    gemv(r0, r1, acc_ptr);
     epilogue<scalar_t>(acc_ptr + r0, p.out_features, p.num_tokens, r0, r1, p.bias, out, p.out_features);
   });
 }
+
+template <typename scalar_t>
+void run_direct(const Problem& p, GemvFn gemv, scalar_t* out) {
+  run_direct<scalar_t>(p, [&](int64_t r0, int64_t r1, float* acc) {
+    gemv(p.w, p.in, p.scales, p.zeros, p.group_size, r0, r1, p.xs, p.num_tokens, p.in, acc, p.out_features);
+  }, out);
+}
+
+#if defined(__x86_64__)
+// bfloat16 x on AVX2 in the generation phase: block floating point int16 x for avx2::gemv_int16_rows (see
+// int4_kernels.h), per token and group. Kept per thread and only ever grown.
+struct Int16Activations {
+  std::vector<float> row;       // [in] x * pre_quant_scale of one token, natural order
+  std::vector<int16_t> x16;     // [T, in] chunk16 order
+  std::vector<float> x_scale;   // [T, num_groups] 2^e
+  std::vector<float> x_sum;     // [T, num_groups] 2^e * sum of the group's x16
+
+  // False (nothing usable) when a group holds a non-finite value: the float32 kernel then propagates it.
+  bool prepare(const at::Tensor& x, const float* pqs, int64_t group_size) {
+    const int64_t num_tokens = x.size(0), in = x.size(1), num_groups = in / group_size;
+    const auto grow = [](auto& v, int64_t n) { if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n)); };
+    grow(row, in);
+    grow(x16, num_tokens * in);
+    grow(x_scale, num_tokens * num_groups);
+    grow(x_sum, num_tokens * num_groups);
+    const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      for (int64_t c = 0; c < in; ++c) {
+        const float v = static_cast<float>(src[t * in + c]);
+        row[c] = pqs != nullptr ? v * pqs[c] : v;
+      }
+      int16_t* dst = x16.data() + t * in;
+      for (int64_t g = 0; g < num_groups; ++g) {
+        const float* xg = row.data() + g * group_size;
+        float max_abs = 0.f;
+        for (int64_t c = 0; c < group_size; ++c) max_abs = std::max(max_abs, std::fabs(xg[c]));
+        if (!std::isfinite(max_abs)) return false;
+        int exponent = 0;
+        std::frexp(max_abs, &exponent);  // max_abs = m * 2^exponent, m in [0.5, 1): max_abs * 2^(15 - exponent) < 2^15
+        const int e = max_abs > 0.f ? exponent - 15 : 0;
+        const float inv = std::ldexp(1.f, -e);
+        int64_t sum = 0;
+        for (int64_t c = 0; c < group_size; c += avx2::kChunkCols) {
+          for (int64_t i = 0; i < 16; ++i) {
+            for (int64_t k = 0; k < 4; ++k) {
+              const long v = std::min(32767L, std::lrint(xg[c + 4 * i + k] * inv));
+              dst[g * group_size + c + 16 * k + i] = static_cast<int16_t>(v);
+              sum += v;
+            }
+          }
+        }
+        x_scale[t * num_groups + g] = std::ldexp(1.f, e);
+        x_sum[t * num_groups + g] = std::ldexp(static_cast<float>(sum), e);
+      }
+    }
+    return true;
+  }
+};
+#endif
 
 // Context phase (many tokens): dequantize kTileRows rows at a time into a thread-local float32 tile
 // (never the whole weight) and multiply it with all T rows through at::mm.
@@ -388,6 +452,19 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
             avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias, yb, r0, r1);
           });
           return;
+        }
+        if (direct && isa == Isa::kAvx2 && avx2::int16_kernel_applies(in, group_size)) {
+          thread_local Int16Activations xq;
+          if (xq.prepare(x, pqs_ptr, group_size)) {
+            // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
+            const int16_t* x16 = xq.x16.data();
+            const float *x_scale = xq.x_scale.data(), *x_sum = xq.x_sum.data();
+            run_direct<at::BFloat16>(problem, [&](int64_t r0, int64_t r1, float* acc) {
+              avx2::gemv_int16_rows(problem.w, in, problem.scales, problem.zeros, group_size, r0, r1, x16, num_tokens,
+                                    in, x_scale, x_sum, acc, out_features);
+            }, out.data_ptr<at::BFloat16>());
+            return;
+          }
         }
 #endif
         prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, order, xs.data());

@@ -10,7 +10,9 @@ float32 ulps of the accumulated magnitude). bfloat16 outputs are one rounding of
 within half a bfloat16 ulp (at most 2^-8 relative) of the exact value, plus the float32 bound; in the
 context phase (T > 8) on CPUs with AVX512-BF16 the kernel multiplies bfloat16 tiles of (q - zero) * scale
 with bfloat16 x * pre_quant_scale (VDPBF16PS), each operand rounded once (at most 2^-8 relative, bfloat16's
-unit roundoff): another 2^-7 of the accumulated magnitude.
+unit roundoff): another 2^-7 of the accumulated magnitude. On AVX2 CPUs the generation GEMV takes bfloat16 x as
+block floating point int16 per group (15 significant bits for the group's largest values, finer than
+bfloat16's 8): within the same bound for these activations.
 """
 
 from __future__ import annotations
@@ -136,6 +138,21 @@ def test_odd_group_size_takes_the_scalar_path(num_tokens):
     assert_matches(int4_linear(x, weight, scales, pqs, bias, 3), x, weight, scales, pqs, bias, 3)
     zero_point = make_zero_points(10, 4, seed=6)
     assert_matches(int4_linear(x, weight, scales, pqs, bias, 3, zero_point), x, weight, scales, pqs, bias, 3, zero_point)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_non_finite_activations_propagate(num_tokens):
+    """An inf or NaN in x reaches every output it multiplies, as in the reference (the AVX2 bfloat16 GEMV
+    turns x into int16 per group, which cannot hold them, and must hand such calls to the float32 kernel)."""
+    weight, scales, pqs, bias = make_layer(24, 128, 64, with_pqs=False, with_bias=False, seed=9)
+    x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(9))
+    x[0, 5] = float("inf")
+    x[-1, 100] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        y = int4_linear(x.to(dtype), weight, scales, None, None, 64).float()
+        expected = int4_linear_reference(x.to(dtype).float(), weight, scales, None, None, 64)
+        assert torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.isinf(), expected.isinf())
+        assert y.isnan().any()
 
 
 def test_non_contiguous_x_and_bf16_bias():
