@@ -108,7 +108,7 @@ def test_matches_fp32_matmul_of_quantized_operands(num_tokens, dtype, with_bias)
 def test_per_row_weight_scales_match_the_reference(num_tokens, dtype):
     """weight_scale [out_features] (version 2, the per-part scales of a fused linear): every output row
     is scaled by its own scale, on the GEMV and the tiled paths; float32 bit-exact with the reference's
-    per-row product, and equal to running each row block with its 0-dim scale."""
+    per-row product, and equal (up to summation order) to running each row block with its 0-dim scale."""
     gen = torch.Generator().manual_seed(11 * num_tokens)
     in_features, out_features = 200, 72
     x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(dtype)
@@ -121,9 +121,12 @@ def test_per_row_weight_scales_match_the_reference(num_tokens, dtype):
         torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(y.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    # Equal up to the summation order: past the GEMV (T > 16 on CPUs without AVX512-BF16) the tiles go
+    # through at::mm, whose blocking over K may differ between a 72-row and a 40-row weight.
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.0, rtol=2.0 ** -7)
     for rows, scale in ((slice(0, 40), 0.003), (slice(40, 72), 0.0007)):
         alone = fp8_linear(x, weight[rows].contiguous(), torch.tensor(scale), input_scale, None)
-        assert torch.equal(y[:, rows], alone)
+        torch.testing.assert_close(y[:, rows], alone, **tol)
 
 
 def test_smollm2_shaped_generation_gemv():
