@@ -7,7 +7,14 @@
 //   are taken in groups of 4 / 2 / 1 while a 16-row block of the weight is in L1/L2, so a batch of T
 //   generation tokens reads the weights from memory once (decode is bound by the bytes of weights read;
 //   bf16_gemv.h). The last out % 16 rows are computed one at a time.
-// - otherwise (float32, many tokens, K not a multiple of 32, no AVX512-BF16): at::linear (oneDNN / MKL),
+// - bfloat16 on CPUs with AVX2 but not AVX512-BF16 (AMD Zen 2/3, Intel before Cooper Lake): at::linear's
+//   bfloat16 GEMM there has no native bf16 arithmetic and runs at ~13 GB/s in the generation phase and
+//   ~8 GFLOP/s in the context phase (SmolLM2's layers, 2 cores). Up to kMaxDirectTokensAvx2 tokens, a GEMV
+//   that widens each weight to float32 in registers (a zero-extension and a shift per 8 weights) and FMAs
+//   it with float32 x; beyond, tiles of kTileRows weight rows widened to float32 in a thread-local buffer
+//   and multiplied through at::mm (float32 SGEMM), all T rows at once. The products of two bfloat16 values
+//   are exact in float32 either way; only the summation order differs from at::linear.
+// - otherwise (float32, many tokens, K not a multiple of 32 on AVX512-BF16): at::linear (oneDNN / MKL),
 //   whose blocked GEMM wins once the weights are reused over many rows.
 //
 // The weight layout is the plain [out, in] of torch.nn.Linear, so the tied LM head and the embedding
@@ -24,7 +31,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <vector>
 
 #include "bf16_bits.h"
 #include "cpu_features.h"
@@ -48,6 +57,96 @@ void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const ui
 }  // namespace
 }  // namespace avx512bf16
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+namespace {
+// Eight bfloat16 values widened to float32 (exact): zero-extended to 32 bits, moved to the high half.
+inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// acc[t * acc_stride + r] = sum_c w[r, c] * x[t, c] for the NR weight rows at w ([NR, k] bf16) and NT
+// tokens of float32 x (rows x_stride apart): each widened weight vector is used NT times.
+template <int NR, int NT>
+inline void gemv_block(const uint16_t* w, int64_t k, const float* x, int64_t x_stride, float* acc, int64_t acc_stride) {
+  __m256 sum[NR][NT][2];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) sum[r][t][0] = sum[r][t][1] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16) {
+    if ((c & 31) == 0) {
+      // the rows 4*NR ahead (this thread's next blocks), one 64-byte line per 32 columns
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * k + c), _MM_HINT_T0);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256 w0 = load_bf16x8(w + r * k + c), w1 = load_bf16x8(w + r * k + c + 8);
+      for (int t = 0; t < NT; ++t) {
+        sum[r][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), sum[r][t][0]);
+        sum[r][t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * x_stride + c + 8), sum[r][t][1]);
+      }
+    }
+  }
+  for (; c + 8 <= k; c += 8) {
+    for (int r = 0; r < NR; ++r) {
+      const __m256 w0 = load_bf16x8(w + r * k + c);
+      for (int t = 0; t < NT; ++t) sum[r][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), sum[r][t][0]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      float v = hsum8(_mm256_add_ps(sum[r][t][0], sum[r][t][1]));
+      for (int64_t cc = c; cc < k; ++cc) v += bf16_to_float(w[r * k + cc]) * x[t * x_stride + cc];
+      acc[t * acc_stride + r] = v;
+    }
+  }
+}
+
+template <int NT>
+void gemv_rows_nt(const uint16_t* w, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t x_stride, float* acc,
+                  int64_t acc_stride) {
+  constexpr int NR = 4 / NT;
+  int64_t r = r0;
+  for (; r + NR <= r1; r += NR) gemv_block<NR, NT>(w + r * k, k, x, x_stride, acc + r, acc_stride);
+  for (; r < r1; ++r) gemv_block<1, NT>(w + r * k, k, x, x_stride, acc + r, acc_stride);
+}
+
+// acc[t, r] (row stride n) for weight rows [r0, r1) of w [n, k] and every token of float32 x [T, k].
+void gemv_rows(const uint16_t* w, int64_t n, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t num_tokens,
+               float* acc) {
+  int64_t t = 0;
+  for (; t + 4 <= num_tokens; t += 4) gemv_rows_nt<4>(w, k, r0, r1, x + t * k, k, acc + t * n, n);
+  if (num_tokens - t >= 2) {
+    gemv_rows_nt<2>(w, k, r0, r1, x + t * k, k, acc + t * n, n);
+    t += 2;
+  }
+  if (t < num_tokens) gemv_rows_nt<1>(w, k, r0, r1, x + t * k, k, acc + t * n, n);
+}
+
+// dst[i] = float(src[i]) for i < count.
+void widen(const uint16_t* src, int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+  for (; i < count; ++i) dst[i] = bf16_to_float(src[i]);
+}
+}  // namespace
+}  // namespace avx2
+#pragma GCC pop_options
 #endif
 
 namespace {
@@ -57,6 +156,11 @@ namespace {
 // T = 1, 1.8x at 16, 1.2-1.5x at 32, 1.1-1.3x at 64, 0.95x at 128, where oneDNN's blocked GEMM, reusing
 // each weight block over more rows than this kernel keeps in cache, takes over.
 constexpr int64_t kMaxDirectTokens = 64;
+
+// AVX2 (no AVX512-BF16): the GEMV up to this many tokens, float32 tiles of kTileRows rows beyond
+// (scripts/bench_plugins.py --only gemm).
+constexpr int64_t kMaxDirectTokensAvx2 = 16;
+constexpr int64_t kTileRows = 64;
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "kilnlm::gemm (CPU kernel): x and weight must be CPU tensors");
@@ -76,6 +180,68 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::opti
   }
 }
 
+bool use_avx2(const at::Tensor& x) {
+#if defined(__x86_64__)
+  return x.scalar_type() == at::kBFloat16 && !kiln::cpu_has_avx512_bf16() && kiln::cpu_has_avx2_fma_f16c();
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__)
+// bfloat16 on AVX2 (see the top of the file): y [T, n] bf16 = x [T, k] @ weight [n, k].T + bias.
+at::Tensor gemm_avx2(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const int64_t num_tokens = x.size(0), k = x.size(1), n = weight.size(0);
+  at::Tensor y = at::empty({num_tokens, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (num_tokens == 0 || n == 0) return y;
+  const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // y[t, r] for rows [r0, r1) from float32 sums acc[t, r - r0] (row stride acc_stride)
+  const auto store = [&](const float* acc, int64_t acc_stride, int64_t r0, int64_t r1) {
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t r = r0; r < r1; ++r)
+        yp[t * n + r] = kiln::bf16_bits(acc[t * acc_stride + r - r0] + (b != nullptr ? b[r] : 0.f));
+  };
+  // x widened to float32 once: [T, k]
+  thread_local std::vector<float> xf_buffer;
+  if (xf_buffer.size() < static_cast<size_t>(num_tokens * k)) xf_buffer.resize(static_cast<size_t>(num_tokens * k));
+  float* xf = xf_buffer.data();  // the pointer, not the thread_local, goes to the worker threads
+  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1)), [&](int64_t t0, int64_t t1) {
+    avx2::widen(xp + t0 * k, (t1 - t0) * k, xf + t0 * k);
+  });
+  if (num_tokens <= kMaxDirectTokensAvx2) {
+    std::vector<float> acc(static_cast<size_t>(num_tokens * n));
+    float* acc_ptr = acc.data();
+    // ~16 KiB of weights per task at least, so that small layers do not pay for threading
+    const int64_t grain = std::max<int64_t>(8, 8192 / std::max<int64_t>(k, 1));
+    at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+      avx2::gemv_rows(wp, n, k, r0, r1, xf, num_tokens, acc_ptr);
+      store(acc_ptr + r0, n, r0, r1);
+    });
+    return y;
+  }
+  const at::Tensor x_f32 = at::from_blob(xf, {num_tokens, k}, at::kFloat);
+  const int64_t num_tiles = (n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+    std::vector<float> w_tile(static_cast<size_t>(kTileRows * k));  // [kTileRows, k]
+    at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
+    for (int64_t tile = tile0; tile < tile1; ++tile) {
+      const int64_t r0 = tile * kTileRows, r1 = std::min(n, r0 + kTileRows);
+      avx2::widen(wp + r0 * k, (r1 - r0) * k, w_tile.data());
+      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
+      at::mm_out(acc_view, x_f32, at::from_blob(w_tile.data(), {r1 - r0, k}, at::kFloat).t());  // [T, rows]
+      store(acc_view.data_ptr<float>(), acc_view.stride(0), r0, r1);
+    }
+  });
+  return y;
+}
+#endif
+
 bool use_direct(const at::Tensor& x, const at::Tensor& weight) {
 #if defined(__x86_64__)
   return x.scalar_type() == at::kBFloat16 && x.size(0) <= kMaxDirectTokens && weight.size(1) % 32 == 0 &&
@@ -89,6 +255,9 @@ bool use_direct(const at::Tensor& x, const at::Tensor& weight) {
 
 at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias) {
   check_inputs(x_in, weight_in, bias);
+#if defined(__x86_64__)
+  if (use_avx2(x_in)) return gemm_avx2(x_in, weight_in, bias);
+#endif
   if (!use_direct(x_in, weight_in) || x_in.size(0) == 0) return at::linear(x_in, weight_in, bias);
 #if defined(__x86_64__)
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();

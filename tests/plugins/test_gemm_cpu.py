@@ -1,13 +1,18 @@
 """The C++ kilnlm::gemm kernel (the 16/32-bit float linear layers and the LM head).
 
 bfloat16 with up to 64 tokens and in_features a multiple of 32 runs kilnlm's own AVX512-BF16 kernel
-where the CPU has it (the development and CI machines do); float32, more tokens or other shapes go to
-at::linear: the token sweep crosses that boundary. Both are checked against exact float64 dot products of the same
+where the CPU has it; float32, more tokens or other shapes go to at::linear: the token sweep crosses that
+boundary. On AVX2 CPUs without AVX512-BF16, bfloat16 runs kilnlm's AVX2 GEMV up to 16 tokens and float32
+tiles through at::mm beyond; the capped-ISA test checks those paths on any x86-64 machine. Both are checked against exact float64 dot products of the same
 bfloat16 operands: float32 accumulation in another summation order (a few float32 ulps of the
 accumulated magnitude) plus the output's rounding to bfloat16 (half a bfloat16 ulp, <= 2^-8 relative).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -70,3 +75,35 @@ def test_strided_rows_and_the_tied_lm_head_layout():
 def test_bad_inputs_are_refused_with_a_message(args, message):
     with pytest.raises(RuntimeError, match=message):
         gemm(*args)
+
+
+ISA_SCRIPT = r"""
+import torch
+from kilnlm.plugins import load_cpu_kernels
+load_cpu_kernels()
+for out_features, in_features in ((960, 576), (37, 64), (40, 200), (13, 20)):
+    for num_tokens in (1, 2, 3, 5, 16, 17, 70):
+        for with_bias in (False, True):
+            gen = torch.Generator().manual_seed(num_tokens * 7 + out_features)
+            x = (torch.randn(num_tokens, in_features, generator=gen) * 3).bfloat16()
+            w = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+            bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+            y = torch.ops.kilnlm.gemm(x, w, bias)
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            bound = 2e-6 * (x.double().abs() @ w.double().abs().T) + 1e-7 + 2.0 ** -8 * exact.abs()
+            assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+            err = (y.double() - exact).abs()
+            assert (err <= bound).all(), (out_features, in_features, num_tokens, float((err - bound).max()))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_capped_isa_paths_match_exact_dot_products(isa):
+    """bfloat16 through the AVX2 GEMV and float32 tiles (KILNLM_CPU_ISA=avx2: 960x576 and 37x64 take the
+    vector loop, 40x200 and 13x20 its 8-column and scalar tails) and through at::linear (generic), in a
+    fresh process, whatever the machine has."""
+    env = dict(os.environ, KILNLM_CPU_ISA=isa)
+    result = subprocess.run([sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
