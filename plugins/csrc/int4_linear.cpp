@@ -26,13 +26,13 @@
 #endif
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "bf16_bits.h"
 #include "cpu_features.h"
+#include "int16_activations.h"
 #include "row_blocks.h"
 
 namespace kiln_int4 {
@@ -278,57 +278,6 @@ void run_direct(const Problem& p, GemvFn gemv, scalar_t* out) {
   }, out);
 }
 
-#if defined(__x86_64__)
-// bfloat16 x on AVX2 in the generation phase: block floating point int16 x for avx2::gemv_int16_rows (see
-// int4_kernels.h), per token and group. Kept per thread and only ever grown.
-struct Int16Activations {
-  std::vector<float> row;       // [in] x * pre_quant_scale of one token, natural order
-  std::vector<int16_t> x16;     // [T, in] chunk16 order
-  std::vector<float> x_scale;   // [T, num_groups] 2^e
-  std::vector<float> x_sum;     // [T, num_groups] 2^e * sum of the group's x16
-
-  // False (nothing usable) when a group holds a non-finite value: the float32 kernel then propagates it.
-  bool prepare(const at::Tensor& x, const float* pqs, int64_t group_size) {
-    const int64_t num_tokens = x.size(0), in = x.size(1), num_groups = in / group_size;
-    const auto grow = [](auto& v, int64_t n) { if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n)); };
-    grow(row, in);
-    grow(x16, num_tokens * in);
-    grow(x_scale, num_tokens * num_groups);
-    grow(x_sum, num_tokens * num_groups);
-    const at::BFloat16* src = x.data_ptr<at::BFloat16>();
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      for (int64_t c = 0; c < in; ++c) {
-        const float v = static_cast<float>(src[t * in + c]);
-        row[c] = pqs != nullptr ? v * pqs[c] : v;
-      }
-      int16_t* dst = x16.data() + t * in;
-      for (int64_t g = 0; g < num_groups; ++g) {
-        const float* xg = row.data() + g * group_size;
-        float max_abs = 0.f;
-        for (int64_t c = 0; c < group_size; ++c) max_abs = std::max(max_abs, std::fabs(xg[c]));
-        if (!std::isfinite(max_abs)) return false;
-        int exponent = 0;
-        std::frexp(max_abs, &exponent);  // max_abs = m * 2^exponent, m in [0.5, 1): max_abs * 2^(15 - exponent) < 2^15
-        const int e = max_abs > 0.f ? exponent - 15 : 0;
-        const float inv = std::ldexp(1.f, -e);
-        int64_t sum = 0;
-        for (int64_t c = 0; c < group_size; c += avx2::kChunkCols) {
-          for (int64_t i = 0; i < 16; ++i) {
-            for (int64_t k = 0; k < 4; ++k) {
-              const long v = std::min(32767L, std::lrint(xg[c + 4 * i + k] * inv));
-              dst[g * group_size + c + 16 * k + i] = static_cast<int16_t>(v);
-              sum += v;
-            }
-          }
-        }
-        x_scale[t * num_groups + g] = std::ldexp(1.f, e);
-        x_sum[t * num_groups + g] = std::ldexp(static_cast<float>(sum), e);
-      }
-    }
-    return true;
-  }
-};
-#endif
 
 // Context phase (many tokens): dequantize kTileRows rows at a time into a thread-local float32 tile
 // (never the whole weight) and multiply it with all T rows through at::mm.
@@ -454,8 +403,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           return;
         }
         if (direct && isa == Isa::kAvx2 && avx2::int16_kernel_applies(in, group_size)) {
-          thread_local Int16Activations xq;
-          if (xq.prepare(x, pqs_ptr, group_size)) {
+          thread_local kiln::Int16Activations xq;
+          if (xq.prepare(x, pqs_ptr, group_size, /*nibble_chunks=*/true)) {
             // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
             const int16_t* x16 = xq.x16.data();
             const float *x_scale = xq.x_scale.data(), *x_sum = xq.x_sum.data();

@@ -192,6 +192,68 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
 template <int NT>
 struct RowsPerBlock { static constexpr int value = NT == 1 ? 4 : (NT == 2 ? 2 : 1); };
 
+// int8_linear's generation phase with bfloat16 x: x as block floating point int16 (int16_activations.h,
+// blocks of kInt16BlockCols columns) and VPMADDWD against the sign-extended weights, 16 weights per
+// widening, multiply-add and add (the float32 GEMV above needs a widening, a conversion and an FMA per 8).
+// Exact int32 sums within a block (at most 2^25 per lane), then times the block's 2^e in float32; the
+// weight scale is the epilogue's, as for the float32 GEMV.
+//   x16 [T, in] int16, rows x_stride apart;  x_scale [T, in / kInt16BlockCols] float32
+constexpr int64_t kInt16BlockCols = 64;
+
+template <int NR, int NT>
+static inline void gemv_int16_block(const int8_t* w, int64_t in, const int16_t* x, int64_t x_stride, const float* x_scale,
+                                    float* y, int64_t y_stride) {
+  const int64_t num_blocks = in / kInt16BlockCols;
+  __m256 total[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) total[r][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t c0 = b * kInt16BlockCols;
+    for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c0), _MM_HINT_T0);
+    __m256i acc[NR][NT];
+    for (int r = 0; r < NR; ++r)
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
+    for (int64_t c = c0; c < c0 + kInt16BlockCols; c += 16) {
+      for (int r = 0; r < NR; ++r) {
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * in + c)));
+        for (int t = 0; t < NT; ++t)
+          acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(wv, _mm256_loadu_si256(
+                                                                        reinterpret_cast<const __m256i*>(x + t * x_stride + c))));
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m256 scale = _mm256_set1_ps(x_scale[t * num_blocks + b]);
+      for (int r = 0; r < NR; ++r) total[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][t]), scale, total[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * y_stride + r] = hsum8(total[r][t]);
+}
+
+template <int NT>
+static inline void gemv_int16_rows_nt(const int8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const int16_t* x,
+                                      int64_t x_stride, const float* x_scale, float* y, int64_t y_stride) {
+  constexpr int NR = RowsPerBlock<NT>::value;
+  int64_t r = row_begin;
+  for (; r + NR <= row_end; r += NR) gemv_int16_block<NR, NT>(w + r * in, in, x, x_stride, x_scale, y + r, y_stride);
+  for (; r < row_end; ++r) gemv_int16_block<1, NT>(w + r * in, in, x, x_stride, x_scale, y + r, y_stride);
+}
+
+// y[t, r] = sum_c x[t, c] * q[r, c] for rows [row_begin, row_end) and every token; in % kInt16BlockCols == 0.
+static void gemv_int16_rows(const int8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const int16_t* x,
+                            int64_t num_tokens, int64_t x_stride, const float* x_scale, float* y, int64_t y_stride) {
+  const int64_t num_blocks = in / kInt16BlockCols;
+  int64_t t = 0;
+  for (; t + 4 <= num_tokens; t += 4)
+    gemv_int16_rows_nt<4>(w, in, row_begin, row_end, x + t * x_stride, x_stride, x_scale + t * num_blocks, y + t * y_stride, y_stride);
+  if (num_tokens - t >= 2) {
+    gemv_int16_rows_nt<2>(w, in, row_begin, row_end, x + t * x_stride, x_stride, x_scale + t * num_blocks, y + t * y_stride, y_stride);
+    t += 2;
+  }
+  if (t < num_tokens)
+    gemv_int16_rows_nt<1>(w, in, row_begin, row_end, x + t * x_stride, x_stride, x_scale + t * num_blocks, y + t * y_stride, y_stride);
+}
+
 #else  // ------------------------------------------------------------------------------ portable scalar
 
 static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* out) {

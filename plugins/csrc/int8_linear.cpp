@@ -35,6 +35,7 @@
 
 #include "bf16_bits.h"
 #include "cpu_features.h"
+#include "int16_activations.h"
 #include "row_blocks.h"
 
 namespace kiln_int8 {
@@ -202,17 +203,26 @@ at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
 
 // ---------------------------------------------------------------------------------------------- W8A16
 
-template <typename scalar_t>
-void int8_linear_direct(const int8_t* w, int64_t in, int64_t out_features, const float* xs, int64_t num_tokens,
-                        const float* scale, const float* bias, scalar_t* out) {
-  const GemvF32Fn gemv = gemv_f32_fn();
+// gemv(r0, r1, acc) writes acc[t, r] (row stride out_features) for rows [r0, r1).
+template <typename scalar_t, typename RowsFn>
+void int8_linear_direct(const RowsFn& gemv, int64_t in, int64_t out_features, int64_t num_tokens, const float* scale,
+                        const float* bias, scalar_t* out) {
   std::vector<float> acc(static_cast<size_t>(num_tokens * out_features));
   float* acc_ptr = acc.data();
   const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));  // >= ~16 KiB of weights per task
   at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(w, in, r0, r1, xs, num_tokens, in, acc_ptr, out_features);
+    gemv(r0, r1, acc_ptr);
     epilogue<scalar_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, scale, bias, out, out_features);
   });
+}
+
+template <typename scalar_t>
+void int8_linear_direct(const int8_t* w, int64_t in, int64_t out_features, const float* xs, int64_t num_tokens,
+                        const float* scale, const float* bias, scalar_t* out) {
+  const GemvF32Fn gemv = gemv_f32_fn();
+  int8_linear_direct<scalar_t>([&](int64_t r0, int64_t r1, float* acc) {
+    gemv(w, in, r0, r1, xs, num_tokens, in, acc, out_features);
+  }, in, out_features, num_tokens, scale, bias, out);
 }
 
 template <typename scalar_t>
@@ -368,6 +378,20 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
             avx512bf16::gemv_int8_rows(xb, num_tokens, w, out_features, in, scale, bias_ptr, yb, r0, r1);
           });
           return;
+        }
+        // AVX2: block floating point int16 x through VPMADDWD (int8_kernels.h, gemv_int16_rows)
+        if (direct && !bf16_gemm && !kiln::cpu_has_avx512() && kiln::cpu_has_avx2_fma_f16c() &&
+            in % avx2::kInt16BlockCols == 0) {
+          thread_local kiln::Int16Activations xq;
+          if (xq.prepare(x, nullptr, avx2::kInt16BlockCols, /*nibble_chunks=*/false)) {
+            // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
+            const int16_t* x16 = xq.x16.data();
+            const float* x_scale = xq.x_scale.data();
+            int8_linear_direct<at::BFloat16>([&](int64_t r0, int64_t r1, float* acc) {
+              avx2::gemv_int16_rows(w, in, r0, r1, x16, num_tokens, in, x_scale, acc, out_features);
+            }, in, out_features, num_tokens, scale, bias_ptr, out.data_ptr<at::BFloat16>());
+            return;
+          }
         }
 #endif
         to_float<at::BFloat16>(x, nullptr, xs.data());
