@@ -113,7 +113,8 @@ def test_toolchain_plugins_and_format_version_change_the_key(checkpoint, tmp_pat
 
     key = _key(checkpoint, tmp_path)
     real = cache_key.toolchain_for_key
-    for change in ({"cpu_isa": "avx2"}, {"torch": "9.9.9"}, {"kilnlm_sources": "sha256:0"}):
+    other_isa = "avx512" if real()["cpu_isa"] != "avx512" else "avx2"  # differs from this machine's
+    for change in ({"cpu_isa": other_isa}, {"torch": "9.9.9"}, {"kilnlm_sources": "sha256:0"}):
         monkeypatch.setattr(cache_key, "toolchain_for_key", lambda change=change: {**real(), **change})
         assert _key(checkpoint, tmp_path) != key, change
     monkeypatch.setattr(cache_key, "toolchain_for_key", real)
