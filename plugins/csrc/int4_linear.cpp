@@ -52,6 +52,7 @@ namespace {
 #define KILN_ISA 1
 #include "int4_kernels.h"
 #undef KILN_ISA
+#include "int16_quantize.h"
 }  // namespace
 }  // namespace avx2
 #pragma GCC pop_options
@@ -404,7 +405,10 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
         }
         if (direct && isa == Isa::kAvx2 && avx2::int16_kernel_applies(in, group_size)) {
           thread_local kiln::Int16Activations xq;
-          if (xq.prepare(x, pqs_ptr, group_size, /*nibble_chunks=*/true)) {
+          xq.resize(num_tokens, in, in / group_size);
+          if (avx2::int16_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), pqs_ptr, num_tokens, in,
+                                   group_size, /*nibble_chunks=*/true, xq.row.data(), xq.x16.data(), xq.x_scale.data(),
+                                   xq.x_sum.data())) {
             // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
             const int16_t* x16 = xq.x16.data();
             const float *x_scale = xq.x_scale.data(), *x_sum = xq.x_sum.data();

@@ -55,6 +55,7 @@ namespace {
 #define KILN_ISA 1
 #include "int8_kernels.h"
 #undef KILN_ISA
+#include "int16_quantize.h"
 }  // namespace
 }  // namespace avx2
 #pragma GCC pop_options
@@ -383,7 +384,10 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
         if (direct && !bf16_gemm && !kiln::cpu_has_avx512() && kiln::cpu_has_avx2_fma_f16c() &&
             in % avx2::kInt16BlockCols == 0) {
           thread_local kiln::Int16Activations xq;
-          if (xq.prepare(x, nullptr, avx2::kInt16BlockCols, /*nibble_chunks=*/false)) {
+          xq.resize(num_tokens, in, in / avx2::kInt16BlockCols);
+          if (avx2::int16_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nullptr, num_tokens, in,
+                                   avx2::kInt16BlockCols, /*nibble_chunks=*/false, xq.row.data(), xq.x16.data(),
+                                   xq.x_scale.data(), xq.x_sum.data())) {
             // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
             const int16_t* x16 = xq.x16.data();
             const float* x_scale = xq.x_scale.data();

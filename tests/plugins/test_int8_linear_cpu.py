@@ -169,6 +169,24 @@ def test_int8_linear_non_finite_activations_propagate(num_tokens):
         assert y.isnan().any()
 
 
+def test_int8_linear_tiny_and_zero_activations():
+    """Rows of x near float32's smallest normals (the AVX2 bfloat16 GEMV scales them by 2^134, past
+    float32's largest power of two, in two exact steps) and all-zero rows: within a bfloat16 rounding of
+    the reference, and exactly zero."""
+    weight, scales, _, _ = make_layer(40, 128, with_pqs=False, with_bias=False, seed=12)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 128, generator=gen)
+    x[0] *= 1e-36
+    x[1] = 0.0
+    x[2, :64] *= 1e-30  # one tiny 64-column block beside a normal one
+    x = x.bfloat16()
+    y = int8_linear(x, weight, scales, None)
+    expected = int8_linear_reference(x, weight, scales, None).float()
+    torch.testing.assert_close(y[0].float() * 1e36, expected[0] * 1e36, atol=1e-2, rtol=2e-2)
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    torch.testing.assert_close(y[2].float(), expected[2], atol=1e-2, rtol=2e-2)
+
+
 def test_non_contiguous_x_and_empty_batch():
     weight, scales, pqs, bias = make_layer(64, 128, with_pqs=True, with_bias=True, seed=3)
     x = torch.randn(128, 5).T
