@@ -177,6 +177,9 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
   int64_t c = 0;
   for (; c + 16 <= in; c += 16) {
+    if ((c & 63) == 0) {  // the rows 4*NR ahead, as the W8A16 GEMV above
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), _MM_HINT_T0);
+    }
     for (int r = 0; r < NR; ++r) {
       const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * in + c)));
       for (int t = 0; t < NT; ++t)
