@@ -48,12 +48,15 @@ block_tables, slot_mapping, scale, kv_scale=None) -> out``
     ``weight_zero_point [out_features, in_features // group_size] int8`` in [-8, 7] or None (version 2:
     asymmetric groups, AWQ's zero points; None is all zeros). ``y = (x * pre_quant_scale) @ ((q -
     weight_zero_point[:, g(c)]) * weight_scale[:, g(c)]).T + bias`` (``q - zero`` exact, times the scale
-    rounded once in float32), accumulated in float32, returned in x's dtype. Activations are not quantized.
+    rounded once in float32), accumulated in float32, returned in x's dtype. Activations are not quantized
+    (W4A16); the CPU kernel on AVX2 CPUs carries bfloat16 x as block floating point int16 per token and
+    group (15 significant bits for the group's largest |x|, more than bfloat16's 8; csrc/int16_quantize.h).
 
 ``int8_linear(x, weight, weight_scale, bias?) -> y``   (W8A16 weight-only: int8_wo)
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features] int8``;
     ``weight_scale [out_features] float32`` (per output channel); ``bias [out_features]`` or None.
-    ``y = x @ (weight * weight_scale[:, None]).T + bias``, accumulated in float32, returned in x's dtype.
+    ``y = x @ (weight * weight_scale[:, None]).T + bias``, accumulated in float32, returned in x's dtype
+    (bfloat16 x on AVX2 CPUs as block floating point int16 per 64 columns, as for int4_linear).
 
 ``int8_sq_linear(x, weight, weight_scale, input_scale, pre_quant_scale?, bias?, per_token=False) -> y``   (W8A8: int8_sq)
     SmoothQuant (Xiao et al. 2023) GEMM. x ``[T, in_features]`` float32 / bfloat16; ``weight
