@@ -120,7 +120,9 @@ inline void gemv_block(const uint16_t* w, int64_t k, const float* x, int64_t x_s
 template <int NT>
 void gemv_rows_nt(const uint16_t* w, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t x_stride, float* acc,
                   int64_t acc_stride) {
-  constexpr int NR = 4 / NT;
+  // One row at a time for a single token: on the AVX2 machine measured, a 98304x576 weight streamed at
+  // 23 GB/s this way and 18 GB/s four rows at a time (rows 4*NR ahead prefetched either way).
+  constexpr int NR = NT == 1 ? 1 : 4 / NT;
   int64_t r = r0;
   for (; r + NR <= r1; r += NR) gemv_block<NR, NT>(w + r * k, k, x, x_stride, acc + r, acc_stride);
   for (; r < r1; ++r) gemv_block<1, NT>(w + r * k, k, x, x_stride, acc + r, acc_stride);

@@ -236,7 +236,9 @@ static inline void gemv_int16_block(const int8_t* w, int64_t in, const int16_t* 
 template <int NT>
 static inline void gemv_int16_rows_nt(const int8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const int16_t* x,
                                       int64_t x_stride, const float* x_scale, float* y, int64_t y_stride) {
-  constexpr int NR = RowsPerBlock<NT>::value;
+  // One row at a time for a single token: streamed 21 GB/s against 15 GB/s four rows at a time (a
+  // 98304x576 weight, AVX2 machine); int4's heavier decode keeps four (21 GB/s, 18 at one row).
+  constexpr int NR = NT == 1 ? 1 : RowsPerBlock<NT>::value;
   int64_t r = row_begin;
   for (; r + NR <= row_end; r += NR) gemv_int16_block<NR, NT>(w + r * in, in, x, x_stride, x_scale, y + r, y_stride);
   for (; r < row_end; ++r) gemv_int16_block<1, NT>(w + r * in, in, x, x_stride, x_scale, y + r, y_stride);
