@@ -101,7 +101,9 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* x, int6
 template <int NT>
 static inline void gemv_rows_nt(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
                                 int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
-  constexpr int NR = NT == 1 ? 4 : (NT == 2 ? 2 : 1);
+  // One row at a time for a single token: a 98304x576 weight streamed at 16.1 GB/s against 14.7 (four
+  // rows) and 15.0 (two) on an AVX2 machine.
+  constexpr int NR = NT == 1 ? 1 : (NT == 2 ? 2 : 1);
   int64_t r = row_begin;
   for (; r + NR <= row_end; r += NR)
     gemv_block<NR, NT>(w + r * in, in, x, x_stride, y + r, y_stride, lut);
