@@ -279,7 +279,6 @@ void run_direct(const Problem& p, GemvFn gemv, scalar_t* out) {
   }, out);
 }
 
-
 // Context phase (many tokens): dequantize kTileRows rows at a time into a thread-local float32 tile
 // (never the whole weight) and multiply it with all T rows through at::mm.
 template <typename scalar_t>
