@@ -192,8 +192,10 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
       y[t * y_stride + r] = hsum8_epi32(acc[r][t]) + dot_i32_tail(w + r * in, x + t * x_stride, c, in);
 }
 
+// One row at a time for a single token: four interleaved rows starve the memory stream on AVX2 (int8_sq's
+// cold decode sweep in scripts/bench_plugins.py: 8.8-8.9 ms at four rows, 7.0-7.6 at one).
 template <int NT>
-struct RowsPerBlock { static constexpr int value = NT == 1 ? 4 : (NT == 2 ? 2 : 1); };
+struct RowsPerBlock { static constexpr int value = NT <= 2 ? NT : 1; };
 
 // int8_linear's generation phase with bfloat16 x: x as block floating point int16 (int16_activations.h,
 // blocks of kInt16BlockCols columns) and VPMADDWD against the sign-extended weights, 16 weights per

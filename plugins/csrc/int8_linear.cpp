@@ -191,9 +191,13 @@ void to_float(const at::Tensor& x, const float* pqs, float* dst) {
   const int64_t in = x.size(1);
   const scalar_t* src = x.data_ptr<scalar_t>();
   at::parallel_for(0, x.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
-    for (int64_t i = t0 * in; i < t1 * in; ++i) {
-      const float v = static_cast<float>(src[i]);
-      dst[i] = pqs != nullptr ? v * pqs[i % in] : v;
+    for (int64_t t = t0; t < t1; ++t) {
+      const scalar_t* row = src + t * in;
+      float* dst_row = dst + t * in;
+      if (pqs == nullptr)
+        for (int64_t c = 0; c < in; ++c) dst_row[c] = static_cast<float>(row[c]);
+      else
+        for (int64_t c = 0; c < in; ++c) dst_row[c] = static_cast<float>(row[c]) * pqs[c];
     }
   });
 }
@@ -430,9 +434,10 @@ at::Tensor int8_sq_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   const at::Tensor weight_scale = weight_scale_in.contiguous(), bias = float_bias(bias_in);
   // row_scale[o] = input_scale * weight_scale[o], one float32 rounding as the reference; per token,
   // weight_scale[o] alone (the epilogue multiplies it by each token's scale).
-  std::vector<float> row_scale(static_cast<size_t>(out_features));
-  for (int64_t o = 0; o < out_features; ++o)
-    row_scale[o] = per_token ? weight_scale.data_ptr<float>()[o] : s_in * weight_scale.data_ptr<float>()[o];
+  const float* w_scale = weight_scale.data_ptr<float>();  // once: data_ptr<T>() checks the dtype on every call
+  std::vector<float> row_scale(w_scale, w_scale + out_features);
+  if (!per_token)
+    for (float& s : row_scale) s *= s_in;
   std::vector<float> token_scale(per_token ? static_cast<size_t>(num_tokens) : 0);  // [T]
   float* ts = per_token ? token_scale.data() : nullptr;
   at::Tensor pqs;
