@@ -7,12 +7,19 @@
 //
 // KILN_AVX2 (0 or 1) selects the code path.
 //
-// FP8 -> float32 on AVX2 goes through IEEE half: byte `s eeee mmm` becomes the half `s 0eeee mmm 0000000`
-// (bits 15, 14..10, 9..7), whose value is exactly 2^-8 times the E4M3 value -- normals and subnormals
-// alike, since E4M3's exponent bias (7) is the half bias (15) minus 8 -- and F16C converts it exactly to a
-// normal float32 (so flush-to-zero / denormals-are-zero modes cannot change the result). The 2^8 factor
-// is multiplied back in exactly afterwards. E4M3FN's NaN encodings (0x7F / 0xFF) would read as ±480:
-// quantized weights never hold NaN.
+// FP8 -> float32 on AVX2, two ways:
+// - Shifts (the GEMV's default): byte `s eeee mmm` placed in the top byte of a 32-bit lane and shifted
+//   arithmetically right by 4 is `s ssss eeee mmm 0...`; clearing the four sign copies leaves the float32
+//   `s 0000eeee mmm 0...`, exactly 2^-120 times the E4M3 value -- normals and subnormals alike, since
+//   E4M3's exponent bias (7) is float32's (127) minus 120. Three integer instructions per 8 weights;
+//   F16C's VCVTPH2PS (below) is the bottleneck of the GEMV on CPUs where it issues once per two cycles
+//   (a 98304x576 weight streamed at ~16 GB/s with it). Subnormal E4M3 weights become float32 denormals,
+//   so a thread with flush-to-zero or denormals-are-zero set (MXCSR) takes the F16C path instead.
+// - F16C: byte `s eeee mmm` becomes the half `s 0eeee mmm 0000000` (bits 15, 14..10, 9..7), exactly 2^-8
+//   times the E4M3 value, which VCVTPH2PS converts exactly to a normal float32 (so FTZ / DAZ cannot change
+//   the result). Also the dequantization of the context phase's tiles.
+// The powers of two are multiplied back in exactly afterwards. E4M3FN's NaN encodings (0x7F / 0xFF) would
+// read as ±480: quantized weights never hold NaN.
 
 // Activation quantization: out[i] = float(E4M3(clamp(x[i] / scale, -448, 448))), round to nearest even,
 // bit-exact with torch's `.clamp(-448, 448).to(torch.float8_e4m3fn)` but kept as the exact float value
@@ -60,67 +67,106 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// NR rows x NT tokens microkernel: every 16 weights are converted once and used NT times.
-template <int NR, int NT>
+// 16 weights at w as float32 (w0: the first 8, w1: the next 8), 2^-120 (kShifts) or 2^-8 times their
+// value.
+template <bool kShifts>
+static inline void fp8x16_to_float(const uint8_t* w, __m256& w0, __m256& w1) {
+  if (kShifts) {
+    const __m256i keep = _mm256_set1_epi32(static_cast<int>(0x87FFFFFFu));  // sign, exponent, mantissa
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8)));
+    w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(b0, 24), 4), keep));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(b1, 24), 4), keep));
+  } else {
+    const __m256i h = fp8x16_to_half_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
+}
+
+// The GEMV's activations are x_q * 2^kXScaleLog2 (the caller scales them, exactly): the products with
+// 2^-120-scaled weights are then x_q * q * 2^-20, never denormal (|x_q|, |q| >= 2^-9 or 0), and with
+// 2^-8-scaled weights x_q * q * 2^92, which cannot overflow (|x_q * q| <= 448^2, in < 2^20 columns).
+constexpr int kXScaleLog2 = 100;
+
+// NR rows x NT tokens microkernel: every 16 weights are converted once and used NT times. U 16-column
+// steps per iteration, each with its own accumulators (one row of one token keeps four dependent FMA
+// chains instead of two).
+template <int NR, int NT, bool kShifts>
 static inline void gemv_block(const uint8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
                               int64_t y_stride, const float* lut) {
-  __m256 acc[NR][NT][2];
+  constexpr int U = NR * NT <= 2 ? 2 : 1;
+  constexpr float kWeightScale = kShifts ? 0x1p-120f : 0x1p-8f;  // of the converted weights
+  constexpr float kUnscale = kShifts ? 0x1p20f : 0x1p-92f;        // 1 / (kWeightScale * 2^kXScaleLog2)
+  __m256 acc[NR][NT][2 * U];
   for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= in; i += 16) {
-    __m256 xv[NT][2];
-    for (int t = 0; t < NT; ++t) {
-      xv[t][0] = _mm256_loadu_ps(x + t * x_stride + i);
-      xv[t][1] = _mm256_loadu_ps(x + t * x_stride + i + 8);
+    for (int t = 0; t < NT; ++t)
+      for (int a = 0; a < 2 * U; ++a) acc[r][t][a] = _mm256_setzero_ps();
+  const auto step = [&](int64_t i, int u) {
+    for (int r = 0; r < NR; ++r) {
+      __m256 w0, w1;
+      fp8x16_to_float<kShifts>(w + r * in + i, w0, w1);
+      for (int t = 0; t < NT; ++t) {
+        acc[r][t][2 * u] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + i), acc[r][t][2 * u]);
+        acc[r][t][2 * u + 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * x_stride + i + 8), acc[r][t][2 * u + 1]);
+      }
     }
-    if ((i & 63) == 0) {
+  };
+  int64_t i = 0;
+  for (; i + 16 * U <= in; i += 16 * U) {
+    if ((i & 63) < 16 * U) {
       // Software prefetch of the next NR rows (contiguous after these): the generation phase streams
       // weights from DRAM and the hardware prefetcher alone leaves bandwidth unused.
       for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + i), _MM_HINT_T0);
     }
-    for (int r = 0; r < NR; ++r) {
-      __m256i h = fp8x16_to_half_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * in + i)));
-      __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-      __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-      for (int t = 0; t < NT; ++t) {
-        acc[r][t][0] = _mm256_fmadd_ps(w0, xv[t][0], acc[r][t][0]);
-        acc[r][t][1] = _mm256_fmadd_ps(w1, xv[t][1], acc[r][t][1]);
-      }
-    }
+    for (int u = 0; u < U; ++u) step(i + 16 * u, u);
   }
+  for (; i + 16 <= in; i += 16) step(i, 0);
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) {
-      float s = hsum8(_mm256_add_ps(acc[r][t][0], acc[r][t][1])) * 256.0f;  // exact: undo the 2^-8
-      for (int64_t j = i; j < in; ++j) s += lut[w[r * in + j]] * x[t * x_stride + j];
-      y[t * y_stride + r] = s;
+      __m256 sum = _mm256_add_ps(acc[r][t][0], acc[r][t][1]);
+      for (int a = 2; a < 2 * U; a += 2) sum = _mm256_add_ps(sum, _mm256_add_ps(acc[r][t][a], acc[r][t][a + 1]));
+      float s = hsum8(sum);
+      for (int64_t j = i; j < in; ++j) s += (lut[w[r * in + j]] * kWeightScale) * x[t * x_stride + j];
+      y[t * y_stride + r] = s * kUnscale;
     }
   }
 }
 
-template <int NT>
+template <int NT, bool kShifts>
 static inline void gemv_rows_nt(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
                                 int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
   // One row at a time for a single token: a 98304x576 weight streamed at 16.1 GB/s against 14.7 (four
-  // rows) and 15.0 (two) on an AVX2 machine.
+  // rows) and 15.0 (two) on an AVX2 machine (F16C conversion).
   constexpr int NR = NT == 1 ? 1 : (NT == 2 ? 2 : 1);
   int64_t r = row_begin;
   for (; r + NR <= row_end; r += NR)
-    gemv_block<NR, NT>(w + r * in, in, x, x_stride, y + r, y_stride, lut);
-  for (; r < row_end; ++r) gemv_block<1, NT>(w + r * in, in, x, x_stride, y + r, y_stride, lut);
+    gemv_block<NR, NT, kShifts>(w + r * in, in, x, x_stride, y + r, y_stride, lut);
+  for (; r < row_end; ++r) gemv_block<1, NT, kShifts>(w + r * in, in, x, x_stride, y + r, y_stride, lut);
 }
 
-static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
-                      int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
+template <bool kShifts>
+static void gemv_rows_conv(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
+                           int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
   int64_t t = 0;
   for (; t + 4 <= num_tokens; t += 4)
-    gemv_rows_nt<4>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
+    gemv_rows_nt<4, kShifts>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
   if (num_tokens - t >= 2) {
-    gemv_rows_nt<2>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
+    gemv_rows_nt<2, kShifts>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
     t += 2;
   }
   if (t < num_tokens)
-    gemv_rows_nt<1>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
+    gemv_rows_nt<1, kShifts>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
+}
+
+// y[t, r] = sum_i q[r, i] * x_q[t, i] for rows [row_begin, row_end), x holding x_q * 2^kXScaleLog2.
+// The conversion is chosen by this thread's MXCSR (FTZ bit 15, DAZ bit 6).
+static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
+                      int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
+  if ((_mm_getcsr() & 0x8040u) == 0)
+    gemv_rows_conv<true>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
+  else
+    gemv_rows_conv<false>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
 }
 
 // Exact dequantization of rows [row_begin, row_end) into dst [row_end - row_begin, in] floats.

@@ -9,7 +9,8 @@
 // - few tokens (generation phase): a fused dequantize-and-multiply GEMV over output rows, each byte read
 //   once per call (memory bound: ~1 byte per weight); with AVX512-BF16 and VBMI the bytes become exact
 //   bfloat16 in registers through byte tables (Fp8Rows) and meet the (exact bfloat16) quantized
-//   activations in VDPBF16PS (bf16_gemv.h), else float32 FMAs (AVX2 / scalar);
+//   activations in VDPBF16PS (bf16_gemv.h), else float32 FMAs (AVX2: weights converted by integer shifts,
+//   fp8_kernels.h; scalar);
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local
 //   buffer and multiplied: as exact bfloat16 with AVX512-BF16 dot products (fp8_bf16_gemm.h) where the
 //   CPU has them, else as float32 with at::mm.
@@ -25,6 +26,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -266,12 +268,22 @@ void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float*
 #endif
   const float* lut = fp8_lut().value;
   const GemvFn gemv = gemv_fn();
+  const float* x = xq;
+#if defined(__x86_64__)
+  std::vector<float> x_scaled;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact)
+  if (gemv == avx2::gemv_rows) {
+    x_scaled.resize(static_cast<size_t>(num_tokens * in));
+    const float factor = std::ldexp(1.0f, avx2::kXScaleLog2);
+    for (int64_t i = 0; i < num_tokens * in; ++i) x_scaled[i] = xq[i] * factor;
+    x = x_scaled.data();
+  }
+#endif
   std::vector<float> acc(static_cast<size_t>(num_tokens * out_features));
   float* acc_ptr = acc.data();
   // ~16 KiB of weights per task at least, so that small layers do not pay for threading.
   const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
   at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(w, in, r0, r1, xq, num_tokens, in, acc_ptr, out_features, lut);
+    gemv(w, in, r0, r1, x, num_tokens, in, acc_ptr, out_features, lut);
     epilogue<scalar_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, scale, bias, out, out_features);
   });
 }

@@ -63,11 +63,22 @@ def test_quantization_bit_exact_over_a_sweep_of_float_bit_patterns(dtype):
     assert torch.equal(y_small, expected[:3, :37])
 
 
+@pytest.fixture(params=[False, True], ids=["ieee", "flush_denormal"])
+def flush_denormal(request):
+    """Runs a test as is and with flush-to-zero / denormals-are-zero set in this thread's MXCSR
+    (``torch.set_flush_denormal``): the AVX2 GEMV converts weights to (possibly denormal) float32 by
+    shifts, and takes its F16C conversion where denormals would be flushed."""
+    if request.param and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    yield request.param
+    torch.set_flush_denormal(False)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 4, 16, 32])
-def test_every_fp8_weight_byte_decodes_exactly(num_tokens):
+def test_every_fp8_weight_byte_decodes_exactly(num_tokens, flush_denormal):
     """One-hot activations read the weight back: all 254 finite E4M3 encodings decode bit-exactly, through
     the generation-phase GEMV (1 and 4 tokens: a whole 16-row block and 8 tail rows) and the context-phase
-    tiles (16 and 32 tokens)."""
+    tiles (16 and 32 tokens), also with denormals flushed (subnormal E4M3 values are normal float32)."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes[codes & 0x7F == 0x7F] = 0  # the two NaN encodings
     rows = codes.reshape(8, 32)
@@ -81,7 +92,7 @@ def test_every_fp8_weight_byte_decodes_exactly(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 17, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_fp32_matmul_of_quantized_operands(num_tokens, dtype, with_bias):
+def test_matches_fp32_matmul_of_quantized_operands(num_tokens, dtype, with_bias, flush_denormal):
     gen = torch.Generator().manual_seed(7 * num_tokens + with_bias)
     in_features, out_features = 200, 72  # 200 = 12 x 16 + 8: exercises the vector tails
     x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(dtype)
