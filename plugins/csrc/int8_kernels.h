@@ -192,8 +192,10 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
       y[t * y_stride + r] = hsum8_epi32(acc[r][t]) + dot_i32_tail(w + r * in, x + t * x_stride, c, in);
 }
 
-// One row at a time for a single token: four interleaved rows starve the memory stream on AVX2 (int8_sq's
-// cold decode sweep in scripts/bench_plugins.py: 8.8-8.9 ms at four rows, 7.0-7.6 at one).
+// One row at a time for a single token: four interleaved rows starve the memory stream on AVX2 (a
+// 98304x576 weight streamed at 21 GB/s against 15 through the int16 GEMV below; int8_sq's cold decode sweep
+// in scripts/bench_plugins.py: 8.8-8.9 ms at four rows, 7.0-7.6 at one). int4's heavier decode keeps four
+// (21 GB/s, 18 at one row).
 template <int NT>
 struct RowsPerBlock { static constexpr int value = NT <= 2 ? NT : 1; };
 
@@ -238,9 +240,7 @@ static inline void gemv_int16_block(const int8_t* w, int64_t in, const int16_t* 
 template <int NT>
 static inline void gemv_int16_rows_nt(const int8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const int16_t* x,
                                       int64_t x_stride, const float* x_scale, float* y, int64_t y_stride) {
-  // One row at a time for a single token: streamed 21 GB/s against 15 GB/s four rows at a time (a
-  // 98304x576 weight, AVX2 machine); int4's heavier decode keeps four (21 GB/s, 18 at one row).
-  constexpr int NR = NT == 1 ? 1 : RowsPerBlock<NT>::value;
+  constexpr int NR = RowsPerBlock<NT>::value;
   int64_t r = row_begin;
   for (; r + NR <= row_end; r += NR) gemv_int16_block<NR, NT>(w + r * in, in, x, x_stride, x_scale, y + r, y_stride);
   for (; r < row_end; ++r) gemv_int16_block<1, NT>(w + r * in, in, x, x_stride, x_scale, y + r, y_stride);
