@@ -66,7 +66,7 @@ class BuildOptions:
     calib_data: Path | None = None  # calibrated formats: plain text / JSONL "text" (default: calibration.py's texts)
     calib_num_samples: int | None = None  # calibrated formats: samples (default 24)
     calib_seq_len: int | None = None  # calibrated formats: tokens per sample (default 256)
-    quantize_lm_head: bool = False  # fp8 / int4_awq / int4_wo / int8_wo: the LM head through the same format
+    quantize_lm_head: bool = False  # quantized formats: the LM head through the same format
     per_token: bool = False  # int8_sq: dynamic per-token activation scales instead of the calibrated per-tensor one
     smoothquant_alpha: float | None = None  # int8_sq: SmoothQuant's alpha (None: searched; 0.5 with per_token)
     zero_point: bool | None = None  # int4 formats: asymmetric groups (None: the format's default, on for int4_awq)

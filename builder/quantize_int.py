@@ -37,8 +37,9 @@ takes int4_awq from +24% to about +11% perplexity over fp32 (docs/quantization.m
 The weight-only recipes calibrate from the weights alone (``forward_loop=None``), so their builds read no
 text. ModelOpt's export gives the parts of fused linears (q/k/v, gate/up) one shared ``pre_quant_scale``
 (their mean; weights re-quantized) and folds AWQ's into the preceding RMSNorm; kilnlm folds SmoothQuant's
-the same way (:func:`kilnlm.builder.network.llama.fold_smoothing_into_norms`); o_proj / down_proj keep
-theirs as the op's ``pre_quant_scale``. Embeddings and (unless ``--quantize-lm-head``) the LM head stay 16-bit.
+the same way (:func:`kilnlm.builder.network.llama.fold_smoothing_into_norms`), the LM head's
+(``--quantize-lm-head``) into the final norm; o_proj / down_proj keep theirs as the op's ``pre_quant_scale``.
+Embeddings and (unless ``--quantize-lm-head``) the LM head stay 16-bit.
 
 Determinism: the calibration batches are fixed (:mod:`kilnlm.builder.calibration`), ModelOpt's recipes here
 draw no random numbers, and torch's RNG is seeded before calibration anyway.
@@ -68,9 +69,9 @@ INT_QFORMATS = ("int4_awq", "int4_wo", "int8_wo", "int8_sq")
 INT4_QFORMATS = ("int4_awq", "int4_wo")
 # Formats whose quantization reads calibration text.
 CALIBRATED_QFORMATS = ("fp8", "int4_awq", "int8_sq")
-# Formats whose LM head may go through the same quantization (--quantize-lm-head): the weight-only ones, and
-# fp8 (W8A8 with its own calibrated input scale). int8_sq's smoothing would have to fold into the final norm.
-LM_HEAD_QFORMATS = ("fp8", "int4_awq", "int4_wo", "int8_wo")
+# Formats whose LM head may go through the same quantization (--quantize-lm-head): all of them. fp8 and int8_sq
+# make it W8A8 with its own calibrated input scale; int8_sq's smoothing of the head folds into the final norm.
+LM_HEAD_QFORMATS = ("fp8", "int4_awq", "int4_wo", "int8_wo", "int8_sq")
 # Group sizes offered in error messages (the int4 kernels' natural block widths).
 GROUP_SIZE_CHOICES = (16, 32, 64, 128, 256)
 # SmoothQuant alphas a per-tensor int8_sq build tries when --smoothquant-alpha is not given.
@@ -142,7 +143,8 @@ def default_group_size(hf_config, quantize_lm_head: bool, preferred: int = 128) 
 
 def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool, smoothquant_alpha: float | None = None) -> dict:
     """A deep copy of ModelOpt's recipe for ``qformat`` with the int4 block size set to ``group_size``,
-    with ``quantize_lm_head``, the LM head's weight quantizer enabled, and for int8_sq SmoothQuant's alpha
+    with ``quantize_lm_head``, the LM head's weight quantizer enabled (its input quantizer too for int8_sq,
+    so that SmoothQuant smooths and calibrates the head like any other linear), and for int8_sq SmoothQuant's alpha
     set to ``smoothquant_alpha`` (None keeps the recipe's)."""
     import modelopt.torch.quantization as mtq
 
@@ -156,8 +158,12 @@ def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool, smoot
     if quantize_lm_head:
         weight_cfg = next(e["cfg"] for e in entries if e.get("quantizer_name") == "*weight_quantizer")
         recipe = without_lm_head_exclusion(recipe)
+        # W8A8 for int8_sq (SmoothQuant then smooths the head too); weight-only for the others
+        input_entry = next((e for e in entries if e.get("quantizer_name") == "*input_quantizer"), None)
+        head_input = ({"quantizer_name": "*lm_head*input_quantizer", "cfg": copy.deepcopy(input_entry["cfg"])}
+                      if qformat == "int8_sq" else {"quantizer_name": "*lm_head*input_quantizer", "enable": False})
         recipe["quant_cfg"] += [{"quantizer_name": "*lm_head*weight_quantizer", "cfg": copy.deepcopy(weight_cfg)},
-                                {"quantizer_name": "*lm_head*input_quantizer", "enable": False}]
+                                head_input]
     if qformat == "int8_sq" and smoothquant_alpha is not None:
         recipe["algorithm"] = {"method": "smoothquant", "alpha": float(smoothquant_alpha)}
     return recipe

@@ -36,7 +36,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--calib-max-seq-len", type=int, default=None, metavar="TOKENS",
                    help="tokens per calibration sample (default: 256)")
     p.add_argument("--quantize-lm-head", action="store_true",
-                   help="fp8 / int4_awq / int4_wo / int8_wo: quantize the LM head too (default: off; the embedding and "
+                   help="quantized formats: quantize the LM head too (default: off; the embedding and "
                         "LM head stay 16-bit)")
     p.add_argument("--zero-point", action=argparse.BooleanOptionalAction, default=None,
                    help="int4_awq / int4_wo: asymmetric groups, each with an int8 zero point: w = (q - zero) * scale "

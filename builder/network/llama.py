@@ -128,7 +128,8 @@ class LlamaNetwork(nn.Module):
         embed = sd.take("model.embed_tokens.weight").to(dtype)
         self.lm_head = None  # --quantize-lm-head: the head in the engine's format
         if quant is not None and "lm_head" in quant.linears:
-            self.lm_head = make_quantized_linear([quant.linears["lm_head"]], quant.qformat, quant.group_size, dtype)
+            self.lm_head = make_quantized_linear([quant.linears["lm_head"]], quant.qformat, quant.group_size, dtype,
+                                                 quant.per_token)
         elif fp8_amax is not None and "lm_head" in fp8_amax:  # tied: from the float embedding
             head = sd.take("model.embed_tokens.weight") if cfg.tie_word_embeddings else sd.take("lm_head.weight")
             self.lm_head = make_linear([head], [None], dtype, [fp8_amax["lm_head"]])
@@ -164,24 +165,26 @@ def _quantized_of(quant: IntQuantization, name: str):
 
 
 def fold_smoothing_into_norms(state_dict: dict[str, torch.Tensor], quant: IntQuantization, num_layers: int) -> None:
-    """Fold the shared ``pre_quant_scale`` of q/k/v into ``input_layernorm.weight`` and that of gate/up
-    into ``post_attention_layernorm.weight`` (``norm(x) * w * s == norm(x) * (w * s)``, exact in float32),
-    in place, and clear it from the linears. o_proj / down_proj keep theirs (no norm precedes them).
-    Raises :class:`BuildError` when the parts of a fused linear carry different scales."""
-    groups = (("input_layernorm", QKV_PROJS), ("post_attention_layernorm", GATE_UP_PROJS))
-    for i in range(num_layers):
-        for norm, names in groups:
-            parts = [quant.linears.get(f"model.layers.{i}.{n}") for n in names]
-            if any(p is None for p in parts) or parts[0].pre_quant_scale is None:
-                continue
-            scale = parts[0].pre_quant_scale
-            if any(p.pre_quant_scale is None or not torch.equal(p.pre_quant_scale, scale) for p in parts[1:]):
-                raise BuildError(f"model.layers.{i}: {', '.join(names)} carry different pre_quant_scales, so they cannot "
-                                 f"be folded into {norm}: quantize them with one shared smoothing scale")
-            key = f"model.layers.{i}.{norm}.weight"
-            state_dict[key] = state_dict[key].float() * scale.float()
-            for p in parts:
-                p.pre_quant_scale = None
+    """Fold the shared ``pre_quant_scale`` of q/k/v into ``input_layernorm.weight``, that of gate/up into
+    ``post_attention_layernorm.weight`` and a quantized LM head's into the final ``model.norm.weight``
+    (``norm(x) * w * s == norm(x) * (w * s)``, exact in float32), in place, and clear it from the linears.
+    o_proj / down_proj keep theirs (no norm precedes them). Raises :class:`BuildError` when the parts of a
+    fused linear carry different scales."""
+    groups = [(f"model.layers.{i}.{norm}", [f"model.layers.{i}.{n}" for n in names]) for i in range(num_layers)
+              for norm, names in (("input_layernorm", QKV_PROJS), ("post_attention_layernorm", GATE_UP_PROJS))]
+    groups.append(("model.norm", ["lm_head"]))  # the final norm feeds only the head
+    for norm, names in groups:
+        parts = [quant.linears.get(n) for n in names]
+        if any(p is None for p in parts) or parts[0].pre_quant_scale is None:
+            continue
+        scale = parts[0].pre_quant_scale
+        if any(p.pre_quant_scale is None or not torch.equal(p.pre_quant_scale, scale) for p in parts[1:]):
+            raise BuildError(f"{', '.join(names)} carry different pre_quant_scales, so they cannot be folded into "
+                             f"{norm}: quantize them with one shared smoothing scale")
+        key = f"{norm}.weight"
+        state_dict[key] = state_dict[key].float() * scale.float()
+        for p in parts:
+            p.pre_quant_scale = None
 
 
 def _amax_of(fp8_amax: dict[str, Fp8Amax], name: str) -> Fp8Amax:

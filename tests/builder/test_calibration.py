@@ -190,7 +190,8 @@ def test_fused_int8_sq_takes_the_largest_input_scale():
 
 
 def test_smoothing_folds_into_the_norms_exactly():
-    """norm(x) * w then * s equals norm(x) * (w * s): the folded network computes the same activations."""
+    """norm(x) * w then * s equals norm(x) * (w * s): the folded network computes the same activations.
+    A quantized LM head's smoothing folds into the final norm."""
     from kilnlm.builder.network.llama import fold_smoothing_into_norms
 
     hidden = 16
@@ -200,13 +201,16 @@ def test_smoothing_folds_into_the_norms_exactly():
                                                        torch.tensor(1.0), scale.clone()) for n in names}
     linears["model.layers.0.self_attn.o_proj"] = QuantizedWeights(torch.zeros(4, hidden, dtype=torch.int8), torch.ones(4),
                                                                   torch.tensor(1.0), scale.clone())
+    linears["lm_head"] = QuantizedWeights(torch.zeros(4, hidden, dtype=torch.int8), torch.ones(4), torch.tensor(1.0),
+                                          scale.clone())
     norm_w = torch.rand(hidden)
     state = {"model.layers.0.input_layernorm.weight": norm_w.clone(),
-             "model.layers.0.post_attention_layernorm.weight": norm_w.clone()}
+             "model.layers.0.post_attention_layernorm.weight": norm_w.clone(), "model.norm.weight": norm_w.clone()}
     fold_smoothing_into_norms(state, IntQuantization("int8_sq", None, linears), num_layers=1)
     for key in state:
         torch.testing.assert_close(state[key], norm_w * scale, rtol=0, atol=0)
     assert all(linears[f"model.layers.0.{n}"].pre_quant_scale is None for n in names)
+    assert linears["lm_head"].pre_quant_scale is None
     assert linears["model.layers.0.self_attn.o_proj"].pre_quant_scale is not None  # no norm precedes o_proj
 
 

@@ -258,6 +258,39 @@ def test_fp8_quantized_lm_head(tiny_llama_dir, tmp_path):
     assert set(read_manifest(tmp_path / "engine").plugins) == {"paged_attention", "fp8_linear"}
 
 
+def test_int8_sq_quantized_lm_head(tiny_llama_dir, tiny_engine_dir, tmp_path):
+    """int8_sq --quantize-lm-head: the (tied) LM head is a W8A8 int8_sq_linear with its own calibrated
+    input scale, SmoothQuant's smoothing of its input folded into the final norm (no pre_quant_scale left);
+    the engine needs no kilnlm::gemm, equals the eager network on the reference ops and stays within
+    int8_sq's error bound of the fp32 engine. With --per-token the head takes per-token scales too."""
+    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.checkpoint import load_checkpoint
+    from kilnlm.builder.network.layers import Int8SqLinear
+    from kilnlm.runtime.manifest import read_manifest
+
+    require_kernel("int8_sq")
+    options = format_options("int8_sq", quantize_lm_head=True)
+    network = eager_network(tiny_llama_dir, **options)
+    head = network.lm_head
+    assert isinstance(head, Int8SqLinear) and head.weight.shape == (49152, 64) and head.weight.dtype == torch.int8
+    assert float(head.input_scale) > 0 and head.pre_quant_scale is None and not head.per_token
+    assert network.embed_tokens.dtype == torch.float32 and network.lm_head_weight is None
+    plain_norm = load_checkpoint(tiny_llama_dir).state_dict["model.norm.weight"]
+    assert not torch.equal(network.norm.weight.float(), plain_norm.float())  # the head's smoothing, folded
+
+    engine_dir = tmp_path / "engine"
+    build_engine(BuildOptions(checkpoint=tiny_llama_dir, output=engine_dir, **options))
+    manifest = read_manifest(engine_dir)
+    assert set(manifest.plugins) == {"paged_attention", "int8_sq_linear"}
+    logits = engine_logits(engine_dir)
+    torch.testing.assert_close(logits, reference_logits(network, manifest), atol=REF_ATOL, rtol=0)
+    fp32 = engine_logits(tiny_engine_dir)
+    assert float(((logits - fp32).norm(dim=-1) / fp32.norm(dim=-1)).max()) < FP32_REL_ERR["int8_sq"]
+
+    per_token = eager_network(tiny_llama_dir, **options | dict(per_token=True, smoothquant_alpha=0.5))
+    assert isinstance(per_token.lm_head, Int8SqLinear) and per_token.lm_head.per_token
+
+
 def test_int4_awq_quantized_lm_head_gets_zero_points(tiny_llama_dir):
     """--quantize-lm-head with int4_awq: the (tied) LM head is re-rounded with zero points from the
     embedding's weights and the final norm's folded AWQ scale, and the logits stay within int4_awq's error
@@ -368,7 +401,7 @@ def run_build(capsys, *args: str) -> tuple[int, str]:
 @pytest.mark.parametrize("args, fragments", [
     (["--qformat", "int4_wo", "--group-size", "48"], ["--group-size 48 does not divide", "valid group sizes for this model: 16, 32, 64"]),
     (["--qformat", "int4_wo", "--calib-data", "x.txt"], ["--calib-data given but --qformat int4_wo does not calibrate"]),
-    (["--qformat", "int8_sq", "--quantize-lm-head"], ["--quantize-lm-head works with fp8, int4_awq"]),
+    (["--qformat", "bf16", "--quantize-lm-head"], ["--quantize-lm-head works with fp8, int4_awq", "not --qformat bf16"]),
     (["--qformat", "int8_wo", "--group-size", "64"], ["--group-size applies to the int4 formats"]),
     (["--qformat", "int8_wo", "--per-token"], ["--per-token / --smoothquant-alpha apply to --qformat int8_sq"]),
     (["--qformat", "int8_wo", "--zero-point"], ["--zero-point / --no-zero-point apply to the int4 formats"]),
