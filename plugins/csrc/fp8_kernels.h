@@ -67,65 +67,98 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 16 weights at w as float32 (w0: the first 8, w1: the next 8), 2^-120 (kShifts) or 2^-8 times their
-// value.
-template <bool kShifts>
-static inline void fp8x16_to_float(const uint8_t* w, __m256& w0, __m256& w1) {
-  if (kShifts) {
-    const __m256i keep = _mm256_set1_epi32(static_cast<int>(0x87FFFFFFu));  // sign, exponent, mantissa
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8)));
-    w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(b0, 24), 4), keep));
-    w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(b1, 24), 4), keep));
-  } else {
-    const __m256i h = fp8x16_to_half_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-    w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-  }
-}
-
 // The GEMV's activations are x_q * 2^kXScaleLog2 (the caller scales them, exactly): the products with
 // 2^-120-scaled weights are then x_q * q * 2^-20, never denormal (|x_q|, |q| >= 2^-9 or 0), and with
 // 2^-8-scaled weights x_q * q * 2^92, which cannot overflow (|x_q * q| <= 448^2, in < 2^20 columns).
 constexpr int kXScaleLog2 = 100;
 
-// NR rows x NT tokens microkernel: every 16 weights are converted once and used NT times. U 16-column
-// steps per iteration, each with its own accumulators (one row of one token keeps four dependent FMA
-// chains instead of two).
+// The GEMV converts 32 weights at a time with shifts within each 32-bit lane, which leaves them in the
+// order kBlockOrder: column 4j + k of the block as element j of float vector k. The activations are laid
+// out in that same order by prepare_x, once per call. Columns past the last full block of 32 keep their
+// order.
+constexpr int kBlock = 32;
+constexpr int kBlockOrder[kBlock] = {0, 4, 8,  12, 16, 20, 24, 28, 1, 5, 9,  13, 17, 21, 25, 29,
+                                     2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31};
+
+// dst[t, :] = x[t, :] * 2^kXScaleLog2 (exact), each full block of 32 columns in kBlockOrder.
+static void prepare_x(const float* x, int64_t num_tokens, int64_t in, float* dst) {
+  const float factor = 0x1p100f;
+  static_assert(kXScaleLog2 == 100, "factor must be 2^kXScaleLog2");
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float* src = x + t * in;
+    float* out = dst + t * in;
+    int64_t i = 0;
+    for (; i + kBlock <= in; i += kBlock)
+      for (int j = 0; j < kBlock; ++j) out[i + j] = src[i + kBlockOrder[j]] * factor;
+    for (; i < in; ++i) out[i] = src[i] * factor;
+  }
+}
+
+// 32 weights at w as float32 in kBlockOrder (v[k] holds columns k, 4 + k, ..., 28 + k), 2^-120 (kShifts)
+// or 2^-8 times their value.
+// kShifts: each byte is brought to the top of a 16-bit half of its 32-bit lane, s eeee mmm 0000 0000; an
+// arithmetic shift by 4 and clearing the sign's copies give s 0000 eeee mmm 0000, which as the upper half
+// of a float32 is exactly 2^-120 times the E4M3 value (subnormals become float32 denormals): nine shift
+// and mask instructions per 32 weights, no shuffles. Otherwise F16C: the bytes are gathered into kBlockOrder
+// and widened to half bits s 0 eeee mmm 0000000, 2^-8 times the value.
+template <bool kShifts>
+static inline void fp8x32_to_float(const uint8_t* w, __m256 v[4]) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  if (kShifts) {
+    const __m256i keep = _mm256_set1_epi32(static_cast<int>(0x87F00000u));  // sign, exponent, mantissa
+    const __m256i odd = _mm256_srai_epi16(bytes, 4);                            // bytes 1, 3 on top of their halves
+    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 4);     // bytes 0, 2
+    v[0] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(even, 16), keep));
+    v[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 16), keep));
+    v[2] = _mm256_castsi256_ps(_mm256_and_si256(even, keep));
+    v[3] = _mm256_castsi256_ps(_mm256_and_si256(odd, keep));
+  } else {
+    // per 128-bit lane: bytes 0, 4, 8, 12, 1, 5, ...; then the lanes' 32-bit quarters interleaved, so
+    // that 64-bit quarter k holds the columns of v[k]
+    const __m256i by_column = _mm256_shuffle_epi8(
+        bytes, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6,
+                                10, 14, 3, 7, 11, 15));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(by_column, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i h01 = fp8x16_to_half_bits(_mm256_castsi256_si128(ordered));
+    const __m256i h23 = fp8x16_to_half_bits(_mm256_extracti128_si256(ordered, 1));
+    v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h01));
+    v[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h01, 1));
+    v[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(h23));
+    v[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(h23, 1));
+  }
+}
+
+// NR rows x NT tokens microkernel over x laid out by prepare_x: every 32 weights are converted once and
+// used NT times. A accumulators per row and token (four dependent FMA chains for one row of one token).
 template <int NR, int NT, bool kShifts>
 static inline void gemv_block(const uint8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
                               int64_t y_stride, const float* lut) {
-  constexpr int U = NR * NT <= 2 ? 2 : 1;
+  constexpr int A = NR * NT <= 2 ? 4 : 2;
   constexpr float kWeightScale = kShifts ? 0x1p-120f : 0x1p-8f;  // of the converted weights
   constexpr float kUnscale = kShifts ? 0x1p20f : 0x1p-92f;        // 1 / (kWeightScale * 2^kXScaleLog2)
-  __m256 acc[NR][NT][2 * U];
+  __m256 acc[NR][NT][A];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t)
-      for (int a = 0; a < 2 * U; ++a) acc[r][t][a] = _mm256_setzero_ps();
-  const auto step = [&](int64_t i, int u) {
-    for (int r = 0; r < NR; ++r) {
-      __m256 w0, w1;
-      fp8x16_to_float<kShifts>(w + r * in + i, w0, w1);
-      for (int t = 0; t < NT; ++t) {
-        acc[r][t][2 * u] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + i), acc[r][t][2 * u]);
-        acc[r][t][2 * u + 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * x_stride + i + 8), acc[r][t][2 * u + 1]);
-      }
-    }
-  };
+      for (int a = 0; a < A; ++a) acc[r][t][a] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 * U <= in; i += 16 * U) {
-    if ((i & 63) < 16 * U) {
+  for (; i + kBlock <= in; i += kBlock) {
+    if ((i & 63) == 0) {
       // Software prefetch of the next NR rows (contiguous after these): the generation phase streams
       // weights from DRAM and the hardware prefetcher alone leaves bandwidth unused.
       for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + i), _MM_HINT_T0);
     }
-    for (int u = 0; u < U; ++u) step(i + 16 * u, u);
+    for (int r = 0; r < NR; ++r) {
+      __m256 v[4];
+      fp8x32_to_float<kShifts>(w + r * in + i, v);
+      for (int t = 0; t < NT; ++t)
+        for (int k = 0; k < 4; ++k)
+          acc[r][t][k % A] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(x + t * x_stride + i + 8 * k), acc[r][t][k % A]);
+    }
   }
-  for (; i + 16 <= in; i += 16) step(i, 0);
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) {
       __m256 sum = _mm256_add_ps(acc[r][t][0], acc[r][t][1]);
-      for (int a = 2; a < 2 * U; a += 2) sum = _mm256_add_ps(sum, _mm256_add_ps(acc[r][t][a], acc[r][t][a + 1]));
+      if constexpr (A == 4) sum = _mm256_add_ps(sum, _mm256_add_ps(acc[r][t][2], acc[r][t][3]));
       float s = hsum8(sum);
       for (int64_t j = i; j < in; ++j) s += (lut[w[r * in + j]] * kWeightScale) * x[t * x_stride + j];
       y[t * y_stride + r] = s * kUnscale;
@@ -159,7 +192,7 @@ static void gemv_rows_conv(const uint8_t* w, int64_t in, int64_t row_begin, int6
     gemv_rows_nt<1, kShifts>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
 }
 
-// y[t, r] = sum_i q[r, i] * x_q[t, i] for rows [row_begin, row_end), x holding x_q * 2^kXScaleLog2.
+// y[t, r] = sum_i q[r, i] * x_q[t, i] for rows [row_begin, row_end), x holding x_q laid out by prepare_x.
 // The conversion is chosen by this thread's MXCSR (FTZ bit 15, DAZ bit 6).
 static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
                       int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {

@@ -270,12 +270,11 @@ void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float*
   const GemvFn gemv = gemv_fn();
   const float* x = xq;
 #if defined(__x86_64__)
-  std::vector<float> x_scaled;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact)
+  std::vector<float> x_prepared;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact), in its block order
   if (gemv == avx2::gemv_rows) {
-    x_scaled.resize(static_cast<size_t>(num_tokens * in));
-    const float factor = std::ldexp(1.0f, avx2::kXScaleLog2);
-    for (int64_t i = 0; i < num_tokens * in; ++i) x_scaled[i] = xq[i] * factor;
-    x = x_scaled.data();
+    x_prepared.resize(static_cast<size_t>(num_tokens * in));
+    avx2::prepare_x(xq, num_tokens, in, x_prepared.data());
+    x = x_prepared.data();
   }
 #endif
   std::vector<float> acc(static_cast<size_t>(num_tokens * out_features));

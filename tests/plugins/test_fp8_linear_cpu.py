@@ -94,7 +94,7 @@ def test_every_fp8_weight_byte_decodes_exactly(num_tokens, flush_denormal):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_fp32_matmul_of_quantized_operands(num_tokens, dtype, with_bias, flush_denormal):
     gen = torch.Generator().manual_seed(7 * num_tokens + with_bias)
-    in_features, out_features = 200, 72  # 200 = 12 x 16 + 8: exercises the vector tails
+    in_features, out_features = 200, 72  # 200 = 6 x 32 + 8: the vector blocks and a scalar tail
     x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(dtype)
     weight = random_fp8_weight(out_features, in_features, gen)
     input_scale, weight_scale = torch.tensor(0.05), torch.tensor(0.003)
