@@ -132,8 +132,8 @@ def test_int8_sq_per_token_within_the_int8_sq_bound(perplexity):
 
 
 def test_int8_sq_quantized_lm_head_within_the_int8_sq_bound(perplexity):
-    """int8_sq ``--quantize-lm-head`` (the LM head W8A8 too, its smoothing folded into the final norm; the
-    8-bit format that reaches issue 3's 1.6x decode target on CPU) keeps int8_sq's bound. Measured on
+    """int8_sq ``--quantize-lm-head`` (the LM head W8A8 too, its smoothing folded into the final norm;
+    what takes int8_sq past issue 3's 1.6x decode target on CPU) keeps int8_sq's bound. Measured on
     SmolLM2: +4.16%, the same with the CLI's and the benchmark's engine limits (docs/quantization.md)."""
     base = perplexity("fp32")
     sq = perplexity("int8_sq", quantize_lm_head=True)
