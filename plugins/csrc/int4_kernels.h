@@ -296,98 +296,102 @@ static void gemv_chunk_rows(const uint8_t* w, int64_t in, const float* scales, c
 }
 
 // bfloat16 x (the engine's activations): the same chunks read as sixteen 16-bit words, word i holding
-// columns 4i .. 4i+3, column 4i + k in bits [4k, 4k + 4); two 16-bit shifts give the signed q of one nibble
-// position in sixteen lanes and VPMADDWD multiplies them with int16 x, so 64 weights cost ~16 vector
-// instructions instead of ~31 (float32 FMAs need a conversion per weight). x is block floating point: per
-// token and group, x16 = round(x * 2^-e) with the power of two chosen so that max |x| of the group maps into
-// [2^14, 2^15): 15 significant bits for the group's largest values (bfloat16 x has 8), an absolute error
-// of at most 2^-16 max |x| per column. Products and sums are exact in int32 within a group (at most 2^21
-// per lane per chunk, groups of at most kMaxInt16GroupCols columns); the group's scale times 2^e then
-// multiplies the group's sums once, and zero points come off as zero * scale * (2^e * sum of x16).
+// columns 4i .. 4i+3, column 4i + k in bits [4k, 4k + 4). XOR 0x8888 turns every two's-complement nibble q
+// into u = q + 8 in [0, 15]; one AND (k = 0), a logical shift and an AND (k = 1, 2) or one shift (k = 3)
+// give u of one nibble position in sixteen 16-bit lanes, and VPMADDWD multiplies them with int16 x: 64
+// weights cost seven decode instructions (three of them shifts) and four multiplies. The offset comes off
+// once per row and group with the zero point: sum (q - zero) x = sum u x - (zero + 8) sum x.
+//
+// x is block floating point: per token and group, x16 = round(x * 2^-e) with the power of two chosen so
+// that max |x| of the group maps into [2^14, 2^15): 15 significant bits for the group's largest values
+// (bfloat16 x has 8), an absolute error of at most 2^-16 max |x| per column. Products and sums are exact in
+// int32 within a group (u x16 sums at most 15 * 32767 * 8 per lane per chunk, groups of at most
+// kMaxInt16GroupCols columns); the group's scale times 2^e then multiplies the group's sums once, and
+// (zero + 8) * scale * (2^e * sum of x16) comes off each group, eight groups per vector.
 //   x16      [T, in] int16, row-major with `x_stride`, in chunk16 order: x16_c[64 j + 16 k + i] = x16[64 j + 4 i + k]
 //   x_scale  [T, num_groups] float32 2^e;   x_sum [T, num_groups] float32 2^e * sum of the group's x16
+//
+// Rows are computed one at a time, each group's chunks decoded once and multiplied with every token. Four
+// rows interleaved (the float32 kernel's layout, and this one's before) kept more vectors live than AVX2's
+// sixteen registers and spilled them: one row at a time is ~9% faster on a cache-resident 3072x576 weight
+// and ~14% on SmolLM2's int4 weights streamed from memory by two threads (3.8 against 4.4 ms).
 constexpr int64_t kMaxInt16GroupCols = 32768;
 
 static inline bool int16_kernel_applies(int64_t in, int64_t group_size) {
   return group_size % kChunkCols == 0 && group_size <= kMaxInt16GroupCols && in % kChunkCols == 0;
 }
 
-// sum_g float(zeros[g]) * scales[g] * x_sum[g] over n groups (the zero points' correction of one row and
-// token), eight groups per vector, after the row's group loop instead of a scalar multiply-add per group.
-static inline float zero_point_correction(const int8_t* zeros, const float* scales, const float* x_sum, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= n; g += 8) {
-    const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g))));
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(z, _mm256_loadu_ps(scales + g)), _mm256_loadu_ps(x_sum + g), acc);
-  }
-  float sum = hsum8(acc);
-  for (; g < n; ++g) sum += static_cast<float>(zeros[g]) * scales[g] * x_sum[g];
-  return sum;
-}
-
-template <int NR, int NT, bool kZeroPoint>
-static inline void gemv_int16_block(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
-                                    int64_t group_size, const int16_t* x, int64_t x_stride, const float* x_scale,
-                                    const float* x_sum, float* y, int64_t y_stride) {
-  const int64_t row_bytes = in / 2, num_groups = in / group_size, span = group_size / kChunkCols;
-  __m256 total[NR][NT];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) total[r][t] = _mm256_setzero_ps();
+// One row's y[t] for NT tokens. kSpan: the chunks per group when known at compile time (1: group 64, 2:
+// group 128), else 0; a run-time count of one chunk cost ~15% on SmolLM2's group-64 layers.
+template <int NT, bool kZeroPoint, int kSpan>
+static inline void gemv_int16_row(const uint8_t* row, int64_t in, const float* scales, const int8_t* zeros,
+                                  int64_t group_size, const int16_t* x, int64_t x_stride, const float* x_scale,
+                                  const float* x_sum, float* y, int64_t y_stride) {
+  const int64_t num_groups = in / group_size, span = kSpan != 0 ? kSpan : group_size / kChunkCols;
+  // the row 8 rows ahead (this thread's next rows); every chunk prefetches, as the parity test that would
+  // halve them cost more than the duplicate hints (measured: ~7% on a cache-resident 3072x576 weight)
+  const int64_t prefetch_ahead = 8 * (in / 2);
+  const __m256i flip = _mm256_set1_epi16(static_cast<int16_t>(0x8888)), low4 = _mm256_set1_epi16(0x000F);
+  __m256 total[NT];
+  for (int t = 0; t < NT; ++t) total[t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < num_groups; ++g) {
-    __m256i acc[NR][NT];
-    for (int r = 0; r < NR; ++r)
-      for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
+    __m256i acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_si256();
     for (int64_t j = g * span; j < (g + 1) * span; ++j) {
-      if ((j & 1) == 0) {
-        for (int r = 0; r < NR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + j * 32), _MM_HINT_T0);
-      }
-      const int16_t* xj = x + j * kChunkCols;
-      for (int r = 0; r < NR; ++r) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + j * 32));
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) {
-          const __m256i q = _mm256_srai_epi16(k == 3 ? v : _mm256_slli_epi16(v, 12 - 4 * k), 12);
-          for (int t = 0; t < NT; ++t) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + t * x_stride + 16 * k));
-            acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(q, xv));
-          }
-        }
+      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + j * 32), _MM_HINT_T0);
+      const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 32)), flip);
+      const __m256i u0 = _mm256_and_si256(u, low4);
+      const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4);
+      const __m256i u2 = _mm256_and_si256(_mm256_srli_epi16(u, 8), low4);
+      const __m256i u3 = _mm256_srli_epi16(u, 12);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i* xj = reinterpret_cast<const __m256i*>(x + t * x_stride + j * kChunkCols);
+        const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(u0, _mm256_loadu_si256(xj)),
+                                             _mm256_madd_epi16(u1, _mm256_loadu_si256(xj + 1)));
+        const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(u2, _mm256_loadu_si256(xj + 2)),
+                                             _mm256_madd_epi16(u3, _mm256_loadu_si256(xj + 3)));
+        acc[t] = _mm256_add_epi32(acc[t], _mm256_add_epi32(p01, p23));
       }
     }
-    for (int r = 0; r < NR; ++r) {
-      const float scale = scales[r * num_groups + g];
-      for (int t = 0; t < NT; ++t)
-        total[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][t]), _mm256_set1_ps(scale * x_scale[t * num_groups + g]),
-                                      total[r][t]);
-    }
+    const __m256 scale = _mm256_broadcast_ss(scales + g);
+    for (int t = 0; t < NT; ++t)
+      total[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_broadcast_ss(x_scale + t * num_groups + g)),
+                                 scale, total[t]);
   }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) {
-      float y_rt = hsum8(total[r][t]);
-      if (kZeroPoint)
-        y_rt -= zero_point_correction(zeros + r * num_groups, scales + r * num_groups, x_sum + t * num_groups, num_groups);
-      y[t * y_stride + r] = y_rt;
-    }
+  // - sum_g (zero + 8) * scale * x_sum, eight groups per vector
+  const __m256 eight = _mm256_set1_ps(8.f);
+  int64_t g = 0;
+  for (; g + 8 <= num_groups; g += 8) {
+    __m256 offset = eight;
+    if (kZeroPoint)
+      offset = _mm256_add_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g)))));
+    const __m256 offset_scale = _mm256_mul_ps(offset, _mm256_loadu_ps(scales + g));
+    for (int t = 0; t < NT; ++t)
+      total[t] = _mm256_fnmadd_ps(offset_scale, _mm256_loadu_ps(x_sum + t * num_groups + g), total[t]);
+  }
+  for (int t = 0; t < NT; ++t) {
+    float y_t = hsum8(total[t]);
+    for (int64_t h = g; h < num_groups; ++h)
+      y_t -= (static_cast<float>(kZeroPoint ? zeros[h] : 0) + 8.f) * scales[h] * x_sum[t * num_groups + h];
+    y[t * y_stride] = y_t;
+  }
 }
 
-template <int NT, bool kZeroPoint>
-static inline void gemv_int16_rows_nt(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
-                                      int64_t group_size, int64_t row_begin, int64_t row_end, const int16_t* x,
-                                      int64_t x_stride, const float* x_scale, const float* x_sum, float* y,
-                                      int64_t y_stride) {
-  constexpr int NR = 4 / NT;
+// Rows [row_begin, row_end) for NT tokens. Not inlined into its caller: compiled together, the three token
+// counts' loops made GCC keep the scale pointer of this one on the stack, a store-to-load chain per group
+// that made the whole GEMV ~25% slower than this kernel compiled alone.
+template <int NT, bool kZeroPoint, int kSpan>
+__attribute__((noinline)) static void gemv_int16_rows_nt(const uint8_t* w, int64_t in, const float* scales,
+                                                         const int8_t* zeros, int64_t group_size, int64_t row_begin,
+                                                         int64_t row_end, const int16_t* x, int64_t x_stride,
+                                                         const float* x_scale, const float* x_sum, float* y,
+                                                         int64_t y_stride) {
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
-  int64_t r = row_begin;
-  for (; r + NR <= row_end; r += NR)
-    gemv_int16_block<NR, NT, kZeroPoint>(w + r * row_bytes, in, scales + r * num_groups,
-                                         kZeroPoint ? zeros + r * num_groups : nullptr, group_size, x, x_stride,
-                                         x_scale, x_sum, y + r, y_stride);
-  for (; r < row_end; ++r)
-    gemv_int16_block<1, NT, kZeroPoint>(w + r * row_bytes, in, scales + r * num_groups,
-                                        kZeroPoint ? zeros + r * num_groups : nullptr, group_size, x, x_stride,
-                                        x_scale, x_sum, y + r, y_stride);
+  for (int64_t r = row_begin; r < row_end; ++r)
+    gemv_int16_row<NT, kZeroPoint, kSpan>(w + r * row_bytes, in, scales + r * num_groups,
+                                   kZeroPoint ? zeros + r * num_groups : nullptr, group_size, x, x_stride, x_scale,
+                                   x_sum, y + r, y_stride);
 }
 
 template <bool kZeroPoint>
@@ -399,8 +403,11 @@ static void gemv_int16_rows_zp(const uint8_t* w, int64_t in, const float* scales
   int64_t t = 0;
   const auto run = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
-    gemv_int16_rows_nt<NT, kZeroPoint>(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride,
-                                       x_scale + t * num_groups, x_sum + t * num_groups, y + t * y_stride, y_stride);
+    const auto rows = group_size == kChunkCols       ? gemv_int16_rows_nt<NT, kZeroPoint, 1>
+                      : group_size == 2 * kChunkCols ? gemv_int16_rows_nt<NT, kZeroPoint, 2>
+                                                     : gemv_int16_rows_nt<NT, kZeroPoint, 0>;
+    rows(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride, x_scale + t * num_groups,
+         x_sum + t * num_groups, y + t * y_stride, y_stride);
     t += NT;
   };
   while (t + 4 <= num_tokens) run(std::integral_constant<int, 4>{});

@@ -194,8 +194,8 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
 
 // One row at a time for a single token: four interleaved rows starve the memory stream on AVX2 (a
 // 98304x576 weight streamed at 21 GB/s against 15 through the int16 GEMV below; int8_sq's cold decode sweep
-// in scripts/bench_plugins.py: 8.8-8.9 ms at four rows, 7.0-7.6 at one). int4's heavier decode keeps four
-// (21 GB/s, 18 at one row).
+// in scripts/bench_plugins.py: 8.8-8.9 ms at four rows, 7.0-7.6 at one). int4's int16 GEMV also takes one
+// row at a time (int4_kernels.h).
 template <int NT>
 struct RowsPerBlock { static constexpr int value = NT <= 2 ? NT : 1; };
 

@@ -130,6 +130,26 @@ def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points, group_size
         assert torch.equal(y, expected[c0:c0 + num_tokens].to(dtype))
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-point"])
+def test_largest_int16_group_sums_without_overflow(num_tokens, zero_points):
+    """The AVX2 bfloat16 GEMV sums u * x16 in int32 over a whole group (u = q + 8 in [0, 15], |x16| < 2^15).
+    At its largest group, 32768 columns, with every weight 7 (u = 15) and every activation at the group's
+    maximum, a lane's sum is ~2.0e9, just under 2^31: the result must still be right (a wrapped sum would be
+    off by its sign). Rows: all 7, all -8, alternating, and (with zero points) the extremes' offsets."""
+    in_features = group_size = 32768
+    q = torch.full((4, in_features), 7)
+    q[1] = -8
+    q[2, 1::2] = -8
+    q[3, ::3] = -8
+    scales = torch.tensor([[0.01], [0.02], [0.005], [0.03]])
+    zero_point = torch.tensor([[-8], [7], [0], [-1]], dtype=torch.int8) if zero_points else None
+    x = torch.full((num_tokens, in_features), 1.9921875, dtype=torch.bfloat16)  # x16 = 32640 for every column
+    x[1:] = -x[1:]
+    y = int4_linear(x, pack_int4(q), scales, None, None, group_size, zero_point)
+    assert_matches(y, x, pack_int4(q), scales, None, None, group_size, zero_point)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 20])
 def test_odd_group_size_takes_the_scalar_path(num_tokens):
     """group_size 3 splits bytes between groups: only the portable path handles it, still correctly."""
