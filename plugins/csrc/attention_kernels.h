@@ -375,6 +375,10 @@ static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, i
 //   KV position p of the sequence:   block_table[p / tokens_per_block], offset p % tokens_per_block
 //   query token qi sits at position  first_q_pos + qi and sees KV positions 0..first_q_pos + qi
 //
+// An item may cover only the KV blocks [kv_block_begin, kv_block_end): one part of a sequence whose KV was
+// split between threads (split-KV, as flash-decoding: Dao et al. 2023). It then leaves m, l and acc in
+// `partial` for the caller to merge instead of writing the output.
+//
 // scratch: at least attn_scratch_floats(M, D, tokens_per_block, kv_row_stride) floats.
 static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int64_t kv_row_stride) {
   return M * (D + 2) + tpb + 2 * tpb * kv_row_stride;
@@ -446,14 +450,14 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   const kv_t* k_pool = static_cast<const kv_t*>(w.k_base);
   const kv_t* v_pool = static_cast<const kv_t*>(w.v_base);
   const int64_t last_pos = w.first_q_pos + w.num_q_tokens - 1;
-  const int64_t num_kv_blocks = last_pos / tpb + 1;
-  for (int64_t j = 0; j < num_kv_blocks; ++j) {
+  const int64_t end_block = (last_pos / tpb + 1) < w.kv_block_end ? (last_pos / tpb + 1) : w.kv_block_end;
+  for (int64_t j = w.kv_block_begin; j < end_block; ++j) {
     const int64_t base_pos = j * tpb;
     const int64_t num_block_tokens = (last_pos + 1 - base_pos) < tpb ? (last_pos + 1 - base_pos) : tpb;
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;  // pool row of offset 0
     const kv_t* k_block = k_pool + first_row * row_stride;
     const kv_t* v_block = v_pool + first_row * row_stride;
-    if (j + 1 < num_kv_blocks) {
+    if (j + 1 < end_block) {
       // The next block sits elsewhere in the pool (paged): prefetch its K and V rows while this one is
       // computed, since the hardware prefetcher only follows each block once it has started.
       const int64_t next_row = static_cast<int64_t>(w.block_table[j + 1]) * tpb;
@@ -486,6 +490,10 @@ static void attend_typed(const AttnWork& w, float* scratch) {
       for (int64_t g = kv_head_begin; g < kv_head_end; ++g)
         attend_block<kv_t>(w, g, k_block + g * D, v_block + g * D, row_stride, base_pos, num_block_tokens, m, l, acc, s);
     }
+  }
+  if (w.partial != nullptr) {  // one part of a split sequence: its state, for merge_parts
+    for (int64_t i = 0; i < M * (D + 2); ++i) w.partial[i] = m[i];  // m, l and acc are contiguous
+    return;
   }
   for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
     for (int64_t h = 0; h < num_heads_item; ++h) {

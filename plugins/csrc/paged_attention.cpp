@@ -7,7 +7,9 @@
 //      causal by KV position, GQA (query head h reads KV head h / (num_heads / num_kv_heads)).
 // Step 2 is split into work items (sequence, KV head or single query head, chunk of query tokens) that
 // threads take dynamically, largest first; each item runs the online-softmax kernel of
-// attention_kernels.h. Activations in float32 or bfloat16, computed in float32.
+// attention_kernels.h. Few items that the threads cannot share evenly are split along their KV blocks
+// and the parts' softmax states merged afterwards (split-KV). Activations in float32 or bfloat16,
+// computed in float32.
 //
 // KV pool: the activation dtype, or 8 bits (float8_e4m3fn / int8) with the layer's per-tensor scales
 // kv_scale = [k_scale, v_scale]: written as quantize(x / scale) (FP8: saturate at +-448, round to nearest
@@ -63,6 +65,10 @@ struct AttnWork {
   int64_t group;            // num_heads / num_kv_heads
   int64_t num_q_tokens;
   int64_t first_q_pos;      // KV position of the first query token
+  int64_t kv_block_begin;   // the sequence's KV blocks [kv_block_begin, kv_block_end) this item reads: all
+  int64_t kv_block_end;     //   of them, or one part's range when the sequence's KV is split (make_work)
+  float* partial;           // a split part's [M] max, [M] sum, [M, head_dim] unnormalized output (merged by
+                            //   merge_parts), or null: the item writes its normalized output to `out`
   int64_t cost;             // scheduling estimate: query vectors x KV positions read
 };
 
@@ -299,13 +305,109 @@ void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
   });
 }
 
+// Split-KV parts of one item (flash-decoding): num_parts consecutive [M] max, [M] sum, [M, D] output
+// states in `states`, merged into the item's output by merge_parts once every part has run.
+struct SplitItem {
+  AttnWork item;        // the whole item (its output pointer, heads, tokens, out_scale)
+  const float* states;  // [num_parts, M * (D + 2)]
+  int64_t num_parts;
+};
+
+struct SplitParts {
+  std::vector<float> states;
+  std::vector<SplitItem> items;
+};
+
+// Few items that the threads cannot share evenly (a batch-1 decode step of SmolLM2: 3 KV-head items on 2
+// threads, one thread doing two) are cut along their KV blocks into one part per thread, each part
+// reading its own blocks, when every part gets at least kMinBlocksPerPart blocks. Many items (batches)
+// already balance and stay whole.
+constexpr int64_t kMinBlocksPerPart = 2;
+
+void split_kv(const Dims& d, int64_t num_threads, std::vector<AttnWork>& work, SplitParts& parts) {
+  const int64_t num_items = static_cast<int64_t>(work.size());
+  if (num_threads < 2 || num_items % num_threads == 0 || num_items >= 4 * num_threads) return;
+  const int64_t num_parts = num_threads;
+  int64_t state_floats = 0, num_split = 0;
+  const auto splits = [&](const AttnWork& w) { return w.kv_block_end >= kMinBlocksPerPart * num_parts; };
+  const auto state_size = [&](const AttnWork& w) { return w.num_q_tokens * (w.head_end - w.head_begin) * (d.head_dim + 2); };
+  for (const AttnWork& w : work) {
+    if (!splits(w)) continue;
+    state_floats += num_parts * state_size(w);
+    ++num_split;
+  }
+  if (num_split == 0) return;
+  parts.states.resize(static_cast<size_t>(state_floats));
+  parts.items.reserve(static_cast<size_t>(num_split));
+  std::vector<AttnWork> split;
+  split.reserve(static_cast<size_t>(num_items + num_split * (num_parts - 1)));
+  float* state = parts.states.data();
+  for (const AttnWork& w : work) {
+    if (!splits(w)) {
+      split.push_back(w);
+      continue;
+    }
+    parts.items.push_back(SplitItem{w, state, num_parts});
+    const int64_t num_blocks = w.kv_block_end, size = state_size(w);
+    for (int64_t p = 0; p < num_parts; ++p, state += size) {
+      AttnWork part = w;
+      part.kv_block_begin = num_blocks * p / num_parts;
+      part.kv_block_end = num_blocks * (p + 1) / num_parts;
+      part.partial = state;
+      part.cost = w.cost * (part.kv_block_end - part.kv_block_begin) / num_blocks;
+      split.push_back(part);
+    }
+  }
+  work.swap(split);
+}
+
+// out = out_scale * sum_p e^(m_p - m) acc_p / sum_p e^(m_p - m) l_p with m = max_p m_p, per query vector.
+// Part 0 holds KV position 0, which every query sees, so m is finite; a part none of whose positions a
+// query sees (a context chunk's early tokens) has m_p = -inf and weighs 0.
+void merge_parts(const SplitParts& parts, int64_t head_dim) {
+  const int64_t D = head_dim;
+  std::vector<float> out(static_cast<size_t>(D));
+  for (const SplitItem& s : parts.items) {
+    const AttnWork& w = s.item;
+    const int64_t num_heads_item = w.head_end - w.head_begin, M = w.num_q_tokens * num_heads_item;
+    const int64_t size = M * (D + 2);
+    for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
+      for (int64_t h = 0; h < num_heads_item; ++h) {
+        const int64_t i = qi * num_heads_item + h;
+        float m = -INFINITY;
+        for (int64_t p = 0; p < s.num_parts; ++p) m = std::max(m, s.states[p * size + i]);
+        std::fill(out.begin(), out.end(), 0.f);
+        float l = 0.f;
+        for (int64_t p = 0; p < s.num_parts; ++p) {
+          const float* state = s.states + p * size;
+          if (state[i] == -INFINITY) continue;
+          const float weight = std::exp(state[i] - m);
+          l += weight * state[M + i];
+          const float* acc = state + 2 * M + i * D;
+          for (int64_t e = 0; e < D; ++e) out[e] += weight * acc[e];
+        }
+        const float inv_l = w.out_scale / l;
+        const int64_t offset = qi * w.out_tok_stride + h * D;
+        if (w.out_bf16) {
+          uint16_t* dst = static_cast<uint16_t*>(w.out) + offset;
+          for (int64_t e = 0; e < D; ++e) dst[e] = kiln::bf16_bits(out[e] * inv_l);
+        } else {
+          float* dst = static_cast<float*>(w.out) + offset;
+          for (int64_t e = 0; e < D; ++e) dst[e] = out[e] * inv_l;
+        }
+      }
+    }
+  }
+}
+
 // Step 2: work items, largest first. An item covers all heads of a chunk of query tokens when there are
 // enough chunks to keep the threads busy (each KV row is then read once, whole); otherwise items are
 // split per KV head (one GQA group: its query heads take each KV block in turn, from L1), and only
-// when there are fewer of those than threads, per query head (re-reading KV rows, from cache).
+// when there are fewer of those than threads, per query head (re-reading KV rows, from cache); then
+// split_kv. Split parts write their states into `parts`, for merge_parts after run_work.
 std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables,
                                 const float* q_rot, void* out, bool out_bf16, const void* k_layer, const void* v_layer,
-                                KvType kv_type, float out_scale) {
+                                KvType kv_type, float out_scale, SplitParts& parts) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) num_chunks += (cu[b + 1] - cu[b] + kQueryChunkTokens - 1) / kQueryChunkTokens;
@@ -341,11 +443,15 @@ std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t*
         w.group = group;
         w.num_q_tokens = n;
         w.first_q_pos = first_pos + c0;
+        w.kv_block_begin = 0;
+        w.kv_block_end = (first_pos + c0 + n - 1) / d.tokens_per_block + 1;
+        w.partial = nullptr;
         w.cost = n * heads_per_item * (first_pos + c0 + n);
         work.push_back(w);
       }
     }
   }
+  split_kv(d, num_threads, work, parts);
   std::stable_sort(work.begin(), work.end(), [](const AttnWork& a, const AttnWork& b) { return a.cost > b.cost; });
   return work;
 }
@@ -389,9 +495,11 @@ void rope_write_attend(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
   cache_t* k_pool = static_cast<cache_t*>(kv_cache.data_ptr()) + layer_idx * layer_elems;
   rope_and_write_kv<scalar_t, cache_t>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq, slots, q_scale, k_scale,
                                        v_scale, q_rot);
+  SplitParts parts;
   run_work(make_work(d, cu, kv_lens, tables, q_rot, out, std::is_same_v<scalar_t, at::BFloat16>, k_pool,
-                     k_pool + kv_elems, kv_type, out_scale),
+                     k_pool + kv_elems, kv_type, out_scale, parts),
            d);
+  merge_parts(parts, d.head_dim);
 }
 
 }  // namespace

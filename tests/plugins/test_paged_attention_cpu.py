@@ -112,6 +112,34 @@ def test_prefill_then_generation_steps_match_reference(make_packed_batch):
     torch.testing.assert_close(pool_kernel, pool_ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture
+def num_threads():
+    """Sets torch's thread count for one test (the split-KV decision depends on it) and restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# One sequence whose 3 KV-head items cannot be shared evenly by 2 or 4 threads: each item's KV blocks are
+# split into one part per thread, when every part gets at least 2 blocks (on 4 threads only the 13- and
+# 10-block cases; the others run whole), and the parts' softmax states merged. Decode at and across block
+# boundaries, a context chunk after cached KV, and a first chunk whose early queries see none of the later
+# part's positions (tokens_per_block 4: a part whose max stays -inf for them).
+SPLIT_CASES = [((63, 1), 16), ((64, 1), 16), ((199, 1), 16), ((300, 1), 32), ((100, 5), 16), ((0, 16), 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("seq,tokens_per_block", SPLIT_CASES, ids=lambda c: str(c))
+def test_split_kv_parts_merge_to_the_reference(make_packed_batch, num_threads, dtype, threads, seq, tokens_per_block):
+    num_threads(threads)
+    batch = make_packed_batch([seq], num_heads=9, num_kv_heads=3, tokens_per_block=tokens_per_block, num_blocks=160,
+                              dtype=dtype)
+    out, expected, pool_kernel, pool_ref = run_both(batch)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(pool_kernel, pool_ref, **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize(
     "mutate,message",
     [
