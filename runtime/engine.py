@@ -13,6 +13,7 @@ import torch
 
 from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
 from kilnlm.runtime.errors import EngineError
+from kilnlm.runtime.memory import advise_huge_pages
 from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
 
 TARGET = "cpu"
@@ -67,8 +68,13 @@ def load_package(package_path: Path):
     ``torch.classes.kilnlm.AotiPackage`` (plugins/csrc/aoti_package.cpp), whose ``run`` releases the GIL:
     ``torch._inductor.aoti_load_package``'s runner holds it for the whole forward, stalling every other
     Python thread of the process (request submission, response streaming, metrics) for 3-10 ms per step.
-    Needs the plugins' CPU kernels loaded. Raises RuntimeError for a package that fails to load."""
-    return torch.classes.kilnlm.AotiPackage(str(package_path))
+    Needs the plugins' CPU kernels loaded. Raises RuntimeError for a package that fails to load.
+
+    Its weights are then backed by transparent huge pages where Linux allows (:mod:`kilnlm.runtime.memory`):
+    a decode step streams all of them, and 4 KiB pages cost a TLB miss every 4 KiB."""
+    package = torch.classes.kilnlm.AotiPackage(str(package_path))
+    advise_huge_pages(*package.constants_span())
+    return package
 
 
 class Engine:
@@ -123,7 +129,9 @@ class Engine:
             raise EngineError(f"num_blocks is {num_blocks}: the KV cache needs at least one block")
         m = self.manifest.model
         shape = kv_cache_shape(m.num_layers, num_blocks, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim)
-        return torch.zeros(shape, dtype=self.kv_cache_dtype)
+        kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype)
+        advise_huge_pages(kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.nbytes)  # attention reads it every step
+        return kv_cache
 
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """One engine step over a packed batch; writes the new tokens' K/V into ``kv_cache`` in place.

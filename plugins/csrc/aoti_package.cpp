@@ -14,6 +14,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,6 +30,21 @@ struct AotiPackage : torch::CustomClassHolder {
   // from the model or a kernel) reach Python as RuntimeError.
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) { return loader_->run(inputs); }
 
+  // [begin, end) addresses spanned by the model's CPU constants (its weights), for
+  // kilnlm.runtime.memory.advise_huge_pages; [0, 0] when it has none.
+  std::vector<int64_t> constants_span() {
+    uintptr_t begin = UINTPTR_MAX, end = 0;
+    for (const auto& entry : loader_->get_runner()->extract_constants_map(/*use_inactive=*/false)) {
+      const at::Tensor& t = entry.second;
+      if (!t.defined() || !t.device().is_cpu() || t.nbytes() == 0) continue;
+      const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+      begin = std::min(begin, first);
+      end = std::max(end, first + t.nbytes());
+    }
+    if (end == 0) return {0, 0};
+    return {static_cast<int64_t>(begin), static_cast<int64_t>(end)};
+  }
+
  private:
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
 };
@@ -37,5 +54,6 @@ struct AotiPackage : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(kilnlm, m) {
   m.class_<kiln_aoti::AotiPackage>("AotiPackage")
       .def(torch::init<std::string>())
-      .def("run", &kiln_aoti::AotiPackage::run);
+      .def("run", &kiln_aoti::AotiPackage::run)
+      .def("constants_span", &kiln_aoti::AotiPackage::constants_span);
 }
