@@ -50,3 +50,27 @@ def test_engine_weights_span_is_its_constants(tiny_engine_dir):
     assert 0 < begin < end
     weights = sum(f.stat().st_size for f in Path(tiny_engine_dir).glob("*.pt2"))
     assert end - begin <= weights, "the constants span more than the whole package holds"
+
+
+def test_advice_before_first_touch_gives_huge_pages_on_fault(tiny_engine_dir):
+    """allocate_kv_cache advises the pool before zeroing it (no collapse, no copy): the pool is zeros, and
+    where Linux has transparent huge pages its memory is backed by them."""
+    from kilnlm.runtime.engine import Engine
+
+    engine = Engine.load(tiny_engine_dir)
+    num_blocks = max(1, (8 * HUGE_PAGE_BYTES) // engine.kv_cache_bytes_per_block())
+    kv_cache = engine.allocate_kv_cache(num_blocks)
+    assert not kv_cache.any()
+    if not collapse_supported():
+        pytest.skip("no transparent huge pages to check here (needs Linux 6.1+ with THP enabled)")
+    begin, end = kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.nbytes
+    huge_kib = 0
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            current = (lo, hi)
+        elif fields[0] == "AnonHugePages:" and current and current[0] < end and current[1] > begin:
+            huge_kib += int(fields[1])
+    assert huge_kib * 1024 >= 4 * HUGE_PAGE_BYTES, f"only {huge_kib} KiB of the pool's mappings are huge pages"
