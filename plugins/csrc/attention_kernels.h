@@ -4,8 +4,8 @@
 //
 // Included *inside* a namespace after every system / torch header: includes nothing, uses raw pointers
 // only (see fp8_kernels.h for why). KILN_AVX512 / KILN_AVX2 (0 or 1) select the code path; `AttnWork` is
-// defined by the including file, outside the ISA namespaces, which also includes bf16_bits.h
-// (kiln::bf16_bits, the bfloat16 output's rounding).
+// defined by the including file, outside the ISA namespaces, with store_output (the output's dtype
+// conversion, shared with the split-KV merge).
 
 // KV elements are float (float32 pool), uint16_t (bfloat16 bits), uint8_t (float8_e4m3fn bits) or int8_t
 // (int8 pool); kv_f32() reads one as float32 (exact: bf16 bits are a float's upper half).
@@ -498,15 +498,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
     for (int64_t h = 0; h < num_heads_item; ++h) {
       const int64_t i = qi * num_heads_item + h;
-      const float inv_l = w.out_scale / l[i];  // out_scale: 1, or the 8-bit pool's folded v_scale
-      const int64_t offset = qi * w.out_tok_stride + h * D;
-      if (w.out_bf16) {
-        uint16_t* dst = static_cast<uint16_t*>(w.out) + offset;
-        for (int64_t d = 0; d < D; ++d) dst[d] = kiln::bf16_bits(acc[i * D + d] * inv_l);
-      } else {
-        float* dst = static_cast<float*>(w.out) + offset;
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv_l;
-      }
+      store_output(w, qi, h, acc + i * D, w.out_scale / l[i]);  // out_scale: 1, or the 8-bit pool's v_scale
     }
   }
 }

@@ -379,8 +379,8 @@ static inline void gemv_int16_row(const uint8_t* row, int64_t in, const float* s
 }
 
 // Rows [row_begin, row_end) for NT tokens. Not inlined into its caller: compiled together, the three token
-// counts' loops made GCC keep the scale pointer of this one on the stack, a store-to-load chain per group
-// that made the whole GEMV ~25% slower than this kernel compiled alone.
+// counts' loops made GCC keep the one-token loop's scale pointer on the stack, a store-to-load chain per
+// group (3072x576 through the op, one thread: 116.8 us against 106.2 once this was its own function).
 template <int NT, bool kZeroPoint, int kSpan>
 __attribute__((noinline)) static void gemv_int16_rows_nt(const uint8_t* w, int64_t in, const float* scales,
                                                          const int8_t* zeros, int64_t group_size, int64_t row_begin,

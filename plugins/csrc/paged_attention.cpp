@@ -72,6 +72,20 @@ struct AttnWork {
   int64_t cost;             // scheduling estimate: query vectors x KV positions read
 };
 
+// Writes the item's output vector for query token qi, head h (of the item's heads): out = acc[0:head_dim] *
+// scale in the output's dtype (bfloat16 rounded to nearest even). Used by every ISA's attend() and by
+// merge_parts.
+inline void store_output(const AttnWork& w, int64_t qi, int64_t h, const float* acc, float scale) {
+  const int64_t D = w.head_dim, offset = qi * w.out_tok_stride + h * D;
+  if (w.out_bf16) {
+    uint16_t* dst = static_cast<uint16_t*>(w.out) + offset;
+    for (int64_t d = 0; d < D; ++d) dst[d] = kiln::bf16_bits(acc[d] * scale);
+  } else {
+    float* dst = static_cast<float*>(w.out) + offset;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] * scale;
+  }
+}
+
 namespace generic {
 namespace {
 #define KILN_AVX512 0
@@ -386,15 +400,7 @@ void merge_parts(const SplitParts& parts, int64_t head_dim) {
           const float* acc = state + 2 * M + i * D;
           for (int64_t e = 0; e < D; ++e) out[e] += weight * acc[e];
         }
-        const float inv_l = w.out_scale / l;
-        const int64_t offset = qi * w.out_tok_stride + h * D;
-        if (w.out_bf16) {
-          uint16_t* dst = static_cast<uint16_t*>(w.out) + offset;
-          for (int64_t e = 0; e < D; ++e) dst[e] = kiln::bf16_bits(out[e] * inv_l);
-        } else {
-          float* dst = static_cast<float*>(w.out) + offset;
-          for (int64_t e = 0; e < D; ++e) dst[e] = out[e] * inv_l;
-        }
+        store_output(w, qi, h, out.data(), w.out_scale / l);
       }
     }
   }
