@@ -35,6 +35,13 @@ static inline float kv_f32(uint8_t v) {  // 2^-8 * E4M3 value, exact
   return (v & 0x80u) ? -f : f;
 }
 
+// The query heads of one GQA group read the same K and V rows. On AVX2, kGroupHeads of them at a time are
+// scored and accumulated together (group_scores, group_pv), so that each row is loaded and converted once
+// for all of them rather than once per head: SmolLM2's groups of 3 load K and V a third as often, and a
+// decode step's attention ran 1.5x faster (kv 192, one thread, cache-hot). Scratch holds that many heads'
+// block scores.
+constexpr int64_t kGroupHeads = 3;
+
 #if KILN_AVX512
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -318,6 +325,71 @@ static inline void to_f32(const kv_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = kv_f32(src[i]);
 }
 
+
+// s[h * s_stride + o] = dot(q + h * D, k_o) for G heads (query vectors D floats apart) and the n rows
+// k_o = k + o * row_stride; D % 8 == 0. Four rows x G heads of accumulators, reduced as block_scores'.
+template <int G, typename kv_t>
+static inline void group_scores(const float* q, const kv_t* k, int64_t row_stride, int64_t n, int64_t D, float* s,
+                                int64_t s_stride) {
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    __m256 acc[G][4];
+    for (int h = 0; h < G; ++h)
+      for (int r = 0; r < 4; ++r) acc[h][r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 qv[G];
+      for (int h = 0; h < G; ++h) qv[h] = _mm256_loadu_ps(q + h * D + d);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 kv = load8(k + (o + r) * row_stride + d);
+        for (int h = 0; h < G; ++h) acc[h][r] = _mm256_fmadd_ps(qv[h], kv, acc[h][r]);
+      }
+    }
+    for (int h = 0; h < G; ++h) {
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
+      _mm_storeu_ps(s + h * s_stride + o, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+  }
+  for (; o < n; ++o)
+    for (int h = 0; h < G; ++h) s[h * s_stride + o] = dot(q + h * D, k + o * row_stride, D);
+}
+
+
+// max(s[0:n], floor) (floor: the running max, -inf on the first block)
+static inline float block_max_from(const float* s, int64_t n, float floor) {
+  __m256 mv = _mm256_set1_ps(floor);
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + o));
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  float r = _mm_cvtss_f32(x);
+  for (; o < n; ++o) r = s[o] > r ? s[o] : r;
+  return r;
+}
+
+// acc[h * D + d] += sum_o p[h * p_stride + o] * v_o[d] for G heads; D % 32 == 0. 32 columns of the G
+// heads' outputs held in registers across the rows.
+template <int G, typename kv_t>
+static inline void group_pv(const float* p, int64_t p_stride, const kv_t* v, int64_t row_stride, int64_t n, int64_t D,
+                            float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m256 a[G][4];
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < 4; ++c) a[h][c] = _mm256_loadu_ps(acc + h * D + d0 + 8 * c);
+    for (int64_t o = 0; o < n; ++o) {
+      __m256 pv[G];
+      for (int h = 0; h < G; ++h) pv[h] = _mm256_broadcast_ss(p + h * p_stride + o);
+      const kv_t* row = v + o * row_stride + d0;
+      for (int c = 0; c < 4; ++c) {
+        const __m256 x = load8(row + 8 * c);
+        for (int h = 0; h < G; ++h) a[h][c] = _mm256_fmadd_ps(pv[h], x, a[h][c]);
+      }
+    }
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + h * D + d0 + 8 * c, a[h][c]);
+  }
+}
+
 #else  // portable scalar path
 
 template <typename kv_t>
@@ -381,7 +453,7 @@ static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, i
 //
 // scratch: at least attn_scratch_floats(M, D, tokens_per_block, kv_row_stride) floats.
 static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int64_t kv_row_stride) {
-  return M * (D + 2) + tpb + 2 * tpb * kv_row_stride;
+  return M * (D + 2) + kGroupHeads * tpb + 2 * tpb * kv_row_stride;
 }
 
 // Query vectors reading each KV row of one KV head (the item's query tokens x its query heads sharing
@@ -406,6 +478,36 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
     int64_t num_valid = q_pos - base_pos + 1;  // causal: KV positions <= q_pos
     if (num_valid <= 0) continue;
     if (num_valid > num_block_tokens) num_valid = num_block_tokens;
+#if KILN_AVX2
+    if (D % 32 == 0) {
+      for (int64_t h0 = h_begin; h0 < h_end; h0 += kGroupHeads) {
+        const int64_t g = (h_end - h0) < kGroupHeads ? (h_end - h0) : kGroupHeads;
+        const int64_t i0 = qi * num_heads_item + h0;
+        const float* q0 = w.q + qi * w.q_tok_stride + h0 * D;
+        const int64_t tpb = w.tokens_per_block;
+        static_assert(kGroupHeads == 3, "group_scores / group_pv are instantiated for 1..3 heads");
+        if (g == 3) group_scores<3>(q0, k_head, row_stride, num_valid, D, s, tpb);
+        else if (g == 2) group_scores<2>(q0, k_head, row_stride, num_valid, D, s, tpb);
+        else group_scores<1>(q0, k_head, row_stride, num_valid, D, s, tpb);
+        for (int64_t j = 0; j < g; ++j) {
+          float* sj = s + j * tpb;
+          const int64_t i = i0 + j;
+          const float m_new = block_max_from(sj, num_valid, m[i]);
+          if (m_new != m[i]) {
+            const float alpha = __builtin_expf(m[i] - m_new);  // 0 on the first block (m = -inf)
+            l[i] *= alpha;
+            scale_f32(alpha, acc + i * D, D);
+            m[i] = m_new;
+          }
+          l[i] += block_exp(sj, m_new, num_valid);  // sj now holds the probabilities
+        }
+        if (g == 3) group_pv<3>(s, tpb, v_head, row_stride, num_valid, D, acc + i0 * D);
+        else if (g == 2) group_pv<2>(s, tpb, v_head, row_stride, num_valid, D, acc + i0 * D);
+        else group_pv<1>(s, tpb, v_head, row_stride, num_valid, D, acc + i0 * D);
+      }
+      continue;
+    }
+#endif
     for (int64_t h = h_begin; h < h_end; ++h) {
       const int64_t i = qi * num_heads_item + h;
       const float* qv = w.q + qi * w.q_tok_stride + h * D;
@@ -426,6 +528,13 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
   }
 }
 
+// Prefetches every cache line of [p, p + num_bytes).
+static inline void prefetch_lines(const char* p, int64_t num_bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(num_bytes);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(63); a < end; a += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(a));
+}
+
 template <typename kv_t>
 static void attend_typed(const AttnWork& w, float* scratch) {
   const int64_t D = w.head_dim, tpb = w.tokens_per_block, row_stride = w.kv_row_stride;
@@ -434,8 +543,9 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   float* m = scratch;                                  // [M] running max
   float* l = m + M;                                    // [M] running sum of exp
   float* acc = l + M;                                  // [M, D] unnormalized output
-  float* s = acc + M * D;                              // [tpb] scores, then probabilities, of one block
-  float* k_f32 = s + tpb;                              // [tpb, span] the item's KV heads' rows of a block,
+  float* s = acc + M * D;                              // [kGroupHeads, tpb] scores, then probabilities, of
+                                                       //   one block (one row per head scored together)
+  float* k_f32 = s + kGroupHeads * tpb;                // [tpb, span] the item's KV heads' rows of a block,
   float* v_f32 = k_f32 + tpb * row_stride;             //   as float32 (span <= row_stride)
   for (int64_t i = 0; i < M; ++i) {
     m[i] = -__builtin_inff();
@@ -462,12 +572,29 @@ static void attend_typed(const AttnWork& w, float* scratch) {
       // computed, since the hardware prefetcher only follows each block once it has started.
       const int64_t next_row = static_cast<int64_t>(w.block_table[j + 1]) * tpb;
       const int64_t next_tokens = (last_pos + 1 - base_pos - tpb) < tpb ? (last_pos + 1 - base_pos - tpb) : tpb;
-      const char* k_next = reinterpret_cast<const char*>(k_pool + next_row * row_stride);
-      const char* v_next = reinterpret_cast<const char*>(v_pool + next_row * row_stride);
-      const int64_t bytes = next_tokens * row_stride * static_cast<int64_t>(sizeof(kv_t));
-      for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(k_next + b);
-        __builtin_prefetch(v_next + b);
+      const char* k_next = reinterpret_cast<const char*>(k_pool + next_row * row_stride + kv_head_begin * D);
+      const char* v_next = reinterpret_cast<const char*>(v_pool + next_row * row_stride + kv_head_begin * D);
+      const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(kv_t));
+      const int64_t span_bytes = span * static_cast<int64_t>(sizeof(kv_t));
+      if (span == row_stride) {  // every KV head: the block's rows are contiguous
+        for (int64_t b = 0; b < next_tokens * row_bytes; b += 64) {
+          __builtin_prefetch(k_next + b);
+          __builtin_prefetch(v_next + b);
+        }
+      } else {  // only the slice of each row this item reads (other KV heads belong to other threads' items)
+        const int64_t lead = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k_next) & 63);
+        if (row_bytes % 64 == 0 && lead == static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_next) & 63)) {
+          for (int64_t r = 0; r < next_tokens; ++r)  // every row's slice starts `lead` bytes into a line
+            for (int64_t b = r * row_bytes - lead; b < r * row_bytes + span_bytes; b += 64) {
+              __builtin_prefetch(k_next + b);
+              __builtin_prefetch(v_next + b);
+            }
+        } else {
+          for (int64_t r = 0; r < next_tokens; ++r) {
+            prefetch_lines(k_next + r * row_bytes, span_bytes);
+            prefetch_lines(v_next + r * row_bytes, span_bytes);
+          }
+        }
       }
     }
     if (convert) {

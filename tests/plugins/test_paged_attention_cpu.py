@@ -30,7 +30,7 @@ def run_both(batch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])  # the AVX2 kernel scores up to 3 heads of a group at once
 @pytest.mark.parametrize("tokens_per_block", [16, 32])
 def test_mixed_packed_batch_matches_reference(make_packed_batch, dtype, group, tokens_per_block):
     batch = make_packed_batch(MIXED, num_heads=3 * group, num_kv_heads=3, head_dim=64,
@@ -39,6 +39,17 @@ def test_mixed_packed_batch_matches_reference(make_packed_batch, dtype, group, t
     assert out.dtype == dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     torch.testing.assert_close(pool_kernel, pool_ref, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [2, 4, 5])
+def test_decode_token_of_every_gqa_group_size(make_packed_batch, dtype, group):
+    """One generation token over 71 cached positions (a partial last block): the group's heads are scored
+    in threes and the rest."""
+    batch = make_packed_batch([(71, 1)], num_heads=2 * group, num_kv_heads=2, head_dim=64, tokens_per_block=16,
+                              dtype=dtype)
+    out, expected, _, _ = run_both(batch)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
