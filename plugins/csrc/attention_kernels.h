@@ -453,6 +453,33 @@ static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int
   return M * (D + 2) + kGroupHeads * tpb + 2 * tpb * kv_row_stride;
 }
 
+// The online-softmax step of one query vector for a block's scores s[0:n], m_new being their max with the
+// running max m: rescales the running sum l and output acc[0:D] if the max grew, turns s into
+// probabilities and adds them to l.
+static inline void softmax_update(float* s, int64_t n, float m_new, float& m, float& l, float* acc, int64_t D) {
+  if (m_new != m) {
+    const float alpha = __builtin_expf(m - m_new);  // 0 on the first block (m = -inf)
+    l *= alpha;
+    scale_f32(alpha, acc, D);
+    m = m_new;
+  }
+  l += block_exp(s, m_new, n);
+}
+
+#if KILN_AVX2
+// A block for G query heads of one GQA group (query vectors, running max / sum and outputs consecutive per
+// head): scores all G together, updates each head's softmax state, adds all G outputs together.
+// s: [G, tpb] scratch.
+template <int G, typename kv_t>
+static inline void attend_group(const float* q, const kv_t* k, const kv_t* v, int64_t row_stride, int64_t n, int64_t D,
+                                int64_t tpb, float* s, float* m, float* l, float* acc) {
+  group_scores<G>(q, k, row_stride, n, D, s, tpb);
+  for (int j = 0; j < G; ++j)
+    softmax_update(s + j * tpb, n, block_max_from(s + j * tpb, n, m[j]), m[j], l[j], acc + j * D, D);
+  group_pv<G>(s, tpb, v, row_stride, n, D, acc);
+}
+#endif
+
 // Query vectors reading each KV row of one KV head (the item's query tokens x its query heads sharing
 // that KV head) from which the item's KV heads' rows of a 16/8-bit block are converted to float32 once
 // rather than converted on every read. A generation-phase item over one KV head of SmolLM2 reads each
@@ -477,30 +504,18 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
     if (num_valid > num_block_tokens) num_valid = num_block_tokens;
 #if KILN_AVX2
     if (D % 32 == 0) {
+      static_assert(kGroupHeads == 3, "attend_group is instantiated for 1..3 heads");
       for (int64_t h0 = h_begin; h0 < h_end; h0 += kGroupHeads) {
-        const int64_t g = (h_end - h0) < kGroupHeads ? (h_end - h0) : kGroupHeads;
         const int64_t i0 = qi * num_heads_item + h0;
         const float* q0 = w.q + qi * w.q_tok_stride + h0 * D;
-        const int64_t tpb = w.tokens_per_block;
-        static_assert(kGroupHeads == 3, "group_scores / group_pv are instantiated for 1..3 heads");
-        if (g == 3) group_scores<3>(q0, k_head, row_stride, num_valid, D, s, tpb);
-        else if (g == 2) group_scores<2>(q0, k_head, row_stride, num_valid, D, s, tpb);
-        else group_scores<1>(q0, k_head, row_stride, num_valid, D, s, tpb);
-        for (int64_t j = 0; j < g; ++j) {
-          float* sj = s + j * tpb;
-          const int64_t i = i0 + j;
-          const float m_new = block_max_from(sj, num_valid, m[i]);
-          if (m_new != m[i]) {
-            const float alpha = __builtin_expf(m[i] - m_new);  // 0 on the first block (m = -inf)
-            l[i] *= alpha;
-            scale_f32(alpha, acc + i * D, D);
-            m[i] = m_new;
-          }
-          l[i] += block_exp(sj, m_new, num_valid);  // sj now holds the probabilities
-        }
-        if (g == 3) group_pv<3>(s, tpb, v_head, row_stride, num_valid, D, acc + i0 * D);
-        else if (g == 2) group_pv<2>(s, tpb, v_head, row_stride, num_valid, D, acc + i0 * D);
-        else group_pv<1>(s, tpb, v_head, row_stride, num_valid, D, acc + i0 * D);
+        const auto run = [&](auto heads) {
+          attend_group<decltype(heads)::value>(q0, k_head, v_head, row_stride, num_valid, D, w.tokens_per_block, s,
+                                                m + i0, l + i0, acc + i0 * D);
+        };
+        const int64_t g = (h_end - h0) < kGroupHeads ? (h_end - h0) : kGroupHeads;
+        if (g == 3) run(std::integral_constant<int, 3>{});
+        else if (g == 2) run(std::integral_constant<int, 2>{});
+        else run(std::integral_constant<int, 1>{});
       }
       continue;
     }
@@ -511,15 +526,8 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
       block_scores(qv, k_head, row_stride, num_valid, D, s);
       float block_max = -__builtin_inff();
       for (int64_t o = 0; o < num_valid; ++o) block_max = s[o] > block_max ? s[o] : block_max;
-      const float m_new = block_max > m[i] ? block_max : m[i];
       float* a = acc + i * D;
-      if (m_new != m[i]) {
-        const float alpha = __builtin_expf(m[i] - m_new);  // 0 on the first block (m = -inf)
-        l[i] *= alpha;
-        scale_f32(alpha, a, D);
-        m[i] = m_new;
-      }
-      l[i] += block_exp(s, m_new, num_valid);  // s now holds the probabilities
+      softmax_update(s, num_valid, block_max > m[i] ? block_max : m[i], m[i], l[i], a, D);
       block_pv(s, v_head, row_stride, num_valid, D, a);
     }
   }
