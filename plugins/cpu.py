@@ -1,7 +1,9 @@
 """Build (once, cached) and load the C++ CPU kernels of the kilnlm ops.
 
 The sources ship as package data in ``csrc/`` and register with ``TORCH_LIBRARY_IMPL(kilnlm, CPU, m)``
-against the schemas declared in :mod:`kilnlm.plugins.schema`. They are compiled with ``-O3 -fopenmp``
+against the schemas declared in :mod:`kilnlm.plugins.schema`. The library is a Python extension module,
+imported once per process: besides the kernels it holds ``AotiPackage``, the engine loader whose forward
+runs with the GIL released (csrc/aoti_package.cpp; :func:`load_aoti_package`). They are compiled with ``-O3 -fopenmp``
 (threads through at::parallel_for), never ``-march=native``: one build runs on any x86-64 machine and
 picks its vector paths (AVX2, AVX-512, AVX512-BF16) at run time by CPU feature detection.
 
@@ -14,6 +16,7 @@ directly (milliseconds, no compiler or ninja run).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -31,7 +34,7 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 _CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _LOCK = threading.Lock()
-_LOADED_PATH: list[str] = []  # the loaded library's path, once loaded (one per process)
+_LOADED: list = []  # (path, module) of the loaded library, once loaded (one per process)
 
 
 class KernelBuildError(RuntimeError):
@@ -66,7 +69,9 @@ def _build_root() -> Path:
     return Path(root)
 
 
-def _compile(name: str, sources: list[Path], build_dir: Path) -> Path:
+def _compile(name: str, sources: list[Path], build_dir: Path):
+    """Builds (or waits for another process's build of) the library in ``build_dir`` and imports it.
+    Returns ``(path, module)``. Raises :class:`KernelBuildError`."""
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
@@ -77,19 +82,19 @@ def _compile(name: str, sources: list[Path], build_dir: Path) -> Path:
         raise KernelBuildError("kilnlm's CPU kernels are built with ninja, which was not found: `pip install ninja`")
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(p) for p in sources if p.suffix == ".cpp"],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=list(_LDFLAGS),
             extra_include_paths=[str(CSRC_DIR)],
             build_directory=str(build_dir),
-            is_python_module=False,
+            is_python_module=True,
             verbose=False,
         )
     except (RuntimeError, OSError) as exc:
         raise KernelBuildError(f"building kilnlm's CPU kernels in {build_dir} failed; compiler output:\n{exc}") from exc
-    return build_dir / f"{name}.so"
+    return build_dir / f"{name}.so", module
 
 
 def _ninja_module_available() -> bool:
@@ -119,9 +124,26 @@ def load_cpu_kernels() -> str:
     Raises:
         KernelBuildError: no C++ compiler / ninja, a compile error, or a library that does not load.
     """
+    return _load()[0]
+
+
+def load_aoti_package(package_path: str):
+    """The AOTInductor package at ``package_path`` (a .pt2 file), loaded by torch's own loader
+    (``torch::inductor::AOTIModelPackageLoader``) behind kilnlm's ``AotiPackage``: ``run(inputs)`` takes and
+    returns flat lists of tensors and releases the GIL for the whole forward; ``constants_span()`` gives the
+    ``[begin, end)`` addresses of its CPU weights (``[0, 0]`` when it has none). Loads the kernels first.
+
+    Raises:
+        KernelBuildError: the kernels library cannot be built or loaded.
+        RuntimeError: the package fails to load (torch's loader's message).
+    """
+    return _load()[1].AotiPackage(str(package_path))
+
+
+def _load():
     with _LOCK:
-        if _LOADED_PATH:
-            return _LOADED_PATH[0]
+        if _LOADED:
+            return _LOADED[0]
         sources = _sources()
         name = f"kilnlm_cpu_kernels_{_build_key(sources)}"
         build_dir = _build_root() / name
@@ -129,11 +151,19 @@ def load_cpu_kernels() -> str:
         # A build in progress in another process holds build_dir/lock: go through torch's loader, which
         # waits for it, instead of opening a half-written library (a lock older than any build is stale).
         if not library.exists() or _build_in_progress(build_dir):
-            library = _compile(name, sources, build_dir)
+            library, module = _compile(name, sources, build_dir)
         else:
             try:
-                torch.ops.load_library(str(library))
-            except OSError as exc:
+                module = _import_extension(name, library)
+            except ImportError as exc:
                 raise KernelBuildError(f"loading {library} failed ({exc}); delete {build_dir} to rebuild it") from exc
-        _LOADED_PATH.append(str(library))
-        return str(library)
+        _LOADED.append((str(library), module))
+        return _LOADED[0]
+
+
+def _import_extension(name: str, library: Path):
+    """Imports the built extension module at ``library`` (a dlopen plus the module's init). Raises ImportError."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -65,14 +65,16 @@ def verify_engine(engine_dir: str | os.PathLike) -> Manifest:
 
 def load_package(package_path: Path):
     """The AOTInductor package at ``package_path``, loaded by torch's own loader behind kilnlm's
-    ``torch.classes.kilnlm.AotiPackage`` (plugins/csrc/aoti_package.cpp), whose ``run`` releases the GIL:
+    ``AotiPackage`` (:func:`kilnlm.plugins.cpu.load_aoti_package`), whose ``run`` releases the GIL:
     ``torch._inductor.aoti_load_package``'s runner holds it for the whole forward, stalling every other
     Python thread of the process (request submission, response streaming, metrics) for 3-10 ms per step.
     Needs the plugins' CPU kernels loaded. Raises RuntimeError for a package that fails to load.
 
     Its weights are then backed by transparent huge pages where Linux allows (:mod:`kilnlm.runtime.memory`):
     a decode step streams all of them, and 4 KiB pages cost a TLB miss every 4 KiB."""
-    package = torch.classes.kilnlm.AotiPackage(str(package_path))
+    from kilnlm.plugins.cpu import load_aoti_package
+
+    package = load_aoti_package(str(package_path))
     advise_huge_pages(*package.constants_span())
     return package
 
