@@ -87,6 +87,18 @@ def dynamic_shapes(build: BuildConfig) -> tuple:
     )
 
 
+def c_shim_configs() -> dict:
+    """Inductor settings that make the compiled engine call every kilnlm op through its C shim
+    (``aoti_torch_cpu_<op>``, :func:`kilnlm.plugins.schema.c_shim_declaration`) instead of AOTInductor's proxy
+    executor, which boxes each call's arguments and goes through the dispatcher: ~2 us per call, and a
+    SmolLM2 decode step makes 151 of them. The plugin versions an engine records say that it was compiled
+    this way (:data:`kilnlm.plugins.PLUGIN_VERSIONS`)."""
+    from kilnlm.plugins.schema import PLUGIN_VERSIONS, c_shim_declaration
+
+    return {"aot_inductor.custom_ops_to_c_shims": {getattr(torch.ops.kilnlm, name).default: [c_shim_declaration(name)]
+                                                   for name in PLUGIN_VERSIONS}}
+
+
 def compile_engine(network: torch.nn.Module, model: ModelConfig, build: BuildConfig, dtype: torch.dtype,
                    package_path: str | Path, options: CompileOptions | None = None) -> Path:
     """``torch.export`` the network over the dynamic ABI and AOT-compile it into ``package_path``
@@ -108,7 +120,8 @@ def compile_engine(network: torch.nn.Module, model: ModelConfig, build: BuildCon
     try:
         with torch.no_grad():
             torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(package_path), inductor_configs=dict(options.inductor_configs)
+                exported, package_path=str(package_path),
+                inductor_configs={**options.inductor_configs, **c_shim_configs()},
             )
     except Exception as exc:
         raise BuildError(f"AOTInductor compilation failed: {str(exc).splitlines()[0]}") from exc

@@ -3,7 +3,8 @@
 The sources ship as package data in ``csrc/`` and register with ``TORCH_LIBRARY_IMPL(kilnlm, CPU, m)``
 against the schemas declared in :mod:`kilnlm.plugins.schema`. The library is a Python extension module,
 imported once per process: besides the kernels it holds ``AotiPackage``, the engine loader whose forward
-runs with the GIL released (csrc/aoti_package.cpp; :func:`load_aoti_package`). They are compiled with ``-O3 -fopenmp``
+runs with the GIL released (csrc/aoti_package.cpp; :func:`load_aoti_package`), and the ops' C shims that
+compiled engines call (csrc/c_shim.h), made global symbols of the process when it loads. They are compiled with ``-O3 -fopenmp``
 (threads through at::parallel_for), never ``-march=native``: one build runs on any x86-64 machine and
 picks its vector paths (AVX2, AVX-512, AVX512-BF16) at run time by CPU feature detection.
 
@@ -15,6 +16,7 @@ directly (milliseconds, no compiler or ninja run).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import os
@@ -157,6 +159,10 @@ def _load():
                 module = _import_extension(name, library)
             except ImportError as exc:
                 raise KernelBuildError(f"loading {library} failed ({exc}); delete {build_dir} to rebuild it") from exc
+        # Compiled engines call the ops' C shims (csrc/c_shim.h), which the engine's .so resolves from the
+        # process's global symbols when torch's loader opens it: an extension module is opened with
+        # RTLD_LOCAL, so promote it (RTLD_NOLOAD: the library already loaded, not a second copy).
+        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
         _LOADED.append((str(library), module))
         return _LOADED[0]
 

@@ -75,26 +75,31 @@ from __future__ import annotations
 
 import torch
 
-# Bump a plugin's version whenever its schema or numerics change; engines record the versions they were
-# compiled against and the runtime refuses engines whose plugin versions it does not implement.
+# Bump a plugin's version whenever its schema, its numerics or the way compiled engines call it change;
+# engines record the versions they were compiled against and the runtime refuses engines whose plugin
+# versions it does not implement. The current versions are called through their C shims (csrc/c_shim.h):
+# an older kilnlm, whose kernels library has no such symbols, refuses those engines by version instead of
+# failing to load them.
 PLUGIN_VERSIONS: dict[str, int] = {
-    "paged_attention": 2,  # 2: optional trailing kv_scale (8-bit KV pools); 1's 12-argument calls unchanged
-    "gemm": 1,
-    "fp8_linear": 2,  # 2: weight_scale may be [out_features] (per-part scales of fused linears)
-    "int4_linear": 2,  # 2: optional trailing weight_zero_point (asymmetric groups)
-    "int8_linear": 1,
-    "int8_sq_linear": 2,  # 2: optional trailing per_token (dynamic per-token activation scales)
+    "paged_attention": 3,  # 2: optional trailing kv_scale (8-bit KV pools); 3: C shim
+    "gemm": 2,  # 2: C shim
+    "fp8_linear": 3,  # 2: weight_scale may be [out_features] (per-part scales of fused linears); 3: C shim
+    "int4_linear": 3,  # 2: optional trailing weight_zero_point (asymmetric groups); 3: C shim
+    "int8_linear": 2,  # 2: C shim
+    "int8_sq_linear": 3,  # 2: optional trailing per_token (dynamic per-token activation scales); 3: C shim
 }
 
 # Versions of a plugin that this kilnlm still runs (older engines whose calls the current kernels serve
-# unchanged). paged_attention 1 -> 2 only added a trailing optional argument with a default; fp8_linear
-# 1 -> 2 only widened weight_scale's accepted shapes.
+# unchanged; engines from before the C shims call the ops through AOTInductor's proxy executor, which the
+# dispatcher registrations still serve). paged_attention 1 -> 2 only added a trailing optional argument
+# with a default; fp8_linear 1 -> 2 only widened weight_scale's accepted shapes.
 PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
-    **{name: (version,) for name, version in PLUGIN_VERSIONS.items()},
-    "paged_attention": (1, 2),
-    "fp8_linear": (1, 2),  # version 1's 0-dim weight_scale is still accepted
-    "int8_sq_linear": (1, 2),  # version 1's calls (no per_token) are unchanged
-    "int4_linear": (1, 2),  # version 1's calls (no weight_zero_point) are unchanged
+    "paged_attention": (1, 2, 3),
+    "gemm": (1, 2),
+    "fp8_linear": (1, 2, 3),  # version 1's 0-dim weight_scale is still accepted
+    "int4_linear": (1, 2, 3),  # version 1's calls (no weight_zero_point) are unchanged
+    "int8_linear": (1, 2),
+    "int8_sq_linear": (1, 2, 3),  # version 1's calls (no per_token) are unchanged
 }
 
 _LIB = torch.library.Library("kilnlm", "DEF")
@@ -141,3 +146,27 @@ def _int8_linear_fake(x, weight, weight_scale, bias):
 @torch.library.register_fake("kilnlm::int8_sq_linear")
 def _int8_sq_linear_fake(x, weight, weight_scale, input_scale, pre_quant_scale, bias, per_token=False):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+# C types of a C shim's parameters by schema type (torchgen's convention for torch's own shims).
+_C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t", "float": "double",
+                 "bool": "int32_t"}
+
+
+def c_shim_declaration(name: str) -> str:
+    """The C declaration of op ``kilnlm::<name>``'s C shim, derived from its schema: ``AOTITorchError
+    aoti_torch_cpu_<name>(...)`` with Tensor -> ``AtenTensorHandle``, Tensor? -> ``AtenTensorHandle*``
+    (nullptr for None), int -> ``int64_t``, float -> ``double``, bool -> ``int32_t``, then ``AtenTensorHandle*
+    ret0`` for the returned tensor. AOTInductor declares it in a compiled engine
+    (``aot_inductor.custom_ops_to_c_shims``) and calls it directly instead of through its proxy executor;
+    the kernels library defines it (csrc/c_shim.h). Raises ValueError for a schema type without a C mapping."""
+    schema = getattr(torch.ops.kilnlm, name).default._schema
+    params = []
+    for arg in schema.arguments:
+        c_type = _C_SHIM_TYPES.get(str(arg.type))
+        if c_type is None:
+            raise ValueError(f"kilnlm::{name}: no C shim type for argument {arg.name}: {arg.type}")
+        params.append(f"{c_type} {arg.name}")
+    if [str(r.type) for r in schema.returns] != ["Tensor"]:
+        raise ValueError(f"kilnlm::{name}: a C shim returns one tensor, the schema returns {schema.returns}")
+    return f"AOTITorchError aoti_torch_cpu_{name}({', '.join(params + ['AtenTensorHandle* ret0'])})"

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "c_shim.h"
 #include "cpu_features.h"
 #include "row_blocks.h"
 
@@ -378,3 +379,12 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
 }  // namespace kiln_fp8
 
 TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("fp8_linear", &kiln_fp8::fp8_linear_cpu); }
+
+KILN_C_SHIM aoti_torch_cpu_fp8_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle weight_scale,
+                                      AtenTensorHandle input_scale, AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+  using namespace kiln_shim;
+  return call(ret0, [&] {
+    return kiln_fp8::fp8_linear_cpu(tensor(x), tensor(weight), tensor(weight_scale), tensor(input_scale),
+                                    optional_tensor(bias));
+  });
+}

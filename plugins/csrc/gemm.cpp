@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "c_shim.h"
 #include "cpu_features.h"
 #include "row_blocks.h"
 
@@ -284,3 +285,9 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
 }  // namespace kiln_gemm
 
 TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("gemm", &kiln_gemm::gemm_cpu); }
+
+KILN_C_SHIM aoti_torch_cpu_gemm(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias,
+                                AtenTensorHandle* ret0) {
+  using namespace kiln_shim;
+  return call(ret0, [&] { return kiln_gemm::gemm_cpu(tensor(x), tensor(weight), optional_tensor(bias)); });
+}

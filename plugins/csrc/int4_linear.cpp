@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "c_shim.h"
 #include "cpu_features.h"
 #include "int16_activations.h"
 #include "row_blocks.h"
@@ -432,3 +433,13 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
 }  // namespace kiln_int4
 
 TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("int4_linear", &kiln_int4::int4_linear_cpu); }
+
+KILN_C_SHIM aoti_torch_cpu_int4_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle weight_scale,
+                                       AtenTensorHandle* pre_quant_scale, AtenTensorHandle* bias, int64_t group_size,
+                                       AtenTensorHandle* weight_zero_point, AtenTensorHandle* ret0) {
+  using namespace kiln_shim;
+  return call(ret0, [&] {
+    return kiln_int4::int4_linear_cpu(tensor(x), tensor(weight), tensor(weight_scale), optional_tensor(pre_quant_scale),
+                                      optional_tensor(bias), group_size, optional_tensor(weight_zero_point));
+  });
+}

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "c_shim.h"
 #include "cpu_features.h"
 #include "int16_activations.h"
 #include "row_blocks.h"
@@ -464,4 +465,22 @@ at::Tensor int8_sq_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
 TORCH_LIBRARY_IMPL(kilnlm, CPU, m) {
   m.impl("int8_linear", &kiln_int8::int8_linear_cpu);
   m.impl("int8_sq_linear", &kiln_int8::int8_sq_linear_cpu);
+}
+
+KILN_C_SHIM aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle weight_scale,
+                                       AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+  using namespace kiln_shim;
+  return call(ret0, [&] {
+    return kiln_int8::int8_linear_cpu(tensor(x), tensor(weight), tensor(weight_scale), optional_tensor(bias));
+  });
+}
+
+KILN_C_SHIM aoti_torch_cpu_int8_sq_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle weight_scale,
+                                          AtenTensorHandle input_scale, AtenTensorHandle* pre_quant_scale,
+                                          AtenTensorHandle* bias, int32_t per_token, AtenTensorHandle* ret0) {
+  using namespace kiln_shim;
+  return call(ret0, [&] {
+    return kiln_int8::int8_sq_linear_cpu(tensor(x), tensor(weight), tensor(weight_scale), tensor(input_scale),
+                                         optional_tensor(pre_quant_scale), optional_tensor(bias), per_token != 0);
+  });
 }

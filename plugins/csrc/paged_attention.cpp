@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "c_shim.h"
 #include "cpu_features.h"
 
 namespace kiln_attn {
@@ -580,3 +581,17 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
 }  // namespace kiln_attn
 
 TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("paged_attention", &kiln_attn::paged_attention_cpu); }
+
+KILN_C_SHIM aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                           AtenTensorHandle kv_cache, int64_t layer_idx, AtenTensorHandle positions,
+                                           AtenTensorHandle inv_freq, AtenTensorHandle cu_seqlens_q,
+                                           AtenTensorHandle seq_lens_kv, AtenTensorHandle block_tables,
+                                           AtenTensorHandle slot_mapping, double scale, AtenTensorHandle* kv_scale,
+                                           AtenTensorHandle* ret0) {
+  using namespace kiln_shim;
+  return call(ret0, [&] {
+    return kiln_attn::paged_attention_cpu(tensor(q), tensor(k), tensor(v), tensor(kv_cache), layer_idx, tensor(positions),
+                                          tensor(inv_freq), tensor(cu_seqlens_q), tensor(seq_lens_kv),
+                                          tensor(block_tables), tensor(slot_mapping), scale, optional_tensor(kv_scale));
+  });
+}

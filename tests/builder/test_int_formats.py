@@ -166,7 +166,7 @@ def test_int8_sq_per_token_engine_matches_the_network_on_reference_ops(tiny_llam
     engine_dir = tmp_path / "engine"
     build_engine(BuildOptions(checkpoint=tiny_llama_dir, output=engine_dir, **options))
     manifest = read_manifest(engine_dir)
-    assert manifest.plugins["int8_sq_linear"] == PLUGIN_VERSIONS["int8_sq_linear"] == 2
+    assert manifest.plugins["int8_sq_linear"] == PLUGIN_VERSIONS["int8_sq_linear"] == 3
     logits = engine_logits(engine_dir)
 
     network = eager_network(tiny_llama_dir, **options)

@@ -179,14 +179,15 @@ def test_wrong_pool_dtype_refused(tiny_kv_engines):
 
 def test_plugin_versions_accepted_and_refused(tiny_kv_engines, tmp_path):
     """An engine recording paged_attention version 1 (built before 8-bit pools: its calls have no
-    kv_scale, which the v2 kernel defaults to None) still verifies; an unknown version says rebuild."""
+    kv_scale, which the v2 kernel defaults to None) or 2 (calls through the proxy executor, before the C
+    shims) still verifies; an unknown version says rebuild."""
     import json
 
     from kilnlm.runtime.engine import verify_engine
     from kilnlm.runtime.errors import EngineError
     from kilnlm.runtime.manifest import read_manifest, write_manifest
 
-    for version, ok in ((1, True), (2, True), (3, False)):
+    for version, ok in ((1, True), (2, True), (3, True), (4, False)):
         copy = tmp_path / f"v{version}"
         shutil.copytree(tiny_kv_engines["auto"], copy)
         manifest = read_manifest(copy)
