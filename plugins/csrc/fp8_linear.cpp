@@ -278,8 +278,7 @@ void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float*
     x = x_prepared.data();
   }
 #endif
-  std::vector<float> acc(static_cast<size_t>(num_tokens * out_features));
-  float* acc_ptr = acc.data();
+  float* acc_ptr = kiln::thread_scratch<0>(num_tokens * out_features);
   // ~16 KiB of weights per task at least, so that small layers do not pay for threading.
   const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
   at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {

@@ -218,8 +218,7 @@ at::Tensor gemm_avx2(const at::Tensor& x_in, const at::Tensor& weight_in, const 
     avx2::widen(xp + t0 * k, (t1 - t0) * k, xf + t0 * k);
   });
   if (num_tokens <= kMaxDirectTokensAvx2) {
-    std::vector<float> acc(static_cast<size_t>(num_tokens * n));
-    float* acc_ptr = acc.data();
+    float* acc_ptr = kiln::thread_scratch<0>(num_tokens * n);
     // ~16 KiB of weights per task at least, so that small layers do not pay for threading
     const int64_t grain = std::max<int64_t>(8, 8192 / std::max<int64_t>(k, 1));
     at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {

@@ -263,8 +263,7 @@ struct Problem {
 // gemv(r0, r1, acc) writes acc[t, r] (row stride out_features) for rows [r0, r1).
 template <typename scalar_t, typename RowsFn>
 void run_direct(const Problem& p, const RowsFn& gemv, scalar_t* out) {
-  std::vector<float> acc(static_cast<size_t>(p.num_tokens * p.out_features));
-  float* acc_ptr = acc.data();
+  float* acc_ptr = kiln::thread_scratch<0>(p.num_tokens * p.out_features);
   // ~16 KiB of packed weights per task at least, so that small layers do not pay for threading.
   const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(p.in, 1));
   at::parallel_for(0, p.out_features, grain, [&](int64_t r0, int64_t r1) {
@@ -367,15 +366,15 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
 #else
   const bool bf16_gemv = false;
 #endif
-  std::vector<float> xs(static_cast<size_t>(bf16_gemv ? 0 : num_tokens * in));
+  float* xs = kiln::thread_scratch<1>(bf16_gemv ? 0 : num_tokens * in);  // [T, in] x * pre_quant_scale
   const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight_scale.data_ptr<float>(),
                         zero_point.defined() ? zero_point.data_ptr<int8_t>() : nullptr, in, out_features, group_size,
-                        num_tokens, xs.data(),
+                        num_tokens, xs,
                         bias.defined() ? bias.data_ptr<float>() : nullptr};
   const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int4_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        prepare_activations<float>(x, pqs_ptr, group_size, order, xs.data());
+        prepare_activations<float>(x, pqs_ptr, group_size, order, xs);
         if (direct) run_direct<float>(problem, gemv, out.data_ptr<float>());
         else run_tiled<float>(problem, isa, out.data_ptr<float>());
       })
@@ -420,7 +419,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           }
         }
 #endif
-        prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, order, xs.data());
+        prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, order, xs);
         if (direct) run_direct<at::BFloat16>(problem, gemv, out.data_ptr<at::BFloat16>());
 #if defined(__x86_64__)
         else if (bf16_gemm) run_tiled_bf16<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());

@@ -213,8 +213,7 @@ at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
 template <typename scalar_t, typename RowsFn>
 void int8_linear_direct(const RowsFn& gemv, int64_t in, int64_t out_features, int64_t num_tokens, const float* scale,
                         const float* bias, scalar_t* out) {
-  std::vector<float> acc(static_cast<size_t>(num_tokens * out_features));
-  float* acc_ptr = acc.data();
+  float* acc_ptr = kiln::thread_scratch<0>(num_tokens * out_features);
   const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));  // >= ~16 KiB of weights per task
   at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
     gemv(r0, r1, acc_ptr);
@@ -298,13 +297,13 @@ QuantizeFn quantize_fn() {
 template <typename scalar_t>
 void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int16_t* dst, float* token_scale = nullptr) {
   const int64_t in = x.size(1);
-  std::vector<float> xs(static_cast<size_t>(x.numel()));
-  to_float<scalar_t>(x, pqs, xs.data());
+  float* xs = kiln::thread_scratch<1>(x.numel());
+  to_float<scalar_t>(x, pqs, xs);
   const QuantizeFn quantize = quantize_fn();
   at::parallel_for(0, x.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
-    if (token_scale == nullptr) return quantize(xs.data() + t0 * in, (t1 - t0) * in, input_scale, dst + t0 * in);
+    if (token_scale == nullptr) return quantize(xs + t0 * in, (t1 - t0) * in, input_scale, dst + t0 * in);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* row = xs.data() + t * in;
+      const float* row = xs + t * in;
       float amax = 0.f;
       for (int64_t c = 0; c < in; ++c) amax = std::max(amax, std::fabs(row[c]));
       token_scale[t] = amax > 0.f ? amax / 127.f : 1.f;
@@ -365,14 +364,14 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   const float* scale = weight_scale.data_ptr<float>();
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int8_t* w = weight.data_ptr<int8_t>();
-  std::vector<float> xs(static_cast<size_t>(num_tokens * in));  // [T, in] float32
+  float* xs = kiln::thread_scratch<1>(num_tokens * in);  // [T, in] float32
   const bool bf16_gemm = x.scalar_type() == at::kBFloat16 && kiln::cpu_has_avx512_bf16();
   const bool direct = num_tokens <= (bf16_gemm ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm);
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int8_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        to_float<float>(x, nullptr, xs.data());
-        if (direct) int8_linear_direct<float>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, out.data_ptr<float>());
-        else int8_linear_tiled<float>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, out.data_ptr<float>());
+        to_float<float>(x, nullptr, xs);
+        if (direct) int8_linear_direct<float>(w, in, out_features, xs, num_tokens, scale, bias_ptr, out.data_ptr<float>());
+        else int8_linear_tiled<float>(w, in, out_features, xs, num_tokens, scale, bias_ptr, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
@@ -403,13 +402,13 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           }
         }
 #endif
-        to_float<at::BFloat16>(x, nullptr, xs.data());
+        to_float<at::BFloat16>(x, nullptr, xs);
         at::BFloat16* y = out.data_ptr<at::BFloat16>();
-        if (direct) int8_linear_direct<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);
+        if (direct) int8_linear_direct<at::BFloat16>(w, in, out_features, xs, num_tokens, scale, bias_ptr, y);
 #if defined(__x86_64__)
-        else if (bf16_gemm) int8_linear_tiled_bf16<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);
+        else if (bf16_gemm) int8_linear_tiled_bf16<at::BFloat16>(w, in, out_features, xs, num_tokens, scale, bias_ptr, y);
 #endif
-        else int8_linear_tiled<at::BFloat16>(w, in, out_features, xs.data(), num_tokens, scale, bias_ptr, y);
+        else int8_linear_tiled<at::BFloat16>(w, in, out_features, xs, num_tokens, scale, bias_ptr, y);
       }));
   return out;
 }

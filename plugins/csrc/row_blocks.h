@@ -1,11 +1,14 @@
-// The generation-phase GEMVs' parallel loop (bf16_gemv.h works on whole 16-row blocks), shared by the
-// ops' CPU files. Included with the torch headers, outside any `#pragma GCC target` region.
+// The generation-phase GEMVs' parallel loop (bf16_gemv.h works on whole 16-row blocks) and per-call
+// scratch, shared by the ops' CPU files. Included with the torch headers, outside any `#pragma GCC target`
+// region.
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 
 namespace kiln {
 
@@ -15,6 +18,23 @@ template <class F>
 inline void parallel_row_blocks(int64_t num_rows, int64_t block, const F& fn) {
   at::parallel_for(0, (num_rows + block - 1) / block, 1,
                    [&](int64_t b0, int64_t b1) { fn(b0 * block, std::min(num_rows, b1 * block)); });
+}
+
+// At least n floats, uninitialized, owned by the calling thread and reused by its later calls (grown to
+// the largest call's size, never shrunk: [2048, 1536] float32 activations of a full context chunk, 12.6 MB). For the GEMVs' per-call float32 accumulators and activations: a decode step makes ~150 op calls
+// of a few microseconds each, where a std::vector<float>(n) costs a malloc, a zero fill that the kernels
+// overwrite anyway, and a free (for the LM head's [1, 49152] accumulator: a 196 KB memset, and glibc
+// consolidating its free lists). Slot tells apart the buffers one call holds at the same time; no op
+// holds one across another op's call. The pointer, not the buffer, goes to worker threads.
+template <int Slot>
+inline float* thread_scratch(int64_t n) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local size_t capacity = 0;
+  if (capacity < static_cast<size_t>(n)) {
+    buffer.reset(new float[static_cast<size_t>(n)]);
+    capacity = static_cast<size_t>(n);
+  }
+  return buffer.get();
 }
 
 }  // namespace kiln
