@@ -119,8 +119,9 @@ def load_cpu_kernels() -> str:
     ``fp8_linear``, ``int4_linear``, ``int8_linear``, ``int8_sq_linear``); idempotent and thread-safe.
     Returns the shared library's path.
 
-    After this call ``torch.ops.kilnlm.*`` dispatch to the C++ kernels for CPU tensors (in eager mode
-    and from AOTInductor packages, which call ops through the dispatcher). Call it before loading a
+    After this call ``torch.ops.kilnlm.*`` dispatch to the C++ kernels for CPU tensors (in eager mode, and
+    from AOTInductor packages compiled before the C shims, which call ops through the dispatcher), and the
+    ops' C shims are global symbols for the engines that call them directly. Call it before loading a
     compiled engine that uses the ops.
 
     Raises:
