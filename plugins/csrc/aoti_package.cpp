@@ -11,18 +11,15 @@
 // run with the GIL released.
 //
 // A pybind11 class, not a TorchScript custom class (torch.classes): calling a custom class method from
-// Python goes through TorchScript's method lookup and schema-checked argument stack, ~135 us per call
-// measured on SmolLM2's decode step (2.7% of an int4 step), where pybind11 converts the tensor list
-// directly.
+// Python goes through TorchScript's method lookup and a schema-checked argument stack, where pybind11
+// converts the tensor list directly: ~50-60 us less per forward call (docs/performance.md).
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
-#include <torch/csrc/shim_exception_state.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -34,22 +31,9 @@ class AotiPackage {
       : loader_(std::make_unique<torch::inductor::AOTIModelPackageLoader>(package_path)) {}
 
   // The compiled forward over its flattened inputs; returns its flattened outputs. Errors (a c10::Error
-  // from the model or a kernel) reach Python as RuntimeError.
-  //
-  // A kilnlm op's error inside the forward reaches AOTInductor as a C shim's error code (c_shim.h) and
-  // torch's runner then throws only "... API call failed at <file>, line <n>"; the op's own message, kept
-  // in this thread's shim exception state, is put back in front.
-  std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) {
-    namespace shim = torch::csrc::shim::details;
-    shim::set_torch_exception_what_without_backtrace("");
-    try {
-      return loader_->run(inputs);
-    } catch (const std::exception& error) {
-      const std::string& op_message = shim::get_torch_exception_what_without_backtrace();
-      if (op_message.empty()) throw;
-      throw std::runtime_error(op_message + "\n(raised by a kilnlm op in the engine's forward: " + error.what() + ")");
-    }
-  }
+  // from the model or a kernel) reach Python as RuntimeError; a kilnlm op's message crosses its C shim
+  // in torch's per-thread shim exception state (c_shim.h), which torch's runner puts in its error.
+  std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) { return loader_->run(inputs); }
 
   // [begin, end) addresses spanned by the model's CPU constants (its weights), for
   // kilnlm.runtime.memory.advise_huge_pages; [0, 0] when it has none.

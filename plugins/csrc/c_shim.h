@@ -8,7 +8,7 @@
 //
 // The engine's .so resolves these symbols when it is loaded, so kilnlm.plugins.cpu makes the kernels
 // library's symbols global first. A kernel's exception becomes AOTI_TORCH_FAILURE with its message kept
-// in torch's per-thread shim exception state, where AotiPackage::run reads it back.
+// in torch's per-thread shim exception state, which torch's runner puts in the error it raises.
 
 #pragma once
 
