@@ -4,9 +4,10 @@ The sources ship as package data in ``csrc/`` and register with ``TORCH_LIBRARY_
 against the schemas declared in :mod:`kilnlm.plugins.schema`. The library is a Python extension module,
 imported once per process: besides the kernels it holds ``AotiPackage``, the engine loader whose forward
 runs with the GIL released (csrc/aoti_package.cpp; :func:`load_aoti_package`), and the ops' C shims that
-compiled engines call (csrc/c_shim.h), made global symbols of the process when it loads. They are compiled with ``-O3 -fopenmp``
-(threads through at::parallel_for), never ``-march=native``: one build runs on any x86-64 machine and
-picks its vector paths (AVX2, AVX-512, AVX512-BF16) at run time by CPU feature detection.
+compiled engines call (csrc/c_shim.h), made global symbols of the process when it loads. The sources are
+compiled with ``-O3 -fopenmp`` (threads through at::parallel_for), never ``-march=native``: one build runs
+on any x86-64 machine and picks its vector paths (AVX2, AVX-512, AVX512-BF16) at run time by CPU feature
+detection.
 
 Caching: the shared library lives in torch's extension cache (``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions/<py>_cpu``) under a name keyed by a hash of the sources, the flags and the

@@ -149,8 +149,8 @@ def _int8_sq_linear_fake(x, weight, weight_scale, input_scale, pre_quant_scale, 
 
 
 # C types of a C shim's parameters by schema type (torchgen's convention for torch's own shims).
-_C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t", "float": "double",
-                 "bool": "int32_t"}
+_C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t",
+                 "float": "double", "bool": "int32_t"}
 
 
 def c_shim_declaration(name: str) -> str:
