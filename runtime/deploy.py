@@ -27,11 +27,13 @@ keeps serving that exact engine even when the name is tagged again) unless ``cop
 verified (:func:`kilnlm.runtime.engine.verify_engine`; a cache reference is fetched into a temporary
 directory for it) before anything is written to the repository.
 
-Writes are atomic: a version is assembled in a hidden staging directory inside the model directory
-(Triton ignores non-numeric version directories) and renamed to its number; a new model is assembled
-beside the repository (or, when that is another file system, in the repository as ``.kilnlm-staging-*``;
-Triton would report that directory as a broken model only if it scanned the repository during those
-seconds) and renamed into it. A failed deploy leaves the repository as it was.
+Writes are atomic: a new model, or a new version of a model, is assembled in a staging directory beside
+the repository and renamed into it, so that the rename is the only change a polling Triton sees. When
+beside the repository is another file system, a new model is assembled in the repository as
+``.kilnlm-staging-*`` (Triton would report that directory as a broken model only if it scanned the
+repository during those seconds) and a new version in the model directory (Triton ignores non-numeric
+version directories, but may load the new version a second time when the staging directory's removal
+changes the model directory). A failed deploy leaves the repository as it was.
 
 The repository template (the ``model_repository/`` of kilnlm) is found by :func:`locate_template`.
 Never imports kilnlm.builder or transformers.
@@ -277,13 +279,16 @@ def _check_existing_model(model_dir: Path) -> None:
                           "pick another --model-name or --model-repository")
 
 
-def _staging_root(repository: Path) -> Path:
-    """A fresh directory on ``repository``'s file system, outside it when possible (Triton treats every
-    directory in a repository as a model, hidden ones included)."""
+def _staging_root(repository: Path, fallback: Path) -> Path:
+    """A fresh directory on ``repository``'s file system, outside it when possible, else in ``fallback``
+    (the repository for a new model, the model's directory for a new version). Triton treats every
+    directory in a repository as a model, hidden ones included, and a polling Triton reloads a model whose
+    directory changed: staging a new version in the model's directory made removing the staging directory,
+    after the version's rename, a second change that could load the new version twice."""
     parent = repository.resolve().parent
     if os.access(parent, os.W_OK) and parent.stat().st_dev == repository.stat().st_dev:
         return Path(tempfile.mkdtemp(prefix=f".{repository.name}{STAGING_PREFIX}", dir=parent))
-    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=repository))
+    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=fallback))
 
 
 def _rename_new(src: Path, dst: Path, what: str) -> None:
@@ -331,8 +336,7 @@ def deploy(config: DeployConfig) -> DeployResult:
         write_sync = not sync_dir.exists()
         created_repository = not repository.exists()
         repository.mkdir(parents=True, exist_ok=True)
-        staging = _staging_root(repository) if created_model else \
-            Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=model_dir))
+        staging = _staging_root(repository, repository if created_model else model_dir)
         deployed = False
         try:
             staged_model = staging / name

@@ -62,6 +62,26 @@ def test_two_deploys_are_versions_1_and_2_and_rollback_removes_the_newest(tiny_e
     assert again.version == 2
 
 
+def test_a_new_version_is_staged_outside_the_model_directory(tiny_engine_dir, tmp_path, monkeypatch):
+    """A polling Triton reloads a model whose directory changed. A version staged inside the model directory
+    changed it twice (its rename, then the staging directory's removal), which could load it twice and let
+    a rollback race the second load; staged beside the repository, the rename is the only change."""
+    import kilnlm.runtime.deploy as deploy_module
+
+    repo = tmp_path / "repo"
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    written = []
+    real_write_version = deploy_module._write_version
+    monkeypatch.setattr(deploy_module, "_write_version",
+                        lambda engine, copy, template, version_dir: written.append(version_dir) or
+                        real_write_version(engine, copy, template, version_dir))
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    (staged,) = written
+    assert repo.resolve() not in staged.resolve().parents and staged.name == "2"
+    assert sorted(p.name for p in (repo / "tiny").iterdir()) == ["1", "2", "config.pbtxt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # the staging directory is gone too
+
+
 def test_explicit_version_and_an_existing_version_is_refused(tiny_engine_dir, tmp_path):
     repo = tmp_path / "repo"
     result = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, version=7))
