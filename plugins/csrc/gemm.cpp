@@ -211,9 +211,7 @@ at::Tensor gemm_avx2(const at::Tensor& x_in, const at::Tensor& weight_in, const 
         yp[t * n + r] = kiln::bf16_bits(acc[t * acc_stride + r - r0] + (b != nullptr ? b[r] : 0.f));
   };
   // x widened to float32 once: [T, k]
-  thread_local std::vector<float> xf_buffer;
-  if (xf_buffer.size() < static_cast<size_t>(num_tokens * k)) xf_buffer.resize(static_cast<size_t>(num_tokens * k));
-  float* xf = xf_buffer.data();  // the pointer, not the thread_local, goes to the worker threads
+  float* xf = kiln::thread_scratch<1>(num_tokens * k);
   at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1)), [&](int64_t t0, int64_t t1) {
     avx2::widen(xp + t0 * k, (t1 - t0) * k, xf + t0 * k);
   });

@@ -39,6 +39,7 @@
 #include "bf16_bits.h"
 #include "c_shim.h"
 #include "cpu_features.h"
+#include "row_blocks.h"
 
 namespace kiln_attn {
 
@@ -469,22 +470,17 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
   int64_t max_m = 0;
   for (const AttnWork& w : work) max_m = std::max(max_m, w.num_q_tokens * (w.head_end - w.head_begin));
   // Sized by the generic kernel's formula (both ISA variants use the same layout).
-  const size_t scratch_floats =
-      static_cast<size_t>(generic::attn_scratch_floats(max_m, d.head_dim, d.tokens_per_block, d.num_kv_heads * d.head_dim));
+  const int64_t scratch_floats =
+      generic::attn_scratch_floats(max_m, d.head_dim, d.tokens_per_block, d.num_kv_heads * d.head_dim);
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(work.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     // Per thread, kept across calls (a decode step makes one call per layer); never read before written.
-    thread_local std::unique_ptr<float[]> scratch;
-    thread_local size_t scratch_capacity = 0;
-    if (scratch_capacity < scratch_floats) {
-      scratch.reset(new float[scratch_floats]);
-      scratch_capacity = scratch_floats;
-    }
+    float* scratch = kiln::thread_scratch<0>(scratch_floats);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const AttnWork& w = work[i];
-      attend_fn(w.num_q_tokens * (w.head_end - w.head_begin))(w, scratch.get());
+      attend_fn(w.num_q_tokens * (w.head_end - w.head_begin))(w, scratch);
     }
   });
 }
