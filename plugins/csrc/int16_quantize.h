@@ -18,6 +18,25 @@ static inline __m256 int16q_widen_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+// The nibble_chunks order of one 64-column chunk, from its four vectors of natural-order x16 (q[h] holding
+// columns 16h .. 16h+15): dst[16k + i] = x16[4i + k]. Within each 128-bit lane PSHUFB gathers the columns of
+// one nibble position k into dword k, VPERMD pairs the two lanes' dwords per k (qword k then holds columns
+// 4i + k of four consecutive i), and a 4 x 4 transpose of qwords puts each k's sixteen columns together:
+// 16 shuffles against 64 scalar moves.
+static inline void int16q_store_nibble_chunk(const __m256i* q, int16_t* dst) {
+  const __m256i by_k = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                        0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  const __m256i pair_lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256i v[4];
+  for (int h = 0; h < 4; ++h) v[h] = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q[h], by_k), pair_lanes);
+  const __m256i t0 = _mm256_unpacklo_epi64(v[0], v[1]), t1 = _mm256_unpackhi_epi64(v[0], v[1]);
+  const __m256i t2 = _mm256_unpacklo_epi64(v[2], v[3]), t3 = _mm256_unpackhi_epi64(v[2], v[3]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(t0, t2, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), _mm256_permute2x128_si256(t1, t3, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), _mm256_permute2x128_si256(t0, t2, 0x31));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 48), _mm256_permute2x128_si256(t1, t3, 0x31));
+}
+
 static bool int16_quantize(const uint16_t* x, const float* pqs, int64_t num_tokens, int64_t in, int64_t block,
                            bool nibble_chunks, float* row, int16_t* x16, float* x_scale, float* x_sum) {
   const int64_t num_blocks = in / block;
@@ -63,7 +82,7 @@ static bool int16_quantize(const uint16_t* x, const float* pqs, int64_t num_toke
       __m256i sum_v = _mm256_setzero_si256();
       int16_t* dst = x16 + t * in;
       for (int64_t c = c0; c < c0 + block; c += 64) {
-        int16_t natural[64];
+        __m256i chunk[4];
         for (int h = 0; h < 4; ++h) {
           const float* src = row + c + 16 * h;
           const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src), s_hi), s_lo));
@@ -71,12 +90,10 @@ static bool int16_quantize(const uint16_t* x, const float* pqs, int64_t num_toke
           // PACKSSDW saturates a rounded 2^15 to 32767 and interleaves 128-bit lanes: restore the order
           const __m256i q = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
           sum_v = _mm256_add_epi32(sum_v, _mm256_madd_epi16(q, ones));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(nibble_chunks ? natural + 16 * h : dst + c + 16 * h), q);
+          if (nibble_chunks) chunk[h] = q;
+          else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c + 16 * h), q);
         }
-        if (nibble_chunks) {
-          for (int i = 0; i < 16; ++i)
-            for (int k = 0; k < 4; ++k) dst[c + 16 * k + i] = natural[4 * i + k];
-        }
+        if (nibble_chunks) int16q_store_nibble_chunk(chunk, dst + c);
       }
       __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum_v), _mm256_extracti128_si256(sum_v, 1));
       s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
