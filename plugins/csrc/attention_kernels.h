@@ -566,42 +566,46 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   const kv_t* v_pool = static_cast<const kv_t*>(w.v_base);
   const int64_t last_pos = w.first_q_pos + w.num_q_tokens - 1;
   const int64_t end_block = (last_pos / tpb + 1) < w.kv_block_end ? (last_pos / tpb + 1) : w.kv_block_end;
+  // Block j's K and V rows (the item's slice of each), into L1. Blocks sit anywhere in the pool (paged)
+  // and the hardware prefetcher only follows a block once it has started: the loop prefetches each next
+  // block while it computes one, and the first block is prefetched whole before the loop, so that its
+  // misses overlap instead of coming one row at a time (a decode part reads only ~3 blocks).
+  const auto prefetch_block = [&](int64_t j) {
+    const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;
+    const int64_t num_rows = (last_pos + 1 - j * tpb) < tpb ? (last_pos + 1 - j * tpb) : tpb;
+    const char* k_rows = reinterpret_cast<const char*>(k_pool + first_row * row_stride + kv_head_begin * D);
+    const char* v_rows = reinterpret_cast<const char*>(v_pool + first_row * row_stride + kv_head_begin * D);
+    const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(kv_t));
+    const int64_t span_bytes = span * static_cast<int64_t>(sizeof(kv_t));
+    if (span == row_stride) {  // every KV head: the block's rows are contiguous
+      for (int64_t b = 0; b < num_rows * row_bytes; b += 64) {
+        __builtin_prefetch(k_rows + b);
+        __builtin_prefetch(v_rows + b);
+      }
+    } else {  // only the slice of each row this item reads (other KV heads belong to other threads' items)
+      const int64_t lead = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k_rows) & 63);
+      if (row_bytes % 64 == 0 && lead == static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_rows) & 63)) {
+        for (int64_t r = 0; r < num_rows; ++r)  // every row's slice starts `lead` bytes into a line
+          for (int64_t b = r * row_bytes - lead; b < r * row_bytes + span_bytes; b += 64) {
+            __builtin_prefetch(k_rows + b);
+            __builtin_prefetch(v_rows + b);
+          }
+      } else {
+        for (int64_t r = 0; r < num_rows; ++r) {
+          prefetch_lines(k_rows + r * row_bytes, span_bytes);
+          prefetch_lines(v_rows + r * row_bytes, span_bytes);
+        }
+      }
+    }
+  };
+  if (w.kv_block_begin < end_block) prefetch_block(w.kv_block_begin);
   for (int64_t j = w.kv_block_begin; j < end_block; ++j) {
     const int64_t base_pos = j * tpb;
     const int64_t num_block_tokens = (last_pos + 1 - base_pos) < tpb ? (last_pos + 1 - base_pos) : tpb;
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;  // pool row of offset 0
     const kv_t* k_block = k_pool + first_row * row_stride;
     const kv_t* v_block = v_pool + first_row * row_stride;
-    if (j + 1 < end_block) {
-      // The next block sits elsewhere in the pool (paged): prefetch its K and V rows while this one is
-      // computed, since the hardware prefetcher only follows each block once it has started.
-      const int64_t next_row = static_cast<int64_t>(w.block_table[j + 1]) * tpb;
-      const int64_t next_tokens = (last_pos + 1 - base_pos - tpb) < tpb ? (last_pos + 1 - base_pos - tpb) : tpb;
-      const char* k_next = reinterpret_cast<const char*>(k_pool + next_row * row_stride + kv_head_begin * D);
-      const char* v_next = reinterpret_cast<const char*>(v_pool + next_row * row_stride + kv_head_begin * D);
-      const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(kv_t));
-      const int64_t span_bytes = span * static_cast<int64_t>(sizeof(kv_t));
-      if (span == row_stride) {  // every KV head: the block's rows are contiguous
-        for (int64_t b = 0; b < next_tokens * row_bytes; b += 64) {
-          __builtin_prefetch(k_next + b);
-          __builtin_prefetch(v_next + b);
-        }
-      } else {  // only the slice of each row this item reads (other KV heads belong to other threads' items)
-        const int64_t lead = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k_next) & 63);
-        if (row_bytes % 64 == 0 && lead == static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_next) & 63)) {
-          for (int64_t r = 0; r < next_tokens; ++r)  // every row's slice starts `lead` bytes into a line
-            for (int64_t b = r * row_bytes - lead; b < r * row_bytes + span_bytes; b += 64) {
-              __builtin_prefetch(k_next + b);
-              __builtin_prefetch(v_next + b);
-            }
-        } else {
-          for (int64_t r = 0; r < next_tokens; ++r) {
-            prefetch_lines(k_next + r * row_bytes, span_bytes);
-            prefetch_lines(v_next + r * row_bytes, span_bytes);
-          }
-        }
-      }
-    }
+    if (j + 1 < end_block) prefetch_block(j + 1);
     if (convert) {
       const kv_t* k_span = k_block + kv_head_begin * D;
       const kv_t* v_span = v_block + kv_head_begin * D;

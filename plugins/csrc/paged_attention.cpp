@@ -269,6 +269,33 @@ inline int8_t to_cache<int8_t>(float x, float scale) {
   return static_cast<int8_t>(v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v));
 }
 
+// cos(pos * inv_freq[j]) then sin(...), j < half, for one position: the calling thread's last table is
+// kept with its position and inv_freq, so the 30 layers of a decode step compute their token's 64 cos / sin
+// once instead of 30 times (~1 us a layer). Same values as computing them afresh.
+class RopeTable {
+ public:
+  const float* get(int64_t pos, const float* inv_freq, int64_t half) {
+    const bool hit = pos == pos_ && static_cast<int64_t>(inv_freq_.size()) == half &&
+                     std::equal(inv_freq_.begin(), inv_freq_.end(), inv_freq);
+    if (!hit) {
+      inv_freq_.assign(inv_freq, inv_freq + half);
+      cos_sin_.resize(static_cast<size_t>(2 * half));
+      const float p = static_cast<float>(pos);
+      for (int64_t j = 0; j < half; ++j) {
+        const float angle = p * inv_freq[j];
+        cos_sin_[j] = std::cos(angle);
+        cos_sin_[half + j] = std::sin(angle);
+      }
+      pos_ = pos;
+    }
+    return cos_sin_.data();
+  }
+
+ private:
+  int64_t pos_ = -1;
+  std::vector<float> inv_freq_, cos_sin_;
+};
+
 // Step 1: RoPE on q (into q_rot, float32, times scale) and k; write rotated k and v into the pool
 // (8-bit pools: quantized with k_scale / v_scale).
 template <typename scalar_t, typename cache_t>
@@ -281,16 +308,10 @@ void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
   const scalar_t* vp = v.data_ptr<scalar_t>();
   const int64_t q_stride = q.stride(0), k_stride = k.stride(0), v_stride = v.stride(0);
   at::parallel_for(0, d.num_tokens, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<float> cos_sin(static_cast<size_t>(D));
-    float* cos_v = cos_sin.data();
-    float* sin_v = cos_v + half;
+    thread_local RopeTable rope;
     for (int64_t t = t0; t < t1; ++t) {
-      const float pos = static_cast<float>(positions[t]);
-      for (int64_t j = 0; j < half; ++j) {
-        const float angle = pos * inv_freq[j];
-        cos_v[j] = std::cos(angle);
-        sin_v[j] = std::sin(angle);
-      }
+      const float* cos_v = rope.get(positions[t], inv_freq, half);
+      const float* sin_v = cos_v + half;
       // out[j] = x[j] cos - x[j + half] sin ; out[j + half] = x[j + half] cos + x[j] sin
       for (int64_t h = 0; h < H; ++h) {
         const scalar_t* src = qp + t * q_stride + h * D;
@@ -332,6 +353,10 @@ struct SplitItem {
 struct SplitParts {
   std::vector<float> states;
   std::vector<SplitItem> items;
+  void clear() {
+    states.clear();
+    items.clear();
+  }
 };
 
 // Few items that the threads cannot share evenly (a batch-1 decode step of SmolLM2: 3 KV-head items on 2
@@ -355,7 +380,8 @@ void split_kv(const Dims& d, int64_t num_threads, std::vector<AttnWork>& work, S
   if (num_split == 0) return;
   parts.states.resize(static_cast<size_t>(state_floats));
   parts.items.reserve(static_cast<size_t>(num_split));
-  std::vector<AttnWork> split;
+  thread_local std::vector<AttnWork> split;  // swapped with work below: the two buffers are reused in turn
+  split.clear();
   split.reserve(static_cast<size_t>(num_items + num_split * (num_parts - 1)));
   float* state = parts.states.data();
   for (const AttnWork& w : work) {
@@ -382,7 +408,8 @@ void split_kv(const Dims& d, int64_t num_threads, std::vector<AttnWork>& work, S
 // query sees (a context chunk's early tokens) has m_p = -inf and weighs 0.
 void merge_parts(const SplitParts& parts, int64_t head_dim) {
   const int64_t D = head_dim;
-  std::vector<float> out(static_cast<size_t>(D));
+  thread_local std::vector<float> out;
+  out.resize(static_cast<size_t>(D));
   for (const SplitItem& s : parts.items) {
     const AttnWork& w = s.item;
     const int64_t num_heads_item = w.head_end - w.head_begin, M = w.num_q_tokens * num_heads_item;
@@ -412,10 +439,11 @@ void merge_parts(const SplitParts& parts, int64_t head_dim) {
 // enough chunks to keep the threads busy (each KV row is then read once, whole); otherwise items are
 // split per KV head (one GQA group: its query heads take each KV block in turn, from L1), and only
 // when there are fewer of those than threads, per query head (re-reading KV rows, from cache); then
-// split_kv. Split parts write their states into `parts`, for merge_parts after run_work.
-std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables,
-                                const float* q_rot, void* out, bool out_bf16, const void* k_layer, const void* v_layer,
-                                KvType kv_type, float out_scale, SplitParts& parts) {
+// split_kv. Split parts write their states into `parts`, for merge_parts after run_work. Fills `work`
+// (cleared first; the caller keeps its capacity across calls).
+void make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables, const float* q_rot,
+               void* out, bool out_bf16, const void* k_layer, const void* v_layer, KvType kv_type, float out_scale,
+               SplitParts& parts, std::vector<AttnWork>& work) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) num_chunks += (cu[b + 1] - cu[b] + kQueryChunkTokens - 1) / kQueryChunkTokens;
@@ -423,7 +451,7 @@ std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t*
   int64_t heads_per_item = H;
   if (num_chunks < 4 * num_threads) heads_per_item = (num_chunks * Hkv < num_threads) ? 1 : group;
 
-  std::vector<AttnWork> work;
+  work.clear();
   work.reserve(static_cast<size_t>(num_chunks * (H / heads_per_item)));
   for (int64_t b = 0; b < d.num_seqs; ++b) {
     const int64_t num_new = cu[b + 1] - cu[b];
@@ -461,7 +489,6 @@ std::vector<AttnWork> make_work(const Dims& d, const int32_t* cu, const int32_t*
   }
   split_kv(d, num_threads, work, parts);
   std::stable_sort(work.begin(), work.end(), [](const AttnWork& a, const AttnWork& b) { return a.cost > b.cost; });
-  return work;
 }
 
 // Threads pull items from a shared counter (dynamic scheduling: items differ in cost by orders of
@@ -498,10 +525,13 @@ void rope_write_attend(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
   cache_t* k_pool = static_cast<cache_t*>(kv_cache.data_ptr()) + layer_idx * layer_elems;
   rope_and_write_kv<scalar_t, cache_t>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq, slots, q_scale, k_scale,
                                        v_scale, q_rot);
-  SplitParts parts;
-  run_work(make_work(d, cu, kv_lens, tables, q_rot, out, std::is_same_v<scalar_t, at::BFloat16>, k_pool,
-                     k_pool + kv_elems, kv_type, out_scale, parts),
-           d);
+  // this thread's, reused by its later calls (a decode step makes one per layer)
+  thread_local SplitParts parts;
+  thread_local std::vector<AttnWork> work;
+  parts.clear();
+  make_work(d, cu, kv_lens, tables, q_rot, out, std::is_same_v<scalar_t, at::BFloat16>, k_pool, k_pool + kv_elems,
+            kv_type, out_scale, parts, work);
+  run_work(work, d);
   merge_parts(parts, d.head_dim);
 }
 
@@ -533,7 +563,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
   at::Tensor out = at::empty_like(q_in, q_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (d.num_tokens == 0) return out;
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
-  at::Tensor q_rot = at::empty({d.num_tokens, d.num_heads, d.head_dim}, q.options().dtype(at::kFloat));
+  // [T, num_heads, head_dim] float32; slot 1: the workers' attention scratch is slot 0 (run_work)
+  float* q_rot_p = kiln::thread_scratch<1>(d.num_tokens * d.num_heads * d.head_dim);
 
   // 8-bit pools: the scales (validated finite and positive), and their folded forms (FP8 reads as
   // 2^-8 * value, see attention_kernels.h).
@@ -552,7 +583,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
   }
   const float q_scale = static_cast<float>(scale) * (kv_scale.has_value() ? fold * k_scale : 1.0f);
   const float out_scale = kv_scale.has_value() ? fold * v_scale : 1.0f;
-  float* q_rot_p = q_rot.data_ptr<float>();
   void* out_p = out.data_ptr();
   const float* inv_freq_p = inv_freq.data_ptr<float>();
   auto run = [&](auto activation_tag, auto cache_tag) {
