@@ -41,10 +41,11 @@ block_tables, slot_mapping, scale, kv_scale=None) -> out``
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features // 2] uint8``: two
     signed 4-bit values per byte, column ``2j`` in the low nibble and ``2j + 1`` in the high nibble, each
     a two's-complement integer in [-8, 7]; ``weight_scale [out_features, in_features // group_size]
-    float32`` (one scale per group of ``group_size`` consecutive input columns; ``group_size ==
-    in_features`` is per-channel); ``pre_quant_scale [in_features] float32`` or None (AWQ's
-    activation-aware per-input-channel scale, Lin et al. 2023, ``x * pre_quant_scale`` before the GEMM
-    when the builder could not fold it into the preceding layer); ``bias [out_features]`` or None;
+    float32`` or (version 4) ``float16`` (one scale per group of ``group_size`` consecutive input columns;
+    ``group_size == in_features`` is per-channel; float16 scales are widened exactly to float32 before
+    use); ``pre_quant_scale [in_features] float32`` or None (AWQ's activation-aware per-input-channel
+    scale, Lin et al. 2023, ``x * pre_quant_scale`` before the GEMM when the builder could not fold it
+    into the preceding layer); ``bias [out_features]`` or None;
     ``weight_zero_point [out_features, in_features // group_size] int8`` in [-8, 7] or None (version 2:
     asymmetric groups, AWQ's zero points; None is all zeros). ``y = (x * pre_quant_scale) @ ((q -
     weight_zero_point[:, g(c)]) * weight_scale[:, g(c)]).T + bias`` (``q - zero`` exact, times the scale
@@ -84,7 +85,7 @@ PLUGIN_VERSIONS: dict[str, int] = {
     "paged_attention": 3,  # 2: optional trailing kv_scale (8-bit KV pools); 3: C shim
     "gemm": 2,  # 2: C shim
     "fp8_linear": 3,  # 2: weight_scale may be [out_features] (per-part scales of fused linears); 3: C shim
-    "int4_linear": 3,  # 2: optional trailing weight_zero_point (asymmetric groups); 3: C shim
+    "int4_linear": 4,  # 2: optional trailing weight_zero_point (asymmetric groups); 3: C shim; 4: float16 weight_scale
     "int8_linear": 2,  # 2: C shim
     "int8_sq_linear": 3,  # 2: optional trailing per_token (dynamic per-token activation scales); 3: C shim
 }
@@ -97,7 +98,7 @@ PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
     "paged_attention": (1, 2, 3),
     "gemm": (1, 2),
     "fp8_linear": (1, 2, 3),  # version 1's 0-dim weight_scale is still accepted
-    "int4_linear": (1, 2, 3),  # version 1's calls (no weight_zero_point) are unchanged
+    "int4_linear": (1, 2, 3, 4),  # version 1's calls (no weight_zero_point) and 3's float32 scales are unchanged
     "int8_linear": (1, 2),
     "int8_sq_linear": (1, 2, 3),  # version 1's calls (no per_token) are unchanged
 }

@@ -47,7 +47,7 @@ DEFAULT_FORMATS = "fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq"
 # Bytes per linear weight as stored in the engine (int4: two per byte); scales are counted apart.
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8_wo": 1, "int8_sq": 1, "int4_wo": 0.5, "int4_awq": 0.5}
 INT4_GROUP_SIZE = 64  # SmolLM2's hidden size 576 is not a multiple of the default 128
-SCALE_BYTES = 4  # float32 scales: int8 per output channel, int4 per group of INT4_GROUP_SIZE inputs
+SCALE_BYTES = {"int8": 4, "int4": 2}  # int8: float32 per output channel; int4: float16 per group of INT4_GROUP_SIZE inputs
 ZERO_POINT_BYTES = {"int4_awq": 1}  # int8 zero point per int4 group (the formats built with zero points by default)
 
 
@@ -110,9 +110,9 @@ def linear_bytes(qformat: str, out_features: int, in_features: int) -> float:
     """Bytes of one linear's weights in ``qformat``, its scales included."""
     num_bytes = out_features * in_features * WEIGHT_BYTES[qformat]
     if qformat.startswith("int8"):
-        num_bytes += SCALE_BYTES * out_features
+        num_bytes += SCALE_BYTES["int8"] * out_features
     elif qformat.startswith("int4"):
-        num_bytes += (SCALE_BYTES + ZERO_POINT_BYTES.get(qformat, 0)) * out_features * in_features // INT4_GROUP_SIZE
+        num_bytes += (SCALE_BYTES["int4"] + ZERO_POINT_BYTES.get(qformat, 0)) * out_features * in_features // INT4_GROUP_SIZE
     return num_bytes
 
 

@@ -20,7 +20,8 @@
 //            (low nibbles of b0..b15)    (high nibbles of b0..b15)
 //
 // Arguments shared by the functions below:
-//   w       [out, in / 2] uint8, row-major;  scales [out, num_groups] float32, row-major;
+//   w       [out, in / 2] uint8, row-major;  scales [out, num_groups] float32, row-major (gemv_int16_rows
+//           also float16 bits, read natively; int4_linear.cpp widens float16 scales for the others);
 //   zeros   [out, num_groups] int8 (asymmetric groups' zero points), row-major, or null (all zero)
 //   x       [num_tokens, in] float32 rows `x_stride` apart (natural order for the scalar path, block-
 //           permuted for the vector paths; pre_quant_scale already applied)
@@ -317,63 +318,107 @@ static void gemv_chunk_rows(const uint8_t* w, int64_t in, const float* scales, c
 // and ~14% on SmolLM2's int4 weights streamed from memory by two threads (3.8 against 4.4 ms).
 constexpr int64_t kMaxInt16GroupCols = 32768;
 
+// A group scale from float32 or from float16 bits (F16C): one, broadcast, or eight consecutive groups'.
+static inline float scale_at(const float* s, int64_t i) { return s[i]; }
+static inline float scale_at(const uint16_t* s, int64_t i) { return _cvtsh_ss(s[i]); }
+static inline __m256 broadcast_scale(const float* s) { return _mm256_broadcast_ss(s); }
+static inline __m256 broadcast_scale(const uint16_t* s) { return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(*s))); }
+static inline __m256 load8_scales(const float* s) { return _mm256_loadu_ps(s); }
+static inline __m256 load8_scales(const uint16_t* s) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+}
+
 static inline bool int16_kernel_applies(int64_t in, int64_t group_size) {
   return group_size % kChunkCols == 0 && group_size <= kMaxInt16GroupCols && in % kChunkCols == 0;
 }
 
+// One 64-column chunk (32 bytes of w) against NT tokens' x16 chunks (x_stride apart): acc[t] = (kFirst ? 0 :
+// acc[t]) + the eight int32 lane sums of u * x16.
+template <int NT, bool kFirst>
+static inline void int16_chunk(const uint8_t* w, const int16_t* x, int64_t x_stride, __m256i* acc) {
+  const __m256i flip = _mm256_set1_epi16(static_cast<int16_t>(0x8888)), low4 = _mm256_set1_epi16(0x000F);
+  const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip);
+  const __m256i u0 = _mm256_and_si256(u, low4);
+  const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4);
+  const __m256i u2 = _mm256_and_si256(_mm256_srli_epi16(u, 8), low4);
+  const __m256i u3 = _mm256_srli_epi16(u, 12);
+  for (int t = 0; t < NT; ++t) {
+    const __m256i* xt = reinterpret_cast<const __m256i*>(x + t * x_stride);
+    const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(u0, _mm256_loadu_si256(xt)),
+                                         _mm256_madd_epi16(u1, _mm256_loadu_si256(xt + 1)));
+    const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(u2, _mm256_loadu_si256(xt + 2)),
+                                         _mm256_madd_epi16(u3, _mm256_loadu_si256(xt + 3)));
+    acc[t] = kFirst ? _mm256_add_epi32(p01, p23) : _mm256_add_epi32(acc[t], _mm256_add_epi32(p01, p23));
+  }
+}
+
 // One row's y[t] for NT tokens. kSpan: the chunks per group when known at compile time (1: group 64, 2:
 // group 128), else 0; a run-time count of one chunk cost ~15% on SmolLM2's group-64 layers.
-template <int NT, bool kZeroPoint, int kSpan>
-static inline void gemv_int16_row(const uint8_t* row, int64_t in, const float* scales, const int8_t* zeros,
+// group_scale: [NT, num_groups] scratch.
+//
+// At ~25 GB/s (two threads) this loop is as much bound by its instruction count as by the memory: ~30 per
+// 64 weights at group size 64, of which the per-group scaling and loop were a third. So each group's scale
+// and the token's x_scale are multiplied once per row (group_scale; exact, x_scale being a power of two,
+// and the same single rounding of sum * x_scale * scale + total as before), and group-64 rows go two groups
+// per iteration, with one prefetch for the two chunks' 64 bytes.
+template <int NT, bool kZeroPoint, int kSpan, typename Scale>
+static inline void gemv_int16_row(const uint8_t* row, int64_t in, const Scale* scales, const int8_t* zeros,
                                   int64_t group_size, const int16_t* x, int64_t x_stride, const float* x_scale,
-                                  const float* x_sum, float* y, int64_t y_stride) {
+                                  const float* x_sum, float* group_scale, float* y, int64_t y_stride) {
   const int64_t num_groups = in / group_size, span = kSpan != 0 ? kSpan : group_size / kChunkCols;
-  // the row 8 rows ahead (this thread's next rows); every chunk prefetches, as the parity test that would
-  // halve them cost more than the duplicate hints (measured: ~7% on a cache-resident 3072x576 weight)
+  for (int t = 0; t < NT; ++t) {
+    float* gs = group_scale + t * num_groups;
+    const float* xs = x_scale + t * num_groups;
+    int64_t g = 0;
+    for (; g + 8 <= num_groups; g += 8) _mm256_storeu_ps(gs + g, _mm256_mul_ps(load8_scales(scales + g), _mm256_loadu_ps(xs + g)));
+    for (; g < num_groups; ++g) gs[g] = scale_at(scales, g) * xs[g];
+  }
+  // the row 8 rows ahead (this thread's next rows); every chunk (group-64 rows: every two) prefetches, as
+  // the parity test that would halve them cost more than the duplicate hints (measured: ~7% on a
+  // cache-resident 3072x576 weight)
   const int64_t prefetch_ahead = 8 * (in / 2);
-  const __m256i flip = _mm256_set1_epi16(static_cast<int16_t>(0x8888)), low4 = _mm256_set1_epi16(0x000F);
   __m256 total[NT];
   for (int t = 0; t < NT; ++t) total[t] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
+  const auto scale_group = [&](const __m256i* acc, int64_t g) {
+    for (int t = 0; t < NT; ++t)
+      total[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_broadcast_ss(group_scale + t * num_groups + g), total[t]);
+  };
+  int64_t g = 0;
+  if (kSpan == 1) {  // a 64-byte line holds two groups' chunks
+    for (; g + 2 <= num_groups; g += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + g * 32), _MM_HINT_T0);
+      __m256i acc0[NT], acc1[NT];
+      int16_chunk<NT, true>(row + g * 32, x + g * kChunkCols, x_stride, acc0);
+      int16_chunk<NT, true>(row + (g + 1) * 32, x + (g + 1) * kChunkCols, x_stride, acc1);
+      scale_group(acc0, g);
+      scale_group(acc1, g + 1);
+    }
+  }
+  for (; g < num_groups; ++g) {
     __m256i acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_si256();
     for (int64_t j = g * span; j < (g + 1) * span; ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + j * 32), _MM_HINT_T0);
-      const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 32)), flip);
-      const __m256i u0 = _mm256_and_si256(u, low4);
-      const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4);
-      const __m256i u2 = _mm256_and_si256(_mm256_srli_epi16(u, 8), low4);
-      const __m256i u3 = _mm256_srli_epi16(u, 12);
-      for (int t = 0; t < NT; ++t) {
-        const __m256i* xj = reinterpret_cast<const __m256i*>(x + t * x_stride + j * kChunkCols);
-        const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(u0, _mm256_loadu_si256(xj)),
-                                             _mm256_madd_epi16(u1, _mm256_loadu_si256(xj + 1)));
-        const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(u2, _mm256_loadu_si256(xj + 2)),
-                                             _mm256_madd_epi16(u3, _mm256_loadu_si256(xj + 3)));
-        acc[t] = _mm256_add_epi32(acc[t], _mm256_add_epi32(p01, p23));
-      }
+      int16_chunk<NT, false>(row + j * 32, x + j * kChunkCols, x_stride, acc);
     }
-    const __m256 scale = _mm256_broadcast_ss(scales + g);
-    for (int t = 0; t < NT; ++t)
-      total[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_broadcast_ss(x_scale + t * num_groups + g)),
-                                 scale, total[t]);
+    scale_group(acc, g);
   }
   // - sum_g (zero + 8) * scale * x_sum, eight groups per vector
   const __m256 eight = _mm256_set1_ps(8.f);
-  int64_t g = 0;
+  g = 0;
   for (; g + 8 <= num_groups; g += 8) {
     __m256 offset = eight;
     if (kZeroPoint)
       offset = _mm256_add_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g)))));
-    const __m256 offset_scale = _mm256_mul_ps(offset, _mm256_loadu_ps(scales + g));
+    const __m256 offset_scale = _mm256_mul_ps(offset, load8_scales(scales + g));
     for (int t = 0; t < NT; ++t)
       total[t] = _mm256_fnmadd_ps(offset_scale, _mm256_loadu_ps(x_sum + t * num_groups + g), total[t]);
   }
   for (int t = 0; t < NT; ++t) {
     float y_t = hsum8(total[t]);
     for (int64_t h = g; h < num_groups; ++h)
-      y_t -= (static_cast<float>(kZeroPoint ? zeros[h] : 0) + 8.f) * scales[h] * x_sum[t * num_groups + h];
+      y_t -= (static_cast<float>(kZeroPoint ? zeros[h] : 0) + 8.f) * scale_at(scales, h) * x_sum[t * num_groups + h];
     y[t * y_stride] = y_t;
   }
 }
@@ -381,33 +426,33 @@ static inline void gemv_int16_row(const uint8_t* row, int64_t in, const float* s
 // Rows [row_begin, row_end) for NT tokens. Not inlined into its caller: compiled together, the three token
 // counts' loops made GCC keep the one-token loop's scale pointer on the stack, a store-to-load chain per
 // group (3072x576 through the op, one thread: 116.8 us against 106.2 once this was its own function).
-template <int NT, bool kZeroPoint, int kSpan>
-__attribute__((noinline)) static void gemv_int16_rows_nt(const uint8_t* w, int64_t in, const float* scales,
+template <int NT, bool kZeroPoint, int kSpan, typename Scale>
+__attribute__((noinline)) static void gemv_int16_rows_nt(const uint8_t* w, int64_t in, const Scale* scales,
                                                          const int8_t* zeros, int64_t group_size, int64_t row_begin,
                                                          int64_t row_end, const int16_t* x, int64_t x_stride,
-                                                         const float* x_scale, const float* x_sum, float* y,
-                                                         int64_t y_stride) {
+                                                         const float* x_scale, const float* x_sum,
+                                                         float* group_scale, float* y, int64_t y_stride) {
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
   for (int64_t r = row_begin; r < row_end; ++r)
-    gemv_int16_row<NT, kZeroPoint, kSpan>(w + r * row_bytes, in, scales + r * num_groups,
+    gemv_int16_row<NT, kZeroPoint, kSpan, Scale>(w + r * row_bytes, in, scales + r * num_groups,
                                    kZeroPoint ? zeros + r * num_groups : nullptr, group_size, x, x_stride, x_scale,
-                                   x_sum, y + r, y_stride);
+                                   x_sum, group_scale, y + r, y_stride);
 }
 
-template <bool kZeroPoint>
-static void gemv_int16_rows_zp(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
+template <bool kZeroPoint, typename Scale>
+static void gemv_int16_rows_zp(const uint8_t* w, int64_t in, const Scale* scales, const int8_t* zeros,
                                int64_t group_size, int64_t row_begin, int64_t row_end, const int16_t* x,
-                               int64_t num_tokens, int64_t x_stride, const float* x_scale, const float* x_sum, float* y,
-                               int64_t y_stride) {
+                               int64_t num_tokens, int64_t x_stride, const float* x_scale, const float* x_sum,
+                               float* group_scale, float* y, int64_t y_stride) {
   const int64_t num_groups = in / group_size;
   int64_t t = 0;
   const auto run = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
-    const auto rows = group_size == kChunkCols       ? gemv_int16_rows_nt<NT, kZeroPoint, 1>
-                      : group_size == 2 * kChunkCols ? gemv_int16_rows_nt<NT, kZeroPoint, 2>
-                                                     : gemv_int16_rows_nt<NT, kZeroPoint, 0>;
+    const auto rows = group_size == kChunkCols       ? gemv_int16_rows_nt<NT, kZeroPoint, 1, Scale>
+                      : group_size == 2 * kChunkCols ? gemv_int16_rows_nt<NT, kZeroPoint, 2, Scale>
+                                                     : gemv_int16_rows_nt<NT, kZeroPoint, 0, Scale>;
     rows(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride, x_scale + t * num_groups,
-         x_sum + t * num_groups, y + t * y_stride, y_stride);
+         x_sum + t * num_groups, group_scale, y + t * y_stride, y_stride);
     t += NT;
   };
   while (t + 4 <= num_tokens) run(std::integral_constant<int, 4>{});
@@ -415,14 +460,18 @@ static void gemv_int16_rows_zp(const uint8_t* w, int64_t in, const float* scales
   if (t < num_tokens) run(std::integral_constant<int, 1>{});
 }
 
-// y[t, r] for rows [row_begin, row_end) and every token; int16 x as above (int16_kernel_applies).
-static void gemv_int16_rows(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros, int64_t group_size,
+// y[t, r] for rows [row_begin, row_end) and every token; int16 x as above (int16_kernel_applies); Scale:
+// float, or uint16_t float16 bits. group_scale: the calling thread's scratch of 4 * num_groups floats.
+template <typename Scale>
+static void gemv_int16_rows(const uint8_t* w, int64_t in, const Scale* scales, const int8_t* zeros, int64_t group_size,
                             int64_t row_begin, int64_t row_end, const int16_t* x, int64_t num_tokens, int64_t x_stride,
-                            const float* x_scale, const float* x_sum, float* y, int64_t y_stride) {
+                            const float* x_scale, const float* x_sum, float* group_scale, float* y, int64_t y_stride) {
   if (zeros != nullptr)
-    gemv_int16_rows_zp<true>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride, x_scale, x_sum, y, y_stride);
+    gemv_int16_rows_zp<true, Scale>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride,
+                                    x_scale, x_sum, group_scale, y, y_stride);
   else
-    gemv_int16_rows_zp<false>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride, x_scale, x_sum, y, y_stride);
+    gemv_int16_rows_zp<false, Scale>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride,
+                                     x_scale, x_sum, group_scale, y, y_stride);
 }
 
 #endif

@@ -2,7 +2,7 @@
 //
 //   x [T, in] f32/bf16 --(* pre_quant_scale, float32)--> xs [T, in] float32
 //   y [T, out] = xs @ ((q - zero[:, g]) * weight_scale[:, g]).T + bias, g = c / group_size, accumulated in
-//   float32, x's dtype (zero: weight_zero_point, or 0)
+//   float32, x's dtype (zero: weight_zero_point, or 0; weight_scale float32 or float16)
 //
 // The packed weight [out, in / 2] uint8 is read directly, never dequantized as a whole:
 // - few tokens (generation phase): a fused unpack-and-multiply GEMV over output rows, each weight byte read
@@ -16,6 +16,11 @@
 //   at::mm; bfloat16 x on CPUs with AVX512-BF16 -> bfloat16 tiles (q * scale rounded once to bfloat16, as
 //   a bf16 checkpoint's weights are) through VDPBF16PS (fp8_bf16_gemm.h), float32 accumulation.
 // Both parallelize over output rows with at::parallel_for.
+//
+// float16 weight scales (what the builder stores: a decode step streams the scales with the weights, and
+// float32 ones were 11% of an int4 layer's bytes at group size 64) are read natively by AVX2's int16 GEMV;
+// for every other path they are widened to float32 kScaleBlockRows rows at a time into a per-thread buffer
+// just before those rows are multiplied (for_row_spans), so that the kernels read float32 as before.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,6 +59,13 @@ namespace {
 #include "int4_kernels.h"
 #undef KILN_ISA
 #include "int16_quantize.h"
+
+void widen_half(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+}
 }  // namespace
 }  // namespace avx2
 #pragma GCC pop_options
@@ -78,10 +90,11 @@ namespace {
 #include "bf16_gemv.h"
 #include "int4_bf16_gemv.h"
 
-// Generation phase, bfloat16 x: y[t, o] (+ bias[o]) for rows [r0, r1) through int4_bf16_gemv.h.
-void gemv_int4_rows(const Int4GemvArgs& args, int64_t num_tokens, const float* bias, uint16_t* out, int64_t r0,
-                    int64_t r1) {
-  const GemvEpilogue epilogue(out, args.num_rows, bias);
+// Generation phase, bfloat16 x: y[t, o] (+ bias[o]) for rows [r0, r1) through int4_bf16_gemv.h; out's rows
+// are out_stride apart.
+void gemv_int4_rows(const Int4GemvArgs& args, int64_t num_tokens, const float* bias, uint16_t* out,
+                    int64_t out_stride, int64_t r0, int64_t r1) {
+  const GemvEpilogue epilogue(out, out_stride, bias);
   if (args.zeros != nullptr) int4_gemv_rows<true>(args, num_tokens, r0, r1, epilogue);
   else int4_gemv_rows<false>(args, num_tokens, r0, r1, epilogue);
 }
@@ -152,9 +165,10 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   TORCH_CHECK(group_size > 0 && in % group_size == 0, "kilnlm::int4_linear: group_size ", group_size,
               " must be positive and divide in_features ", in, " (use a divisor, or group_size == in_features for "
               "per-channel scales)");
-  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.dim() == 2 &&
-                  weight_scale.size(0) == out_features && weight_scale.size(1) == in / group_size,
-              "kilnlm::int4_linear: weight_scale must be float32 [out_features=", out_features,
+  TORCH_CHECK((weight_scale.scalar_type() == at::kFloat || weight_scale.scalar_type() == at::kHalf) &&
+                  weight_scale.dim() == 2 && weight_scale.size(0) == out_features &&
+                  weight_scale.size(1) == in / group_size,
+              "kilnlm::int4_linear: weight_scale must be float32 or float16 [out_features=", out_features,
               ", in_features / group_size=", in / group_size, "], got ", weight_scale.scalar_type(), " ",
               weight_scale.sizes());
   if (pre_quant_scale.has_value()) {
@@ -251,13 +265,49 @@ struct Int4GemvScratch {
 };
 
 struct Problem {
-  const uint8_t* w;       // [out, in / 2] packed int4
-  const float* scales;    // [out, in / group_size]
-  const int8_t* zeros;    // [out, in / group_size] zero points, or nullptr
+  const uint8_t* w;           // [out, in / 2] packed int4
+  const float* scales;        // [out, in / group_size] float32, or nullptr when
+  const uint16_t* scales_f16; // [out, in / group_size] float16 bits (exactly one of the two is set)
+  const int8_t* zeros;        // [out, in / group_size] zero points, or nullptr
   int64_t in, out_features, group_size, num_tokens;
-  const float* xs;        // [T, in] float32, pre_quant_scale applied
-  const float* bias;      // [out] or nullptr
+  const float* xs;            // [T, in] float32, pre_quant_scale applied
+  const float* bias;          // [out] or nullptr
 };
+
+constexpr int64_t kScaleBlockRows = 128;  // a multiple of the bf16 GEMV's kGemvBlockRows (16)
+
+void widen_half(const uint16_t* src, int64_t n, float* dst) {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::widen_half(src, n, dst);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+}
+
+// Rows [b0, b1) of the weight, rebased for a kernel that takes them as its rows [0, b1 - b0): their packed
+// int4, float32 scales and zero points (or nullptr).
+struct RowSpan {
+  int64_t b0, b1;
+  const uint8_t* w;
+  const float* scales;
+  const int8_t* zeros;
+};
+
+// fn(span) over rows [r0, r1): one span with float32 scales; with float16 scales, spans of kScaleBlockRows
+// rows whose scales are widened into a per-thread buffer (L1 / L2-resident) just before fn reads them.
+template <class F>
+void for_row_spans(const Problem& p, int64_t r0, int64_t r1, const F& fn) {
+  const int64_t num_groups = p.in / p.group_size, row_bytes = p.in / 2;
+  const auto span = [&](int64_t b0, int64_t b1, const float* scales) {
+    fn(RowSpan{b0, b1, p.w + b0 * row_bytes, scales, p.zeros != nullptr ? p.zeros + b0 * num_groups : nullptr});
+  };
+  if (p.scales != nullptr) return span(r0, r1, p.scales + r0 * num_groups);
+  float* scales = kiln::thread_scratch<2>(std::min(kScaleBlockRows, r1 - r0) * num_groups);
+  for (int64_t b0 = r0; b0 < r1; b0 += kScaleBlockRows) {
+    const int64_t b1 = std::min(r1, b0 + kScaleBlockRows);
+    widen_half(p.scales_f16 + b0 * num_groups, (b1 - b0) * num_groups, scales);
+    span(b0, b1, scales);
+  }
+}
 
 // Generation phase (few tokens): fused unpack-and-multiply GEMV, each weight byte read once per call.
 // gemv(r0, r1, acc) writes acc[t, r] (row stride out_features) for rows [r0, r1).
@@ -275,8 +325,18 @@ void run_direct(const Problem& p, const RowsFn& gemv, scalar_t* out) {
 template <typename scalar_t>
 void run_direct(const Problem& p, GemvFn gemv, scalar_t* out) {
   run_direct<scalar_t>(p, [&](int64_t r0, int64_t r1, float* acc) {
-    gemv(p.w, p.in, p.scales, p.zeros, p.group_size, r0, r1, p.xs, p.num_tokens, p.in, acc, p.out_features);
+    for_row_spans(p, r0, r1, [&](const RowSpan& s) {
+      gemv(s.w, p.in, s.scales, s.zeros, p.group_size, 0, s.b1 - s.b0, p.xs, p.num_tokens, p.in, acc + s.b0,
+           p.out_features);
+    });
   }, out);
+}
+
+// Rows [r0, r1) (at most kTileRows) dequantized into tile [r1 - r0, in].
+void dequant_tile(const Problem& p, DequantFn dequant, int64_t r0, int64_t r1, float* tile) {
+  for_row_spans(p, r0, r1, [&](const RowSpan& s) {
+    dequant(s.w, p.in, s.scales, s.zeros, p.group_size, 0, s.b1 - s.b0, tile + (s.b0 - r0) * p.in);
+  });
 }
 
 // Context phase (many tokens): dequantize kTileRows rows at a time into a thread-local float32 tile
@@ -291,7 +351,7 @@ void run_tiled(const Problem& p, Isa isa, scalar_t* out) {
     at::Tensor acc = at::empty({p.num_tokens, kTileRows}, at::kFloat);
     for (int64_t tile = tile0; tile < tile1; ++tile) {
       const int64_t r0 = tile * kTileRows, r1 = std::min(p.out_features, r0 + kTileRows);
-      dequant(p.w, p.in, p.scales, p.zeros, p.group_size, r0, r1, w_tile.data());
+      dequant_tile(p, dequant, r0, r1, w_tile.data());
       const at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, p.in}, at::kFloat);
       at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
       at::mm_out(acc_view, xs, w_f.t());  // [T, rows]
@@ -320,7 +380,7 @@ void run_tiled_bf16(const Problem& p, Isa isa, scalar_t* out) {
     for (int64_t tile = tile0; tile < tile1; ++tile) {
       const int64_t r0 = tile * kTileRows, r1 = std::min(p.out_features, r0 + kTileRows);
       const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
-      dequant(p.w, p.in, p.scales, p.zeros, p.group_size, r0, r1, w_tile.data());
+      dequant_tile(p, dequant, r0, r1, w_tile.data());
       for (int64_t r = 0; r < r1 - r0; ++r)
         avx512bf16::to_bf16_padded(w_tile.data() + r * p.in, p.in, wb.data() + r * k_pad, k_pad);
       std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
@@ -367,7 +427,10 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   const bool bf16_gemv = false;
 #endif
   float* xs = kiln::thread_scratch<1>(bf16_gemv ? 0 : num_tokens * in);  // [T, in] x * pre_quant_scale
-  const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight_scale.data_ptr<float>(),
+  const bool half_scales = weight_scale.scalar_type() == at::kHalf;
+  const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()),
+                        half_scales ? nullptr : weight_scale.data_ptr<float>(),
+                        half_scales ? reinterpret_cast<const uint16_t*>(weight_scale.data_ptr<at::Half>()) : nullptr,
                         zero_point.defined() ? zero_point.data_ptr<int8_t>() : nullptr, in, out_features, group_size,
                         num_tokens, xs,
                         bias.defined() ? bias.data_ptr<float>() : nullptr};
@@ -394,11 +457,15 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           for (int64_t t = 0; t < num_tokens; ++t)
             avx512bf16::int4_gemv_prepare_x(scratch.xs.data() + t * in, plan, scratch.xb.data() + t * xb_row,
                                            scratch.neg_sums.data() + t * sums_row);
-          const avx512bf16::Int4GemvArgs args{problem.w, problem.scales, problem.zeros, in / 2, in / group_size,
-                                              out_features, &plan, scratch.xb.data(), scratch.neg_sums.data()};
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
           kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-            avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias, yb, r0, r1);
+            for_row_spans(problem, r0, r1, [&](const RowSpan& s) {
+              // rows from s.b0 on; num_rows bounds the prefetches, which may run past the span
+              const avx512bf16::Int4GemvArgs args{s.w, s.scales, s.zeros, in / 2, in / group_size, out_features - s.b0,
+                                                  &plan, scratch.xb.data(), scratch.neg_sums.data()};
+              avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias != nullptr ? problem.bias + s.b0 : nullptr,
+                                         yb + s.b0, out_features, 0, s.b1 - s.b0);
+            });
           });
           return;
         }
@@ -412,8 +479,13 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
             const int16_t* x16 = xq.x16.data();
             const float *x_scale = xq.x_scale.data(), *x_sum = xq.x_sum.data();
             run_direct<at::BFloat16>(problem, [&](int64_t r0, int64_t r1, float* acc) {
-              avx2::gemv_int16_rows(problem.w, in, problem.scales, problem.zeros, group_size, r0, r1, x16, num_tokens,
-                                    in, x_scale, x_sum, acc, out_features);
+              float* group_scale = kiln::thread_scratch<3>(4 * (in / group_size));  // this thread's
+              if (half_scales)
+                avx2::gemv_int16_rows(problem.w, in, problem.scales_f16, problem.zeros, group_size, r0, r1, x16,
+                                      num_tokens, in, x_scale, x_sum, group_scale, acc, out_features);
+              else
+                avx2::gemv_int16_rows(problem.w, in, problem.scales, problem.zeros, group_size, r0, r1, x16,
+                                      num_tokens, in, x_scale, x_sum, group_scale, acc, out_features);
             }, out.data_ptr<at::BFloat16>());
             return;
           }

@@ -195,9 +195,25 @@ def test_int4_linears_take_under_0_3x_their_bf16_bytes(smollm2_hf_dir, tmp_path,
         out_features, in_features = m.weight.shape[0], m.weight.shape[1] * 2
         packed_bytes = sum(b.numel() * b.element_size() for b in m.buffers())
         assert packed_bytes <= 0.3 * 2 * out_features * in_features, (packed_bytes, out_features, in_features)
-        assert m.weight.dtype == torch.uint8 and m.weight_scale.dtype == torch.float32
+        assert m.weight.dtype == torch.uint8 and m.weight_scale.dtype == torch.float16
         assert (m.zero_point is not None) == zero_point
     assert network.lm_head_weight.dtype == torch.bfloat16  # tied embedding / LM head: 16-bit
+
+
+def test_int4_scales_are_stored_in_float16_only_where_they_fit():
+    """float16 when every scale is 0 or a normal float16 (then within 2^-11 relative of the float32 scale),
+    float32 as given otherwise: one scale below 2^-14 or above 65504 keeps the whole tensor float32."""
+    from kilnlm.builder.network.layers import int4_engine_scales
+
+    scales = torch.tensor([[0.0, 2.0**-14, 0.0123456], [1.0, 65504.0, 3.3e-3]])
+    stored = int4_engine_scales(scales)
+    assert stored.dtype == torch.float16
+    assert ((stored.float() - scales).abs() <= 2.0**-11 * scales.abs()).all()
+    for outlier in (2.0**-15, 65536.0, -1e-6, float("inf")):
+        scales_out = scales.clone()
+        scales_out[1, 2] = outlier
+        stored = int4_engine_scales(scales_out)
+        assert stored.dtype == torch.float32 and torch.equal(stored, scales_out)
 
 
 @pytest.mark.parametrize("qformat", ["int4_awq", "int8_sq"])

@@ -1,8 +1,8 @@
 """The C++ int4_linear kernel (W4A16) against exact float64 arithmetic on the reference's dequantized
 weight and against ``int4_linear_reference``: generation-phase GEMV (T <= 16) and context-phase tiled
 path (T > 16), SmolLM2-shaped and odd small layers, group sizes 32 / 64 / 128 / per-channel / odd,
-pre_quant_scale, bias and zero points (asymmetric groups), every nibble value, every ISA path (the AOTInductor test of all three quantized
-GEMMs is in test_int8_linear_cpu.py).
+pre_quant_scale, bias and zero points (asymmetric groups), float32 and float16 scales, every nibble value,
+every ISA path (the AOTInductor test of all three quantized GEMMs is in test_int8_linear_cpu.py).
 
 Tolerances: float32 outputs must lie within 2e-6 x sum_c |x_c * w_c| of the float64 dot product of the
 same float32 operands (the kernel only sums in another order: with in_features <= 1536 that is a few
@@ -90,13 +90,18 @@ SHAPES = [  # (out_features, in_features, group_size)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("num_tokens", [1, 3, 17, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("extras", ["plain", "pqs+bias", "zero-point"])
+@pytest.mark.parametrize("extras", ["plain", "pqs+bias", "zero-point", "float16-scales"])
 def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
+    """float16-scales: what the builder stores (with zero points, pre_quant_scale and bias); the exact
+    result uses the same float16 values, widened."""
     out_features, in_features, group_size = shape
     with_pqs = extras != "plain"
     weight, scales, pqs, bias = make_layer(out_features, in_features, group_size, with_pqs=with_pqs, with_bias=with_pqs,
                                            seed=num_tokens + out_features)
-    zero_point = make_zero_points(out_features, in_features // group_size, num_tokens) if extras == "zero-point" else None
+    if extras == "float16-scales":
+        scales = scales.half()
+    with_zero_points = extras in ("zero-point", "float16-scales")
+    zero_point = make_zero_points(out_features, in_features // group_size, num_tokens) if with_zero_points else None
     x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
     y = int4_linear(x, weight, scales, pqs, bias, group_size, zero_point)
     assert_matches(y, x, weight, scales, pqs, bias, group_size, zero_point)
@@ -109,7 +114,8 @@ def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-point"])
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points, group_size):
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points, group_size, scale_dtype):
     """One-hot activations read the weight back: (q - zero) * scale for all 16 values in both nibble
     positions, through the generation GEMV (bfloat16, up to 8 tokens: a 16-row block and 8 tail rows) and
     the context tiles. Group 32: both 32-column halves of a 64-column GEMV load have their own scale and
@@ -118,7 +124,7 @@ def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points, group_size
     num_groups = in_features // group_size
     q = torch.arange(16).repeat(24, in_features // 16) - 8  # [24, 128]
     q = torch.stack([row.roll(i) for i, row in enumerate(q)])
-    scales = torch.tensor([0.5, 0.25, 2.0, 0.125])[:num_groups].repeat(24, 1)  # [24, num_groups]
+    scales = torch.tensor([0.5, 0.25, 2.0, 0.125])[:num_groups].repeat(24, 1).to(scale_dtype)  # [24, num_groups]
     zero_point = None
     if zero_points:  # the extremes and different values in each 64-column chunk, varying by row
         zero_point = (torch.tensor([-8, 7, 3, -1])[:num_groups] + torch.arange(24)[:, None]) % 16 - 8
@@ -196,8 +202,9 @@ def test_empty_batch():
         (dict(x=torch.zeros(2, 62)), "x has 62 features but the packed weight holds 64"),
         (dict(group_size=48), "group_size 48 must be positive and divide in_features 64"),
         (dict(group_size=0), "group_size 0 must be positive"),
-        (dict(weight_scale=torch.ones(8, 3)), "weight_scale must be float32 \\[out_features=8, in_features / group_size=2\\]"),
-        (dict(weight_scale=torch.ones(8, 2, dtype=torch.float16)), "weight_scale must be float32"),
+        (dict(weight_scale=torch.ones(8, 3)),
+         "weight_scale must be float32 or float16 \\[out_features=8, in_features / group_size=2\\]"),
+        (dict(weight_scale=torch.ones(8, 2, dtype=torch.float64)), "weight_scale must be float32 or float16"),
         (dict(pre_quant_scale=torch.ones(63)), "pre_quant_scale must be \\[in_features=64\\]"),
         (dict(bias=torch.zeros(7)), "bias must be \\[out_features=8\\]"),
         (dict(weight=torch.zeros(32, 8, dtype=torch.uint8).T), "weight must be contiguous"),
@@ -228,11 +235,11 @@ for out_features, in_features, group_size in ((72, 200, 40), (96, 576, 64), (16,
     zeros = torch.randint(-8, 8, (out_features, in_features // group_size), generator=gen, dtype=torch.int8)
     for num_tokens in (1, 2, 5, 40):
         for dtype in (torch.float32, torch.bfloat16):
-            for z in (None, zeros):
+            for z, scales in ((None, s), (zeros, s), (zeros, s.half())):
                 x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-                y = torch.ops.kilnlm.int4_linear(x, pack_int4(q), s, pqs, bias, group_size, z)
+                y = torch.ops.kilnlm.int4_linear(x, pack_int4(q), scales, pqs, bias, group_size, z)
                 tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=1e-2)
-                expected = int4_linear_reference(x, pack_int4(q), s, pqs, bias, group_size, z)
+                expected = int4_linear_reference(x, pack_int4(q), scales, pqs, bias, group_size, z)
                 torch.testing.assert_close(y, expected, **tol)
 print("ok")
 """
