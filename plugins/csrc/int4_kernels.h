@@ -318,11 +318,9 @@ static void gemv_chunk_rows(const uint8_t* w, int64_t in, const float* scales, c
 // and ~14% on SmolLM2's int4 weights streamed from memory by two threads (3.8 against 4.4 ms).
 constexpr int64_t kMaxInt16GroupCols = 32768;
 
-// A group scale from float32 or from float16 bits (F16C): one, broadcast, or eight consecutive groups'.
+// A group scale from float32 or from float16 bits (F16C): one, or eight consecutive groups'.
 static inline float scale_at(const float* s, int64_t i) { return s[i]; }
 static inline float scale_at(const uint16_t* s, int64_t i) { return _cvtsh_ss(s[i]); }
-static inline __m256 broadcast_scale(const float* s) { return _mm256_broadcast_ss(s); }
-static inline __m256 broadcast_scale(const uint16_t* s) { return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(*s))); }
 static inline __m256 load8_scales(const float* s) { return _mm256_loadu_ps(s); }
 static inline __m256 load8_scales(const uint16_t* s) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));

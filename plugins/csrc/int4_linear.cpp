@@ -266,7 +266,7 @@ struct Int4GemvScratch {
 
 struct Problem {
   const uint8_t* w;           // [out, in / 2] packed int4
-  const float* scales;        // [out, in / group_size] float32, or nullptr when
+  const float* scales;        // [out, in / group_size] float32, or nullptr for float16 scales:
   const uint16_t* scales_f16; // [out, in / group_size] float16 bits (exactly one of the two is set)
   const int8_t* zeros;        // [out, in / group_size] zero points, or nullptr
   int64_t in, out_features, group_size, num_tokens;
