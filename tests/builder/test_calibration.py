@@ -11,7 +11,7 @@ import torch
 from kilnlm.builder.calibration import (CalibrationConfig, calibration_batches, default_calibration_texts,
                                         read_calibration_text)
 from kilnlm.builder.errors import BuildError
-from kilnlm.builder.network.layers import Int4Linear, Int8SqLinear, IntQuantization, QuantizedWeights
+from kilnlm.builder.network.layers import Int4Linear, Int8SqLinear, IntQuantization, QuantizedWeights, int4_engine_scales
 from kilnlm.plugins.reference import int4_linear_reference, pack_int4, unpack_int4
 
 ENGLISH = ("The quick brown fox jumps over the lazy dog. " * 40).strip()
@@ -171,9 +171,13 @@ def test_fused_int4_linear_equals_its_parts(zero_points):
                                                 dtype=torch.int8)
     fused = Int4Linear(parts, 16, torch.float32)
     assert (fused.zero_point is not None) == zero_points
+    # the engine stores each linear's scales as int4_engine_scales does (float16 for these): the parts' rows, as stored
+    scales = [int4_engine_scales(p.weight_scale) for p in parts]
+    assert torch.equal(fused.weight_scale, torch.cat(scales))
     x = torch.randn(5, 32)
     y = int4_linear_reference(x, fused.weight, fused.weight_scale, fused.pre_quant_scale, fused.bias, 16, fused.zero_point)
-    expected = torch.cat([int4_linear_reference(x, p.weight, p.weight_scale, None, None, 16, p.zero_point) for p in parts], dim=1)
+    expected = torch.cat([int4_linear_reference(x, p.weight, s, None, None, 16, p.zero_point) for p, s in zip(parts, scales)],
+                         dim=1)
     torch.testing.assert_close(y, expected, rtol=0, atol=1e-5)
 
 
