@@ -62,9 +62,8 @@ namespace {
 
 void widen_half(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_scales(src + i));
+  for (; i < n; ++i) dst[i] = scale_at(src, i);
 }
 }  // namespace
 }  // namespace avx2
@@ -480,12 +479,12 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
             const float *x_scale = xq.x_scale.data(), *x_sum = xq.x_sum.data();
             run_direct<at::BFloat16>(problem, [&](int64_t r0, int64_t r1, float* acc) {
               float* group_scale = kiln::thread_scratch<3>(4 * (in / group_size));  // this thread's
-              if (half_scales)
-                avx2::gemv_int16_rows(problem.w, in, problem.scales_f16, problem.zeros, group_size, r0, r1, x16,
-                                      num_tokens, in, x_scale, x_sum, group_scale, acc, out_features);
-              else
-                avx2::gemv_int16_rows(problem.w, in, problem.scales, problem.zeros, group_size, r0, r1, x16,
-                                      num_tokens, in, x_scale, x_sum, group_scale, acc, out_features);
+              const auto gemv = [&](const auto* scales) {  // float32 or float16 bits, read as they are
+                avx2::gemv_int16_rows(problem.w, in, scales, problem.zeros, group_size, r0, r1, x16, num_tokens, in,
+                                      x_scale, x_sum, group_scale, acc, out_features);
+              };
+              if (half_scales) gemv(problem.scales_f16);
+              else gemv(problem.scales);
             }, out.data_ptr<at::BFloat16>());
             return;
           }
