@@ -10,13 +10,25 @@ when asked: :func:`advise_huge_pages` marks a range ``MADV_HUGEPAGE`` (future fa
 ``MADV_COLLAPSE`` (Linux 6.1+: rebuild the already-populated pages as huge pages now). Both are hints: a
 kernel without them, THP disabled, or no free huge pages leaves the memory as it was, which is never an
 error.
+
+:func:`preload_malloc` picks the C allocator of the processes that serve an engine (tritonserver and its
+Python backend stubs, the benchmark's engine processes): TCMalloc, else jemalloc, through ``LD_PRELOAD`` when
+installed, as PyTorch's CPU launcher (``torch.backends.xeon.run_cpu``) does. A decode step allocates and
+frees a few hundred small tensors (each op's output, the engine's intermediate buffers); glibc's malloc
+serves them ~0.1 ms per step slower (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
+import sysconfig
+from collections.abc import Mapping
+from pathlib import Path
+
+from kilnlm.runtime.errors import KilnError
 
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
@@ -50,3 +62,82 @@ def advise_huge_pages(begin: int, end: int, *, collapse: bool = True) -> int:
     if not collapse:
         return 0
     return last - first if madvise(first, last - first, MADV_COLLAPSE) == 0 else 0
+
+
+# LD_PRELOAD allocators, in the order "auto" tries them (PyTorch's CPU launcher's), each with the file names
+# distributions install it under (Debian / Ubuntu: libtcmalloc-minimal4 -> libtcmalloc_minimal.so.4,
+# libjemalloc2 -> libjemalloc.so.2; conda-forge gperftools / jemalloc: libtcmalloc.so, libjemalloc.so).
+MALLOC_LIBRARIES: dict[str, tuple[str, ...]] = {
+    "tcmalloc": ("libtcmalloc.so*", "libtcmalloc_minimal.so*"),
+    "jemalloc": ("libjemalloc.so*",),
+}
+MALLOC_CHOICES = ("auto", *MALLOC_LIBRARIES, "system")
+
+
+def malloc_search_dirs() -> list[Path]:
+    """Where :func:`find_malloc_library` looks, in order: this Python's prefix (the venv) and ``$CONDA_PREFIX``,
+    ``~/.local``, ``/usr/local``, then the system's library folders (multiarch first)."""
+    dirs = [Path(sys.prefix) / "lib"]
+    if os.environ.get("CONDA_PREFIX"):
+        dirs.append(Path(os.environ["CONDA_PREFIX"]) / "lib")
+    dirs += [Path.home() / ".local" / "lib", Path("/usr/local/lib"), Path("/usr/local/lib64")]
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    if multiarch:
+        dirs += [Path("/usr/lib") / multiarch, Path("/lib") / multiarch]
+    return dirs + [Path("/usr/lib"), Path("/usr/lib64")]
+
+
+def find_malloc_library(name: str, search_dirs: list[Path] | None = None) -> Path | None:
+    """The first shared library of allocator ``name`` (a key of :data:`MALLOC_LIBRARIES`) in ``search_dirs``
+    (default :func:`malloc_search_dirs`), the shortest file name first (``libtcmalloc_minimal.so.4`` before
+    its ``.so.4.5.10``), or None."""
+    for directory in malloc_search_dirs() if search_dirs is None else search_dirs:
+        for pattern in MALLOC_LIBRARIES[name]:
+            found = sorted((p for p in directory.glob(pattern) if p.is_file()), key=lambda p: (len(p.name), p.name))
+            if found:
+                return found[0]
+    return None
+
+
+def _preload_entries(env: Mapping[str, str]) -> list[str]:
+    return [e for e in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if e]
+
+
+def _is_malloc_library(entry: str, names=MALLOC_LIBRARIES) -> bool:
+    return any(Path(entry).match(pattern) for name in names for pattern in MALLOC_LIBRARIES[name])
+
+
+def preload_malloc(env: Mapping[str, str], allocator: str = "auto",
+                   search_dirs: list[Path] | None = None) -> tuple[dict[str, str], str | None]:
+    """A copy of ``env`` for a process that should run on ``allocator``, and the library it preloads.
+
+    ``allocator``: "auto" (an allocator ``env`` already preloads, else TCMalloc if installed, else jemalloc,
+    else glibc's), "tcmalloc" or "jemalloc" (that one), or "system" (glibc's: allocator entries leave
+    ``LD_PRELOAD``). Other ``LD_PRELOAD`` entries are kept. Returns ``(environment, library path or None)``.
+    Raises :class:`KilnError` for an unknown ``allocator`` or a named one that is not installed."""
+    if allocator not in MALLOC_CHOICES:
+        raise KilnError(f"unknown allocator {allocator!r}: use one of {', '.join(MALLOC_CHOICES)}")
+    env = dict(env)
+    entries = _preload_entries(env)
+    names = tuple(MALLOC_LIBRARIES) if allocator in ("auto", "system") else (allocator,)
+    kept = next((e for e in entries if _is_malloc_library(e, names)), None) if allocator != "system" else None
+    if kept is not None:
+        return env, kept
+    library = None
+    for name in () if allocator == "system" else names:
+        found = find_malloc_library(name, search_dirs)
+        if found is not None:
+            library = str(found)
+            break
+    if library is None and allocator not in ("auto", "system"):
+        folders = ", ".join(map(str, malloc_search_dirs() if search_dirs is None else search_dirs))
+        raise KilnError(f"{allocator} was asked for but no {' or '.join(MALLOC_LIBRARIES[allocator])} is in {folders}: "
+                        "install it (Debian / Ubuntu: apt-get install libtcmalloc-minimal4 or libjemalloc2) "
+                        "or use the system allocator")
+    others = [e for e in entries if not _is_malloc_library(e)]
+    preload = ([library] if library is not None else []) + others
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    else:
+        env.pop("LD_PRELOAD", None)
+    return env, library

@@ -2,7 +2,7 @@
 """kilnlm engines vs Hugging Face ``generate`` on SmolLM2-135M-Instruct, side by side on this machine.
 
     python scripts/benchmark.py [--formats fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq] [--work-dir .work/bench]
-        [--num-requests 32] [--decode-only] [--no-transformers] [--decode-rounds N]
+        [--num-requests 32] [--decode-only] [--no-transformers] [--decode-rounds N] [--malloc auto]
 
 Scenarios (greedy, EOS ignored, the same prompt token ids for both; prompts are real English text from the
 standard library's ``pydoc_data.topics``):
@@ -28,12 +28,18 @@ machine's memory bandwidth is measured first (the best of several passes summing
 threads: the rate at which weights can possibly stream from DRAM); "% BW" is the weight GB/s a format's
 batch-1 decode achieves as a fraction of it (issue 3, item 12). Engines are built once into
 ``--work-dir`` and reused by later runs.
+
+Everything runs on the C allocator the Triton launcher gives the engines (``--malloc``, default "auto":
+TCMalloc, else jemalloc, when installed; ``kilnlm.runtime.memory.preload_malloc``): the benchmark starts
+itself again under that ``LD_PRELOAD``, so the transformers baseline, every engine and every round share
+it. The header says which it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -279,7 +285,20 @@ def main() -> int:
                              "fresh process per engine; the table then shows the median over rounds and x bf16 the "
                              "median of each round's ratio to that round's bf16 (default: 1)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this file")
+    parser.add_argument("--malloc", choices=("auto", "tcmalloc", "jemalloc", "system"), default="auto",
+                        help="C allocator of every process, as scripts/launch_triton.py's (default auto: TCMalloc, "
+                             "else jemalloc, when installed; system: glibc's)")
     args = parser.parse_args()
+
+    from kilnlm.runtime.errors import KilnError
+    from kilnlm.runtime.memory import preload_malloc
+
+    try:
+        env, malloc_library = preload_malloc(os.environ, args.malloc)
+    except KilnError as exc:
+        parser.error(str(exc))
+    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):  # an allocator is chosen at process start
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
     from kilnlm.builder.build import QFORMATS
     from kilnlm.runtime.manifest import read_manifest
@@ -293,6 +312,7 @@ def main() -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     bandwidth_gbs = measure_read_bandwidth_gbs()
     print(f"[bench] measured memory read bandwidth: {bandwidth_gbs:.1f} GB/s", flush=True)
+    print(f"[bench] C allocator: {malloc_library or 'glibc malloc'}", flush=True)
     hf_dir = prepare_hf_dir(args.work_dir)
     engines = {q: prepare_engine(args.work_dir, hf_dir, q) for q in formats}
     tokenizer = Tokenizer.from_dir(engines[formats[0]] / "tokenizer")
@@ -326,7 +346,7 @@ def main() -> int:
 
     header = (f"{'':<22}{'TTFT ms':>9}{'decode tok/s':>14}{'x HF':>7}{'x bf16':>8}{'MB/token':>10}{'GB/s':>7}{'% BW':>6}"
               f"{'batch s':>9}{'batch tok/s':>13}{'x HF':>7}{'cold start s':>14}")
-    print(f"\n(memory read bandwidth {bandwidth_gbs:.1f} GB/s)\n" + header + "\n" + "-" * len(header))
+    print(f"\n(memory read bandwidth {bandwidth_gbs:.1f} GB/s; C allocator {malloc_library or 'glibc malloc'})\n" + header + "\n" + "-" * len(header))
     records = []
     for name, qformat, r, base, weight_bytes, cold_s in rows:
         ratio_a = r.decode_tokens_per_s / base.decode_tokens_per_s if base else None
@@ -347,6 +367,7 @@ def main() -> int:
                         "fraction_of_bandwidth": gbs / bandwidth_gbs if gbs else None, "cold_start_s": cold_s,
                         "decode_ratio_vs_transformers": ratio_a, "decode_ratio_vs_bf16_engine": ratio_bf16,
                         "batch_ratio_vs_transformers": ratio_b, "memory_read_bandwidth_gbs": bandwidth_gbs,
+                        "malloc": malloc_library,
                         "decode_tokens_per_s_rounds": rounds.get(qformat), "decode_ratio_vs_bf16_rounds": round_ratios.get(qformat)})
     if round_ratios:
         print(f"\nx bf16 in each of {args.decode_rounds} rounds (decode tok/s of one fresh process per engine, round-robin):")

@@ -1,15 +1,19 @@
-"""kilnlm.runtime.memory.advise_huge_pages: a hint that never fails and never changes the memory's contents."""
+"""kilnlm.runtime.memory: advise_huge_pages, a hint that never fails and never changes the memory's contents;
+preload_malloc, the LD_PRELOAD allocator of the serving processes."""
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from kilnlm.runtime.memory import HUGE_PAGE_BYTES, advise_huge_pages
+from kilnlm.runtime.errors import KilnError
+from kilnlm.runtime.memory import HUGE_PAGE_BYTES, advise_huge_pages, find_malloc_library, preload_malloc
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -74,3 +78,63 @@ def test_advice_before_first_touch_gives_huge_pages_on_fault(tiny_engine_dir):
         elif fields[0] == "AnonHugePages:" and current and current[0] < end and current[1] > begin:
             huge_kib += int(fields[1])
     assert huge_kib * 1024 >= 4 * HUGE_PAGE_BYTES, f"only {huge_kib} KiB of the pool's mappings are huge pages"
+
+
+# ------------------------------------------------------------------------------------- preload_malloc
+
+
+def _libraries(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (folder / name).write_bytes(b"\x7fELF")
+    return folder
+
+
+def test_find_malloc_library_takes_the_shortest_name_of_the_first_folder_that_has_one(tmp_path):
+    first = _libraries(tmp_path / "a", "libtcmalloc_minimal.so.4.5.10", "libtcmalloc_minimal.so.4",
+                       "libtcmalloc_minimal_debug.so.4", "libjemalloc.so.2")
+    second = _libraries(tmp_path / "b", "libtcmalloc.so")
+    assert find_malloc_library("tcmalloc", [first, second]) == first / "libtcmalloc_minimal.so.4"
+    assert find_malloc_library("tcmalloc", [second, first]) == second / "libtcmalloc.so"
+    assert find_malloc_library("jemalloc", [second, first]) == first / "libjemalloc.so.2"
+    assert find_malloc_library("jemalloc", [second]) is None
+    _libraries(tmp_path / "c", "libtcmalloc_minimal_debug.so.4")  # the debug build is not taken
+    assert find_malloc_library("tcmalloc", [tmp_path / "c"]) is None
+
+
+def test_auto_prefers_tcmalloc_then_jemalloc_and_keeps_other_preloads_after_it(tmp_path):
+    both = _libraries(tmp_path / "both", "libjemalloc.so.2", "libtcmalloc_minimal.so.4")
+    env, library = preload_malloc({"LD_PRELOAD": "/opt/libother.so", "HOME": "/h"}, "auto", [both])
+    assert library == str(both / "libtcmalloc_minimal.so.4")
+    assert env == {"LD_PRELOAD": f"{library}:/opt/libother.so", "HOME": "/h"}
+    only_je = _libraries(tmp_path / "je", "libjemalloc.so.2")
+    env, library = preload_malloc({}, "auto", [only_je])
+    assert library == str(only_je / "libjemalloc.so.2") and env == {"LD_PRELOAD": library}
+    assert preload_malloc({"A": "1"}, "auto", [tmp_path / "empty"]) == ({"A": "1"}, None)
+
+
+def test_an_allocator_already_preloaded_is_kept_and_system_removes_it(tmp_path):
+    folder = _libraries(tmp_path / "lib", "libtcmalloc_minimal.so.4", "libjemalloc.so.2")
+    base = {"LD_PRELOAD": "/x/libjemalloc.so.2:/opt/libother.so"}
+    assert preload_malloc(base, "auto", [folder]) == (base, "/x/libjemalloc.so.2")
+    assert preload_malloc(base, "jemalloc", [folder]) == (base, "/x/libjemalloc.so.2")
+    env, library = preload_malloc(base, "tcmalloc", [folder])  # the other allocator is replaced
+    assert env["LD_PRELOAD"] == f"{folder / 'libtcmalloc_minimal.so.4'}:/opt/libother.so"
+    assert preload_malloc(base, "system", [folder]) == ({"LD_PRELOAD": "/opt/libother.so"}, None)
+    assert preload_malloc({"LD_PRELOAD": "/x/libtcmalloc.so.4"}, "system", [folder]) == ({}, None)
+
+
+def test_a_named_allocator_that_is_not_installed_and_an_unknown_one_are_refused(tmp_path):
+    with pytest.raises(KilnError, match=r"jemalloc was asked for.*apt-get install"):
+        preload_malloc({}, "jemalloc", [_libraries(tmp_path / "lib", "libtcmalloc_minimal.so.4")])
+    with pytest.raises(KilnError, match="unknown allocator 'mimalloc'"):
+        preload_malloc({}, "mimalloc")
+
+
+def test_a_process_started_with_the_environment_runs_on_the_allocator():
+    env, library = preload_malloc(os.environ, "auto")
+    if library is None:
+        pytest.skip("neither TCMalloc nor jemalloc is installed on this machine (apt-get install libtcmalloc-minimal4)")
+    code = "import sys; sys.stdout.write(open('/proc/self/maps').read())"
+    maps = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert str(Path(library).resolve()) in maps or library in maps

@@ -86,6 +86,20 @@ def test_server_command_and_environment(launcher, tmp_path):
     assert all(p in python_path for p in sys.path if p and Path(p).exists())
 
 
+def test_server_environment_preloads_the_chosen_allocator(launcher, tmp_path):
+    config = launcher.ServerConfig(engine_dir=tmp_path, work_dir=tmp_path / "work",
+                                   tritonserver=_fake_install(tmp_path / "triton", "exit 0\n"))
+    prepared = launcher.prepare_server(config)
+    base = {"LD_PRELOAD": "/x/libjemalloc.so.2:/opt/libother.so"}
+    assert launcher.server_environment(prepared, base=base)["LD_PRELOAD"] == base["LD_PRELOAD"]  # auto keeps it
+    assert launcher.server_environment(prepared, base=base, malloc="system")["LD_PRELOAD"] == "/opt/libother.so"
+    from kilnlm.runtime.memory import preload_malloc
+
+    _, library = preload_malloc({}, "auto")  # what this machine has installed, if anything
+    env = launcher.server_environment(prepared, base={})
+    assert env.get("LD_PRELOAD") == library
+
+
 def test_missing_tritonserver_and_missing_engine_exit_2_with_a_message(tmp_path):
     result = subprocess.run([sys.executable, str(LAUNCHER_PATH), "--engine", str(tmp_path / "none")],
                             capture_output=True, text=True, timeout=60)
