@@ -119,23 +119,19 @@ def preload_malloc(env: Mapping[str, str], allocator: str = "auto",
         raise KilnError(f"unknown allocator {allocator!r}: use one of {', '.join(MALLOC_CHOICES)}")
     env = dict(env)
     entries = _preload_entries(env)
-    names = tuple(MALLOC_LIBRARIES) if allocator in ("auto", "system") else (allocator,)
-    kept = next((e for e in entries if _is_malloc_library(e, names)), None) if allocator != "system" else None
-    if kept is not None:
-        return env, kept
     library = None
-    for name in () if allocator == "system" else names:
-        found = find_malloc_library(name, search_dirs)
-        if found is not None:
-            library = str(found)
-            break
-    if library is None and allocator not in ("auto", "system"):
-        folders = ", ".join(map(str, malloc_search_dirs() if search_dirs is None else search_dirs))
-        raise KilnError(f"{allocator} was asked for but no {' or '.join(MALLOC_LIBRARIES[allocator])} is in {folders}: "
-                        "install it (Debian / Ubuntu: apt-get install libtcmalloc-minimal4 or libjemalloc2) "
-                        "or use the system allocator")
-    others = [e for e in entries if not _is_malloc_library(e)]
-    preload = ([library] if library is not None else []) + others
+    if allocator != "system":
+        names = tuple(MALLOC_LIBRARIES) if allocator == "auto" else (allocator,)
+        kept = next((e for e in entries if _is_malloc_library(e, names)), None)
+        if kept is not None:
+            return env, kept
+        library = next((str(p) for name in names if (p := find_malloc_library(name, search_dirs)) is not None), None)
+        if library is None and allocator != "auto":
+            folders = ", ".join(map(str, malloc_search_dirs() if search_dirs is None else search_dirs))
+            raise KilnError(f"{allocator} was asked for but no {' or '.join(MALLOC_LIBRARIES[allocator])} is in "
+                            f"{folders}: install it (Debian / Ubuntu: apt-get install libtcmalloc-minimal4 or "
+                            "libjemalloc2) or use the system allocator")
+    preload = ([library] if library is not None else []) + [e for e in entries if not _is_malloc_library(e)]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
     else:

@@ -49,6 +49,9 @@ from pathlib import Path
 
 import torch
 
+from kilnlm.runtime.errors import KilnError
+from kilnlm.runtime.memory import MALLOC_CHOICES, preload_malloc
+
 DEFAULT_FORMATS = "fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq"
 # Bytes per linear weight as stored in the engine (int4: two per byte); scales are counted apart.
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8_wo": 1, "int8_sq": 1, "int4_wo": 0.5, "int4_awq": 0.5}
@@ -285,13 +288,10 @@ def main() -> int:
                              "fresh process per engine; the table then shows the median over rounds and x bf16 the "
                              "median of each round's ratio to that round's bf16 (default: 1)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this file")
-    parser.add_argument("--malloc", choices=("auto", "tcmalloc", "jemalloc", "system"), default="auto",
+    parser.add_argument("--malloc", choices=MALLOC_CHOICES, default="auto",
                         help="C allocator of every process, as scripts/launch_triton.py's (default auto: TCMalloc, "
                              "else jemalloc, when installed; system: glibc's)")
     args = parser.parse_args()
-
-    from kilnlm.runtime.errors import KilnError
-    from kilnlm.runtime.memory import preload_malloc
 
     try:
         env, malloc_library = preload_malloc(os.environ, args.malloc)

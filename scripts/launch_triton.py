@@ -376,6 +376,8 @@ def run_foreground(command: list[str], env: dict[str, str]) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from kilnlm.runtime.memory import MALLOC_CHOICES
+
     parser = argparse.ArgumentParser(description="Serve a kilnlm engine with Triton Inference Server.")
     parser.add_argument("--engine", type=Path, default=None,
                         help="built kilnlm engine directory, served with a copy of --model-repository "
@@ -399,7 +401,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="where to assemble the repository copy (default: a temporary directory, "
                              "removed on exit)")
-    parser.add_argument("--malloc", choices=("auto", "tcmalloc", "jemalloc", "system"), default="auto",
+    parser.add_argument("--malloc", choices=MALLOC_CHOICES, default="auto",
                         help="C allocator of tritonserver and its backend stubs, through LD_PRELOAD (default auto: "
                              "TCMalloc, else jemalloc, when installed; system: glibc's)")
     return parser
