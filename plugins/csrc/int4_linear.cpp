@@ -31,6 +31,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -273,6 +274,13 @@ struct Problem {
   const float* bias;          // [out] or nullptr
 };
 
+// Whether none of v[0, n) is an inf or NaN.
+bool all_finite(const float* v, int64_t n) {
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(v[i]);
+  return finite;
+}
+
 constexpr int64_t kScaleBlockRows = 128;  // a multiple of the bf16 GEMV's kGemvBlockRows (16)
 
 void widen_half(const uint16_t* src, int64_t n, float* dst) {
@@ -425,7 +433,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
 #else
   const bool bf16_gemv = false;
 #endif
-  float* xs = kiln::thread_scratch<1>(bf16_gemv ? 0 : num_tokens * in);  // [T, in] x * pre_quant_scale
+  float* xs = kiln::thread_scratch<1>(num_tokens * in);  // [T, in] x * pre_quant_scale
   const bool half_scales = weight_scale.scalar_type() == at::kHalf;
   const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()),
                         half_scales ? nullptr : weight_scale.data_ptr<float>(),
@@ -442,7 +450,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
 #if defined(__x86_64__)
-        if (bf16_gemv) {
+        // Returns false, having written nothing, for an x the kernel cannot take (see below).
+        const auto run_bf16_gemv = [&]() -> bool {
           // Per-thread buffers, reused: a decode step makes ~120 calls of a few microseconds each.
           thread_local Int4GemvScratch scratch;
           const int64_t num_loads = avx512bf16::int4_gemv_num_loads(in);
@@ -456,18 +465,26 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           for (int64_t t = 0; t < num_tokens; ++t)
             avx512bf16::int4_gemv_prepare_x(scratch.xs.data() + t * in, plan, scratch.xb.data() + t * xb_row,
                                            scratch.neg_sums.data() + t * sums_row);
+          // An inf or NaN in x makes its lane sums non-finite. The kernel's offsets, (136 + q) x - 136 x,
+          // would turn an inf into NaN, so such calls go to the float32 kernel below, which propagates them
+          // as the reference does.
+          if (!all_finite(scratch.neg_sums.data(), num_tokens * sums_row)) return false;
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+          // the pointers, not scratch: a worker thread naming scratch would get its own (empty) thread_local
+          const uint16_t* xb = scratch.xb.data();
+          const float* neg_sums = scratch.neg_sums.data();
           kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
             for_row_spans(problem, r0, r1, [&](const RowSpan& s) {
               // rows from s.b0 on; num_rows bounds the prefetches, which may run past the span
               const avx512bf16::Int4GemvArgs args{s.w, s.scales, s.zeros, in / 2, in / group_size, out_features - s.b0,
-                                                  &plan, scratch.xb.data(), scratch.neg_sums.data()};
+                                                  &plan, xb, neg_sums};
               avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias != nullptr ? problem.bias + s.b0 : nullptr,
                                          yb + s.b0, out_features, 0, s.b1 - s.b0);
             });
           });
-          return;
-        }
+          return true;
+        };
+        if (bf16_gemv && run_bf16_gemv()) return;
         if (direct && isa == Isa::kAvx2 && avx2::int16_kernel_applies(in, group_size)) {
           thread_local kiln::Int16Activations xq;
           xq.resize(num_tokens, in, in / group_size);
