@@ -250,14 +250,16 @@ struct Int4GemvScratch {
   std::vector<float> xs;             // [num_tokens, in] x * pre_quant_scale
   std::vector<uint16_t> xb;          // [num_tokens, xb_row]
   std::vector<float> neg_sums;       // [num_tokens, num_lanes]
+  std::vector<float> neg_group_sums; // [num_tokens, num_groups]
   std::vector<int64_t> first_group;  // the plan's arrays: [num_loads]
   std::vector<int32_t> lane_group;   // [num_lanes]
   std::vector<uint16_t> group_mask;  // [num_loads]
-  void resize(int64_t num_tokens, int64_t in, int64_t num_loads, int64_t xb_row, int64_t num_lanes) {
+  void resize(int64_t num_tokens, int64_t in, int64_t num_groups, int64_t num_loads, int64_t xb_row, int64_t num_lanes) {
     const auto grow = [](auto& v, int64_t n) { if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n)); };
     grow(xs, num_tokens * in);
     grow(xb, num_tokens * xb_row);
     grow(neg_sums, num_tokens * num_lanes);
+    grow(neg_group_sums, num_tokens * num_groups);
     grow(first_group, num_loads);
     grow(lane_group, num_lanes);
     grow(group_mask, num_loads);
@@ -456,7 +458,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           thread_local Int4GemvScratch scratch;
           const int64_t num_loads = avx512bf16::int4_gemv_num_loads(in);
           const int64_t xb_row = num_loads * avx512bf16::kInt4LoadCols, sums_row = num_loads * avx512bf16::kInt4LoadLanes;
-          scratch.resize(num_tokens, in, num_loads, xb_row, sums_row);
+          const int64_t num_groups = in / group_size;
+          scratch.resize(num_tokens, in, num_groups, num_loads, xb_row, sums_row);
           avx512bf16::Int4GemvPlan plan{in, num_loads, scratch.first_group.data(), scratch.lane_group.data(),
                                         scratch.group_mask.data(), 0};
           avx512bf16::int4_gemv_plan(group_size, plan);
@@ -469,15 +472,18 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
           // would turn an inf into NaN, so such calls go to the float32 kernel below, which propagates them
           // as the reference does.
           if (!all_finite(scratch.neg_sums.data(), num_tokens * sums_row)) return false;
+          for (int64_t t = 0; t < num_tokens; ++t)
+            avx512bf16::int4_gemv_group_sums(plan, scratch.neg_sums.data() + t * sums_row, num_groups,
+                                             scratch.neg_group_sums.data() + t * num_groups);
           auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
           // the pointers, not scratch: a worker thread naming scratch would get its own (empty) thread_local
           const uint16_t* xb = scratch.xb.data();
-          const float* neg_sums = scratch.neg_sums.data();
+          const float* neg_group_sums = scratch.neg_group_sums.data();
           kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
             for_row_spans(problem, r0, r1, [&](const RowSpan& s) {
               // rows from s.b0 on; num_rows bounds the prefetches, which may run past the span
-              const avx512bf16::Int4GemvArgs args{s.w, s.scales, s.zeros, in / 2, in / group_size, out_features - s.b0,
-                                                  &plan, xb, neg_sums};
+              const avx512bf16::Int4GemvArgs args{s.w, s.scales, s.zeros, in / 2, num_groups, out_features - s.b0,
+                                                  &plan, xb, neg_group_sums};
               avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias != nullptr ? problem.bias + s.b0 : nullptr,
                                          yb + s.b0, out_features, 0, s.b1 - s.b0);
             });
