@@ -88,12 +88,13 @@ SHAPES = [  # (out_features, in_features, group_size)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("num_tokens", [1, 3, 17, 200])
+@pytest.mark.parametrize("num_tokens", [1, 3, 5, 17, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("extras", ["plain", "pqs+bias", "zero-point", "float16-scales"])
 def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
     """float16-scales: what the builder stores (with zero points, pre_quant_scale and bias); the exact
-    result uses the same float16 values, widened."""
+    result uses the same float16 values, widened. bfloat16 at 5 tokens: the AVX512-BF16 GEMV on CPUs that
+    have it (up to 3 tokens take the int16 GEMV there too), with rows split between threads."""
     out_features, in_features, group_size = shape
     with_pqs = extras != "plain"
     weight, scales, pqs, bias = make_layer(out_features, in_features, group_size, with_pqs=with_pqs, with_bias=with_pqs,
