@@ -113,18 +113,27 @@ struct Fp8Bf16Table {
 // table for the even bytes and in the high-byte table for the odd ones, and the sign bit is ORed back.
 // Four vector instructions per 32 weights (the F16C route, byte -> half -> float -> bfloat16, took about
 // twice as many and bound the GEMV by compute on Zen 5 at ~17 GB/s per core).
-struct Fp8Rows {
-  Fp8Rows(const uint8_t* w_, int64_t k_) : w(w_), k(k_) {
-    static const Fp8Bf16Table table;
-    lo0 = _mm512_load_si512(table.lo);
-    lo1 = _mm512_load_si512(table.lo + 64);
-    hi0 = _mm512_load_si512(table.hi);
-    hi1 = _mm512_load_si512(table.hi + 64);
-    pairs = _mm512_load_si512(table.pairs);
+// What both loaders below share: the rows, the byte tables in registers, and where a chunk is stored.
+struct Fp8TableRows {
+  Fp8TableRows(const uint8_t* w_, int64_t k_) : w(w_), k(k_) {
+    lo0 = _mm512_load_si512(table().lo);
+    lo1 = _mm512_load_si512(table().lo + 64);
+    hi0 = _mm512_load_si512(table().hi);
+    hi1 = _mm512_load_si512(table().hi + 64);
+  }
+  static const Fp8Bf16Table& table() {
+    static const Fp8Bf16Table t;
+    return t;
   }
   const uint8_t* w;
   int64_t k;
-  __m512i lo0, lo1, hi0, hi1, pairs;
+  __m512i lo0, lo1, hi0, hi1;
+  inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
+};
+
+struct Fp8Rows : Fp8TableRows {
+  Fp8Rows(const uint8_t* w_, int64_t k_) : Fp8TableRows(w_, k_), pairs(_mm512_load_si512(table().pairs)) {}
+  __m512i pairs;
   static constexpr int64_t kCols = 32;
   static constexpr int64_t kChunkBytes = 32;
   inline void load(int64_t r, int64_t i, __m512bh* out) const {
@@ -134,7 +143,6 @@ struct Fp8Rows {
     v = _mm512_mask2_permutex2var_epi8(hi0, v, __mmask64{0xAAAAAAAAAAAAAAAAull}, hi1);
     out[0] = (__m512bh)_mm512_ternarylogic_epi32(v, both, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);  // v | (both & sign)
   }
-  inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
 };
 
 // The same conversion 64 weights at a time with fewer permutes (rows of a multiple of 64 bytes): VPERMI2B
@@ -143,17 +151,8 @@ struct Fp8Rows {
 // instructions per 64 weights instead of eight, in an interleaved column order: per 128-bit lane L,
 // out[0] holds columns 16 L + 0..7 and out[1] columns 16 L + 8..15 (pairs64_order gives x the same order).
 // On an Intel Xeon the 32-byte loader's permutes bound the GEMV, not DRAM.
-struct Fp8Rows64 {
-  Fp8Rows64(const uint8_t* w_, int64_t k_) : w(w_), k(k_) {
-    static const Fp8Bf16Table table;
-    lo0 = _mm512_load_si512(table.lo);
-    lo1 = _mm512_load_si512(table.lo + 64);
-    hi0 = _mm512_load_si512(table.hi);
-    hi1 = _mm512_load_si512(table.hi + 64);
-  }
-  const uint8_t* w;
-  int64_t k;
-  __m512i lo0, lo1, hi0, hi1;
+struct Fp8Rows64 : Fp8TableRows {
+  using Fp8TableRows::Fp8TableRows;
   static constexpr int64_t kCols = 64;
   static constexpr int64_t kChunkBytes = 64;
   inline void load(int64_t r, int64_t i, __m512bh* out) const {
@@ -164,7 +163,6 @@ struct Fp8Rows64 {
     out[0] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
     out[1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
   }
-  inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
 };
 
 // y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), bfloat16 or float32 out: the sums are those of
