@@ -6,21 +6,15 @@ tested through the builder's ``tiny_engine_dir`` / ``smollm2_engine_fp32_dir`` f
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from factories import build_config, make_manifest, make_tiny_checkpoint
 from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
-from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
-
-def _load_factories():
-    spec = importlib.util.spec_from_file_location("kilnlm_test_factories", Path(__file__).parent.parent / "factories.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from kilnlm.runtime.manifest import Manifest, ModelConfig
 
 
 @pytest.fixture(scope="session")
@@ -79,23 +73,15 @@ class EagerEngine:
         return self.network(*inputs.as_args(kv_cache))
 
 
-def build_config(**overrides) -> BuildConfig:
-    """A small CPU build config; keyword arguments override its fields."""
-    params = dict(qformat="fp32", dtype="float32", kv_cache_dtype="float32", max_batch_size=4, max_num_tokens=32,
-                  max_seq_len=128, tokens_per_block=4, target="cpu")
-    params.update(overrides)
-    return BuildConfig(**params)
-
-
 @pytest.fixture(scope="session")
 def make_build_config():
-    """Factory: ``make_build_config(**overrides) -> BuildConfig`` (small CPU limits)."""
+    """Factory: ``make_build_config(**overrides) -> BuildConfig`` (small CPU limits; factories.build_config)."""
     return build_config
 
 
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint(tmp_path_factory, rt_tokenizer_dir) -> Path:
-    return _load_factories().make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), rt_tokenizer_dir, seed=0)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), rt_tokenizer_dir, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -116,9 +102,7 @@ def make_eager_engine(tiny_hf_model, tiny_hf_checkpoint):
     network = LlamaNetwork(model_config, state_dict, torch.float32).eval()
 
     def make(**build_overrides) -> EagerEngine:
-        manifest = Manifest(model=model_config, build=build_config(**build_overrides),
-                            generation=GenerationDefaults(eos_token_ids=[2], bos_token_id=1, pad_token_id=2),
-                            plugins={}, toolchain={}, source_checkpoint_digest="sha256:test")
+        manifest = make_manifest(build_config(**build_overrides), model_config)
         return EagerEngine(manifest, network, torch.float32, tiny_hf_checkpoint)
 
     make.library = lib  # keep the op registration alive as long as the fixture
