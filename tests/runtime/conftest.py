@@ -38,16 +38,18 @@ def hf_tokenizer(rt_tokenizer_dir):
     return AutoTokenizer.from_pretrained(rt_tokenizer_dir)
 
 
-def _register_reference_attention():
-    """Make ``kilnlm::paged_attention`` callable eagerly on CPU with the reference implementation, unless
-    some kernel is registered already. Returns the library handle (keep it alive) or None."""
+def _register_reference_kernels():
+    """Make ``kilnlm::paged_attention`` and ``kilnlm::gemm`` (the ops of the fp32 network) callable eagerly
+    on CPU with their reference implementations, each unless some kernel is registered already (the C++
+    kernels, loaded by an earlier test). Returns the library handle (keep it alive) or None."""
     import kilnlm.plugins  # noqa: F401  (declares the schema)
-    from kilnlm.plugins.reference import paged_attention_reference
+    from kilnlm.plugins.reference import gemm_reference, paged_attention_reference
 
-    if torch._C._dispatch_has_kernel_for_dispatch_key("kilnlm::paged_attention", "CPU"):
-        return None
-    lib = torch.library.Library("kilnlm", "IMPL")
-    lib.impl("paged_attention", paged_attention_reference, "CPU")
+    lib = None
+    for name, reference in (("paged_attention", paged_attention_reference), ("gemm", gemm_reference)):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{name}", "CPU"):
+            lib = lib or torch.library.Library("kilnlm", "IMPL")
+            lib.impl(name, reference, "CPU")
     return lib
 
 
@@ -96,7 +98,7 @@ def make_eager_engine(tiny_hf_model, tiny_hf_checkpoint):
     """Factory: ``make_eager_engine(**build_overrides) -> EagerEngine`` over the tiny Llama."""
     from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
 
-    lib = _register_reference_attention()
+    lib = _register_reference_kernels()
     model_config: ModelConfig = model_config_from_hf(tiny_hf_model.config)
     state_dict = {k: v.detach().clone() for k, v in tiny_hf_model.state_dict().items() if k != "lm_head.weight" or not model_config.tie_word_embeddings}
     network = LlamaNetwork(model_config, state_dict, torch.float32).eval()
