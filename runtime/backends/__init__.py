@@ -57,7 +57,9 @@ class EngineBackend(Protocol):
         ``kv_cache_dtype`` on the engine's device."""
 
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``logits [N, vocab_size] float32`` of one packed step (N = ``inputs.num_logits``)."""
+        """``logits [N, vocab_size] float32``, CPU, of one packed step (N = ``inputs.num_logits``).
+        ``inputs`` are CPU tensors (views of the input builder's buffers, valid until the next step) and
+        the sampler reads the logits with numpy: a device backend copies in and out itself."""
 
 
 # build.target -> backend class. Issue 25 adds "tensorrt".
