@@ -3,30 +3,48 @@
 Never imports kilnlm.builder or transformers: a serving image installs only this, kilnlm.plugins and their
 small dependencies (torch, numpy, safetensors, tokenizers, jinja2).
 
-Modules, one owner each: ``engine`` (verify + load the compiled engine), ``executor`` (the client API and
-the loop), ``scheduler`` (who runs this iteration), ``kv_cache`` (every KV block: free queue, ref counts,
-block tables, prefix hashes), ``inputs`` (packing a batch into engine tensors), ``sampler``,
-``tokenizer`` / ``detokenizer`` (text in, streamed text out), ``request`` (what crosses the client
-boundary).
+Modules, one owner each: ``engine`` (verify + load an engine; the :class:`Engine` the loop calls) over
+``backends`` (one engine backend per build target: ``cpu`` = AOTInductor), ``executor`` (the client API
+and the loop), ``scheduler`` (who runs this iteration; computed-token counts, appending sampled tokens, end
+id / length finishes), ``kv_cache`` (every KV block: free queue, ref counts, block tables, prefix hashes;
+the pool's size), ``inputs`` (packing a batch into engine tensors), ``sampler``, ``output_processor``
+(detokenizing, stop strings, hold-back, responses), ``tokenizer`` / ``detokenizer`` (text in, streamed
+text out), ``request`` (what crosses the client boundary).
 
-The data that crosses each boundary, in the order of one executor iteration
-(schedule -> prepare inputs -> engine forward -> sample -> update requests -> emit responses):
+The data that crosses each boundary, in the order of one executor iteration (``Executor.step``)::
 
-- ``SamplingParams`` + prompt token ids (request.py): what a client passes to ``Executor.submit``;
-  validated there (``RequestError``).
-- ``Request`` (request.py): one sequence inside the loop thread -- its token ids (prompt + generated),
-  ``num_computed_tokens`` (K/V already in the pool), status, detokenized text, its own
-  ``torch.Generator``. Lives from ``submit`` until it finishes, is cancelled or fails.
-- ``ScheduledBatch`` (scheduler.py): ``ScheduledSeq``\\ s -- which requests run this iteration and how many
-  new tokens each (one in the generation phase, a chunk in the context phase), plus the requests preempted
-  to make room. Made by the scheduler after the ``KVCacheManager`` granted blocks.
-- ``EngineInputs`` (abi.py): the batch packed into flat tensors (input ids, positions, cu_seqlens, block
-  tables, slot mapping, logits indices) for the one engine forward; built by ``InputBuilder``
-  (inputs.py) into reused buffers. The engine returns ``logits [B, vocab] float32`` (one row per sequence;
-  ``perplexity`` asks for N rows, one per scored token).
-- sampled token ids (one per sequence that completed its pending tokens) update the requests;
-- ``Response`` (request.py): new token ids and new text (held back while a UTF-8 character or a stop
-  string may be incomplete), ``finished`` and ``finish_reason`` ("end_id" | "stop" | "length" |
-  "cancelled" | "error"), streamed through ``Executor.stream``.
-- ``IterationStats`` (executor.py): a snapshot of the loop's counters for ``Executor.stats()``.
+    schedule -> prepare inputs -> engine forward -> sample -> update requests -> emit responses
+
+============================  =====================  ==================================================
+boundary dataclass            made by                what it carries
+============================  =====================  ==================================================
+``SamplingParams`` + prompt   the client             how to sample and when to stop; validated by
+(request.py)                                         ``Executor.submit`` (``RequestError``)
+``Request`` (request.py)      ``Executor.submit``    one sequence in the loop thread: token ids (prompt
+                                                     + generated), ``num_computed_tokens`` (K/V in the
+                                                     pool), status, finish reason, streamed text state,
+                                                     its own ``torch.Generator``; lives until finished
+``ScheduledBatch``            ``Scheduler.schedule`` ``ScheduledSeq``\\ s: which requests run and how
+(scheduler.py)                                       many new tokens each (1 in the generation phase, a
+                                                     chunk in the context phase), and the requests
+                                                     preempted to make room; after the
+                                                     ``KVCacheManager`` granted blocks
+``EngineInputs`` (abi.py)     ``InputBuilder.build`` the batch as flat tensors (input ids, positions,
+                                                     cu_seqlens, block tables, slot mapping, logits
+                                                     indices) in reused buffers, valid until the next
+                                                     build; ``Engine.forward`` returns ``logits [B,
+                                                     vocab] float32`` (``perplexity``: N rows)
+sampled token ids             ``Sampler.sample``     one per sequence that completed its pending tokens,
+(``list[int]``)                                      in batch order
+updated ``Request``\\ s        ``Scheduler.update``   computed tokens advanced, full blocks registered
+                                                     for prefix reuse, the token appended -- or the
+                                                     request finished ("end_id" / "length", blocks freed)
+``Response`` (request.py)     ``OutputProcessor``    new token ids and new text (held back while a UTF-8
+                                                     character or a stop string may be incomplete),
+                                                     ``finished``, ``finish_reason`` ("end_id" | "stop" |
+                                                     "length" | "cancelled" | "error"); streamed through
+                                                     ``Executor.stream``
+``IterationStats``            the loop thread        a snapshot of the loop's counters for
+(executor.py)                                        ``Executor.stats()``
+============================  =====================  ==================================================
 """

@@ -39,6 +39,12 @@ import torch
 
 ABI_VERSION = 1
 
+# Manifest dtype names -> torch dtypes, for every target: build.dtype (activations) and build.kv_cache_dtype
+# (the paged pool: the activation dtype, or "fp8" / "int8" for an 8-bit pool with per-layer scales baked
+# into the engine; see kilnlm::paged_attention).
+ACTIVATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {**ACTIVATION_DTYPES, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
 # Names in the order the compiled forward takes them (after them comes kv_cache).
 INPUT_NAMES = (
     "input_ids",
@@ -86,3 +92,10 @@ def kv_cache_shape(
 ) -> tuple[int, ...]:
     """Shape of the paged KV pool: ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``."""
     return (num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim)
+
+
+def kv_cache_bytes_per_block(num_layers: int, tokens_per_block: int, num_kv_heads: int, head_dim: int,
+                             kv_cache_dtype: torch.dtype) -> int:
+    """Bytes one KV block takes over all layers, K and V: ``num_layers * 2 * tokens_per_block * num_kv_heads
+    * head_dim`` elements of ``kv_cache_dtype`` (1 byte for an 8-bit KV cache, half of bfloat16's)."""
+    return num_layers * 2 * tokens_per_block * num_kv_heads * head_dim * kv_cache_dtype.itemsize

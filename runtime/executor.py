@@ -1,9 +1,10 @@
 """The executor: in-flight batching around one engine, shaped like TensorRT-LLM's ``Executor``.
 
 Clients (any thread) ``submit`` requests and read their ``Response`` stream; a background loop thread owns
-every request once submitted and runs, per iteration::
+every request once submitted and runs, per iteration (:meth:`Executor.step`)::
 
     schedule -> prepare inputs -> engine forward -> sample -> update requests -> emit responses
+    Scheduler   InputBuilder     Engine            Sampler   Scheduler.update   OutputProcessor
 
 Submissions and cancellations cross threads through an inbox guarded by one lock; responses go back
 through one queue per request. The loop never dies on a request's error: the failing request (or, if the
@@ -24,19 +25,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kilnlm.runtime.detokenizer import IncrementalDetokenizer, find_stop, num_held_back_chars
 from kilnlm.runtime.errors import KilnError, RequestError
 from kilnlm.runtime.inputs import InputBuilder, InputLimits
-from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from kilnlm.runtime.kv_cache import DEFAULT_MAX_KV_CACHE_BYTES, KVCacheConfig, KVCacheManager, num_kv_cache_blocks
 from kilnlm.runtime.openmp import release_calling_thread_workers
-from kilnlm.runtime.request import FinishReason, Request, RequestStatus, Response, SamplingParams
+from kilnlm.runtime.output_processor import OutputProcessor
+from kilnlm.runtime.request import FinishReason, Request, Response, SamplingParams
 from kilnlm.runtime.sampler import Sampler
 from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kilnlm.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_KV_CACHE_BYTES = 2 << 30  # cap of the default KV pool (2 GiB)
+__all__ = ["DEFAULT_MAX_KV_CACHE_BYTES", "Executor", "ExecutorConfig", "IterationStats"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,7 @@ class ExecutorConfig:
 
     ``kv_cache_bytes``: size of the paged KV pool; default: enough for ``max_batch_size`` sequences of
     ``max_seq_len`` tokens each, capped at ``DEFAULT_MAX_KV_CACHE_BYTES`` but never below one full
-    ``max_seq_len`` sequence (a smaller pool still serves every request: the scheduler admits what fits
-    and preempts when generation outgrows it).
+    ``max_seq_len`` sequence (:func:`kilnlm.runtime.kv_cache.num_kv_cache_blocks`).
     """
 
     kv_cache_bytes: int | None = None
@@ -83,21 +83,14 @@ class Executor:
         max_batch_size = _lower_limit("max_batch_size", config.max_batch_size, build.max_batch_size)
         max_num_tokens = _lower_limit("max_num_tokens", config.max_num_tokens, build.max_num_tokens)
         max_blocks_per_seq = -(-build.max_seq_len // build.tokens_per_block)
-        if config.kv_cache_bytes is None:
-            num_cap_blocks = DEFAULT_MAX_KV_CACHE_BYTES // engine.kv_cache_bytes_per_block()
-            num_blocks = max(min(max_batch_size * max_blocks_per_seq, num_cap_blocks), max_blocks_per_seq)
-        else:
-            num_blocks = config.kv_cache_bytes // engine.kv_cache_bytes_per_block()
-            if num_blocks < 1:
-                raise KilnError(
-                    f"kv_cache_bytes={config.kv_cache_bytes:,} holds no KV block (one block is "
-                    f"{engine.kv_cache_bytes_per_block():,} bytes): raise kv_cache_bytes"
-                )
+        num_blocks = num_kv_cache_blocks(config.kv_cache_bytes, engine.kv_cache_bytes_per_block(), max_batch_size,
+                                         build.max_seq_len, build.tokens_per_block)
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_prefix_caching))
         self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens), self.kv_manager)
         self.sampler = Sampler()
         self.input_builder = InputBuilder(InputLimits(max_num_tokens, max_batch_size, max_blocks_per_seq, build.tokens_per_block))
+        self.output_processor = OutputProcessor(tokenizer)
 
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
@@ -107,8 +100,7 @@ class Executor:
         self._stopping = False
         self._stats = IterationStats(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
         # Loop-thread state.
-        self._requests: dict[int, Request] = {}
-        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._requests: dict[int, Request] = {}  # submitted, final response not yet sent
         self._last_batch: tuple[int, int, float] = (0, 0, 0.0)  # num_tokens, num_seqs, iteration_s
         self._num_iterations = 0
         self._num_preemptions = 0
@@ -244,7 +236,7 @@ class Executor:
     def _accept(self, new_requests: list[Request], cancels: set[int]) -> None:
         for request in new_requests:
             self._requests[request.request_id] = request
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            self.output_processor.add_request(request)
             self.scheduler.add(request)
         for request_id in cancels:
             if (request := self._requests.get(request_id)) is not None:
@@ -259,8 +251,9 @@ class Executor:
         logits = self._forward(batch)
         if logits is None:
             return
-        next_tokens = self._sample(batch, logits)
-        self._update(batch, next_tokens)  # appends tokens, checks stop conditions, emits responses
+        sampled_token_ids = self._sample(batch, logits)
+        updated = self.scheduler.update(batch, sampled_token_ids)
+        self._respond(updated)
         self._record_iteration(batch, time.perf_counter() - start_s)
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
@@ -275,92 +268,64 @@ class Executor:
                 self._finish(seq.request, FinishReason.ERROR, f"engine forward failed: {exc!r}")
             return None
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> dict[int, int]:
-        """request id -> next token, for the sequences whose pending tokens were all computed (a non-final
-        context chunk's logits are dropped)."""
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
+        """One token per sequence whose pending tokens were all computed, in batch order (a non-final
+        context chunk's logits are dropped); empty after failing those requests if sampling fails."""
         rows = [b for b, seq in enumerate(batch.seqs) if seq.completes_sequence]
         if not rows:
-            return {}
+            return []
         requests = [batch.seqs[b].request for b in rows]
         try:
-            next_tokens = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests)
+            return self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests)
         except Exception as exc:
             logger.exception("sampling failed")
             for request in requests:
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {exc!r}")
-            return {}
-        return dict(zip((r.request_id for r in requests), next_tokens))
+            return []
+
+    def _respond(self, requests: list[Request]) -> None:
+        """Make the responses of the requests that got a token (the output processor), finish those a stop
+        string ended, then emit. A request whose response fails finishes with reason "error" alone."""
+        responses: list[Response] = []
+        any_finished = False
+        for request in requests:
+            try:
+                response = self.output_processor.process(request)
+            except Exception as exc:
+                logger.exception("request %d failed", request.request_id)
+                self.scheduler.finish(request, FinishReason.ERROR, f"request handling failed: {exc!r}")
+                response = self.output_processor.final_response(request)
+            if response.finished:
+                if not request.finished:  # a stop string ended it
+                    self.scheduler.finish(request, response.finish_reason)
+                del self._requests[request.request_id]
+                any_finished = True
+            responses.append(response)
+        if any_finished:
+            self._publish_stats()  # a client that saw its final response sees the blocks back in stats()
+        self._emit(responses)
 
     def _record_iteration(self, batch: ScheduledBatch, iteration_s: float) -> None:
         self._last_batch = (batch.num_tokens, len(batch.seqs), iteration_s)
         self._num_iterations += 1
         self._num_preemptions += len(batch.preempted)
 
-    def _update(self, batch: ScheduledBatch, next_tokens: dict[int, int]) -> None:
-        for seq in batch.seqs:
-            request = seq.request
-            if request.finished:  # failed in sampling
-                continue
-            try:
-                request.num_computed_tokens += seq.num_new_tokens
-                self.kv_manager.cache_computed_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
-                if request.request_id in next_tokens:
-                    self._append_token(request, next_tokens[request.request_id])
-            except Exception as exc:
-                logger.exception("request %d failed", request.request_id)
-                self._finish(request, FinishReason.ERROR, f"request handling failed: {exc!r}")
-
-    def _append_token(self, request: Request, token_id: int) -> None:
-        """Add a sampled token, check the stop conditions, emit the response."""
-        if request.first_token_time_s is None:
-            request.first_token_time_s = time.monotonic()
-        if token_id in request.end_ids:
-            self._finish(request, FinishReason.END_ID)
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a live request outside the token path (cancelled, failed, shut down): free its blocks and
+        send its final response (all text still held back). A no-op once its final response was sent."""
+        if self._requests.pop(request.request_id, None) is None:
             return
-        request.token_ids.append(token_id)
-        delta = self._detokenizers[request.request_id].add([token_id])
-        stop = request.params.stop
-        if stop and delta:
-            search_from = max(0, len(request.output_text) - max(map(len, stop)) + 1)
-            request.output_text += delta
-            stop_at = find_stop(request.output_text, stop, search_from)
-            if stop_at is not None:
-                request.output_text = request.output_text[:stop_at]
-                self._finish(request, FinishReason.STOP, new_token_ids=[token_id])
-                return
-        else:
-            request.output_text += delta
-        if request.num_generated_tokens >= request.params.max_tokens or request.num_tokens >= request.max_num_tokens:
-            self._finish(request, FinishReason.LENGTH, new_token_ids=[token_id])
-            return
-        num_visible = len(request.output_text) - num_held_back_chars(request.output_text, stop)
-        text = request.output_text[request.num_text_sent : num_visible]
-        request.num_text_sent = max(request.num_text_sent, num_visible)
-        self._emit(request, Response(request.request_id, [token_id], text, False, None, request.num_prompt_tokens, request.num_generated_tokens))
-
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None, new_token_ids: list[int] | None = None) -> None:
-        """End the request: free its blocks, send the last response (all text still held back)."""
-        if request.finished:
-            return
-        detokenizer = self._detokenizers.pop(request.request_id, None)
-        if reason not in (FinishReason.STOP, FinishReason.ERROR) and detokenizer is not None:
-            request.output_text += detokenizer.flush()
-        self.scheduler.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.error_message = error
-        self._requests.pop(request.request_id, None)
-        text = request.output_text[request.num_text_sent :]
-        request.num_text_sent = len(request.output_text)
+        self.scheduler.finish(request, reason, error)
+        response = self.output_processor.final_response(request)
         self._publish_stats()  # a client that saw its final response sees the blocks back in stats()
-        self._emit(request, Response(request.request_id, new_token_ids or [], text, True, reason,
-                                     request.num_prompt_tokens, request.num_generated_tokens, error))
+        self._emit([response])
 
-    def _emit(self, request: Request, response: Response) -> None:
+    def _emit(self, responses: list[Response]) -> None:
         with self._lock:
-            responses = self._streams.get(request.request_id)
-        if responses is not None:
-            responses.put(response)
+            for response in responses:
+                stream = self._streams.get(response.request_id)
+                if stream is not None:
+                    stream.put(response)
 
     def _publish_stats(self) -> None:
         last_num_tokens, last_num_seqs, last_iteration_s = self._last_batch

@@ -16,6 +16,9 @@ computing those tokens. Freed blocks keep their hash and stay reusable until evi
 A sequence's blocks are freed tail first, so of one sequence the blocks furthest from the shared prefix are
 evicted first. The scheduler never sees block ids: it asks ``allocate / append_slots / free``; the input
 preparation reads ``block_table``.
+
+How many blocks the pool has is decided here too (:func:`num_kv_cache_blocks`), from a byte budget and the
+engine's bytes per block.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from kilnlm.runtime.errors import KilnError
+
+DEFAULT_MAX_KV_CACHE_BYTES = 2 << 30  # cap of the default KV pool (2 GiB)
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,27 @@ class KVCacheConfig:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def num_kv_cache_blocks(kv_cache_bytes: int | None, bytes_per_block: int, max_batch_size: int, max_seq_len: int,
+                        tokens_per_block: int) -> int:
+    """Blocks of the paged KV pool.
+
+    ``kv_cache_bytes`` (bytes) given: as many blocks of ``bytes_per_block`` bytes as fit in it. ``None``:
+    enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens each, capped at
+    :data:`DEFAULT_MAX_KV_CACHE_BYTES` but never below one full ``max_seq_len`` sequence (a smaller pool
+    still serves every request: the scheduler admits what fits and preempts when generation outgrows it).
+    Raises :class:`KilnError` when ``kv_cache_bytes`` holds no block.
+    """
+    max_blocks_per_seq = _cdiv(max_seq_len, tokens_per_block)
+    if kv_cache_bytes is None:
+        num_cap_blocks = DEFAULT_MAX_KV_CACHE_BYTES // bytes_per_block
+        return max(min(max_batch_size * max_blocks_per_seq, num_cap_blocks), max_blocks_per_seq)
+    num_blocks = kv_cache_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise KilnError(f"kv_cache_bytes={kv_cache_bytes:,} holds no KV block (one block is {bytes_per_block:,} bytes): "
+                        "raise kv_cache_bytes")
+    return num_blocks
 
 
 class KVCacheManager:

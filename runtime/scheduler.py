@@ -15,15 +15,23 @@ scheduler):
 When a generation-phase request needs a new block and none is free, the most recently admitted running
 request is preempted: its blocks are freed and it returns to the front of the waiting queue, to be
 recomputed (as one context) when blocks free up again. Requests join and leave between iterations.
+
+After the forward, :meth:`Scheduler.update` applies the step to the requests: it advances
+``num_computed_tokens``, registers newly full blocks for prefix reuse, appends each sampled token and
+finishes the requests that sampled an end id or reached their length (freeing their blocks). Stop strings
+are text, so the output processor finds those (:mod:`kilnlm.runtime.output_processor`) and the executor
+then finishes the request here with :meth:`Scheduler.finish`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kilnlm.runtime.kv_cache import KVCacheManager
-from kilnlm.runtime.request import Request, RequestStatus
+from kilnlm.runtime.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,54 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
+
+    def finish(self, request: Request, reason: FinishReason, error_message: str | None = None) -> None:
+        """End the request with ``reason``: take it out and free its blocks (:meth:`remove`), mark it
+        finished. Calling it again only replaces the reason (a stop string found after the length was
+        reached; an error while its final response was being made)."""
+        self.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error_message = error_message
+
+    def update(self, batch: ScheduledBatch, sampled_token_ids: Sequence[int]) -> list[Request]:
+        """Apply the forward of ``batch`` to its requests.
+
+        ``sampled_token_ids``: one token per sequence of ``batch`` that completed its pending tokens
+        (:attr:`ScheduledSeq.completes_sequence`), in batch order; empty when sampling failed (those
+        requests were finished already and are skipped). Every sequence's ``num_computed_tokens`` advances
+        by its new tokens and its full blocks are registered for prefix reuse; each sampled token is then
+        appended, unless it is one of the request's end ids (finish "end_id", the token is not part of the
+        output), and a request that reached ``max_tokens`` or its ``max_num_tokens`` finishes ("length").
+        Finished requests' blocks are freed.
+
+        Returns the requests that received a sampled token, in batch order: running with the token
+        appended (``token_ids[-1]``), or finished ("end_id" or "length").
+        """
+        updated: list[Request] = []
+        tokens = iter(sampled_token_ids)
+        cache_computed_blocks = self.kv_cache.cache_computed_blocks
+        for seq in batch.seqs:
+            request = seq.request
+            if request.status is RequestStatus.FINISHED:  # failed in sampling
+                continue
+            completes_sequence = seq.num_new_tokens == request.num_pending_tokens
+            request.num_computed_tokens += seq.num_new_tokens
+            cache_computed_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            if completes_sequence:
+                self._append_token(request, next(tokens))
+                updated.append(request)
+        return updated
+
+    def _append_token(self, request: Request, token_id: int) -> None:
+        if request.first_token_time_s is None:
+            request.first_token_time_s = time.monotonic()
+        if token_id in request.end_ids:
+            self.finish(request, FinishReason.END_ID)
+            return
+        request.token_ids.append(token_id)
+        if request.num_generated_tokens >= request.params.max_tokens or request.num_tokens >= request.max_num_tokens:
+            self.finish(request, FinishReason.LENGTH)
 
     def schedule(self) -> ScheduledBatch:
         """The next iteration's batch: admit what fits in the KV cache, then pack generation tokens and

@@ -3,7 +3,7 @@
 Prints generated-token throughput, TTFT and ITL (mean / p90), and the runtime's own share of each iteration
 (schedule + prepare + sample + update) against the limit, the engine forward time::
 
-    /work/venv/bin/python scripts/bench_executor.py --engine ENGINE_DIR --num-requests 16 --max-tokens 64
+    .venv/bin/python scripts/bench_executor.py --engine ENGINE_DIR --num-requests 16 --max-tokens 64
 """
 
 from __future__ import annotations

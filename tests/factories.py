@@ -1,5 +1,6 @@
-"""Test factories shared by the builder and runtime tests: tiny random-weight checkpoints and packed
-engine inputs with a simple, deterministic block allocation."""
+"""Test factories shared by the builder and runtime tests: tiny random-weight checkpoints, packed engine
+inputs with a simple, deterministic block allocation, and the runtime's configs, manifests, requests,
+KV-cache managers and schedulers on tiny limits."""
 
 from __future__ import annotations
 
@@ -10,11 +11,66 @@ from pathlib import Path
 import torch
 
 from kilnlm.runtime.abi import EngineInputs
+from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
+from kilnlm.runtime.request import Request, SamplingParams
+from kilnlm.runtime.scheduler import Scheduler, SchedulerConfig
 
 TINY_LLAMA = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
 )
+
+
+def build_config(**overrides) -> BuildConfig:
+    """A small CPU build config (fp32, max_batch_size 4, max_num_tokens 32, max_seq_len 128,
+    tokens_per_block 4); keyword arguments override its fields."""
+    params = dict(qformat="fp32", dtype="float32", kv_cache_dtype="float32", max_batch_size=4, max_num_tokens=32,
+                  max_seq_len=128, tokens_per_block=4, target="cpu")
+    params.update(overrides)
+    return BuildConfig(**params)
+
+
+def tiny_model_config(vocab_size: int = 49152) -> ModelConfig:
+    """A 1-layer Llama config (hidden 8, 2 heads, 1 KV head, head_dim 4) for engine stand-ins."""
+    return ModelConfig("LlamaForCausalLM", 1, 8, 16, 2, 1, 4, vocab_size, 4096, 10000.0, 1e-5, True)
+
+
+def make_manifest(build: BuildConfig | None = None, model: ModelConfig | None = None,
+                  eos_token_ids: tuple[int, ...] = (2,), **fields) -> Manifest:
+    """A manifest of ``build`` (default :func:`build_config`) and ``model`` (default
+    :func:`tiny_model_config`); ``fields`` override the Manifest's other fields (plugins, toolchain, ...)."""
+    params = dict(model=model or tiny_model_config(), build=build or build_config(),
+                  generation=GenerationDefaults(list(eos_token_ids), bos_token_id=1, pad_token_id=eos_token_ids[0]),
+                  plugins={}, toolchain={}, source_checkpoint_digest="sha256:test")
+    params.update(fields)
+    return Manifest(**params)
+
+
+def prompt_token_ids(request_id: int, num_tokens: int) -> list[int]:
+    """Distinct, deterministic prompt tokens of one request (no prefix shared with another request id)."""
+    return [(request_id * 1000 + i) % 50000 for i in range(num_tokens)]
+
+
+def make_request(request_id: int, token_ids: list[int] | None = None, *, num_prompt_tokens: int = 8,
+                 max_tokens: int = 8, end_ids: frozenset[int] = frozenset(), **sampling) -> Request:
+    """A request as ``Executor.submit`` makes it: prompt ``token_ids`` (default
+    :func:`prompt_token_ids` of ``num_prompt_tokens``), ``SamplingParams(max_tokens=max_tokens, **sampling)``,
+    no end ids unless given, ``max_num_tokens`` = prompt + ``max_tokens``."""
+    prompt = list(token_ids) if token_ids is not None else prompt_token_ids(request_id, num_prompt_tokens)
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling), end_ids=end_ids,
+                   max_num_tokens=len(prompt) + max_tokens)
+
+
+def make_kv_cache_manager(num_blocks: int = 16, tokens_per_block: int = 4, enable_prefix_caching: bool = False) -> KVCacheManager:
+    return KVCacheManager(KVCacheConfig(num_blocks, tokens_per_block, enable_prefix_caching))
+
+
+def make_scheduler(num_blocks: int = 16, tokens_per_block: int = 4, max_batch_size: int = 4, max_num_tokens: int = 8,
+                   enable_prefix_caching: bool = False) -> Scheduler:
+    """A scheduler over its own :func:`make_kv_cache_manager` (``scheduler.kv_cache``)."""
+    kv_cache = make_kv_cache_manager(num_blocks, tokens_per_block, enable_prefix_caching)
+    return Scheduler(SchedulerConfig(max_batch_size, max_num_tokens), kv_cache)
 
 
 def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, architecture: str = "llama",

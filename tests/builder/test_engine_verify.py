@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-import kilnlm.runtime.engine as engine_module
+import kilnlm.runtime.backends.cpu as cpu_backend
 from kilnlm.runtime.engine import Engine, verify_engine
 from kilnlm.runtime.errors import EngineError
 
@@ -27,7 +27,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the engine package was loaded before verification refused it")
 
-    monkeypatch.setattr(engine_module, "load_package", refuse)
+    monkeypatch.setattr(cpu_backend, "load_package", refuse)
 
 
 def edit_manifest(engine_dir, edit) -> None:

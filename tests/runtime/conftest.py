@@ -6,21 +6,15 @@ tested through the builder's ``tiny_engine_dir`` / ``smollm2_engine_fp32_dir`` f
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from factories import build_config, make_manifest, make_tiny_checkpoint
 from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
-from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
-
-def _load_factories():
-    spec = importlib.util.spec_from_file_location("kilnlm_test_factories", Path(__file__).parent.parent / "factories.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from kilnlm.runtime.manifest import Manifest, ModelConfig
 
 
 @pytest.fixture(scope="session")
@@ -44,16 +38,18 @@ def hf_tokenizer(rt_tokenizer_dir):
     return AutoTokenizer.from_pretrained(rt_tokenizer_dir)
 
 
-def _register_reference_attention():
-    """Make ``kilnlm::paged_attention`` callable eagerly on CPU with the reference implementation, unless
-    some kernel is registered already. Returns the library handle (keep it alive) or None."""
+def _register_reference_kernels():
+    """Make ``kilnlm::paged_attention`` and ``kilnlm::gemm`` (the ops of the fp32 network) callable eagerly
+    on CPU with their reference implementations, each unless some kernel is registered already (the C++
+    kernels, loaded by an earlier test). Returns the library handle (keep it alive) or None."""
     import kilnlm.plugins  # noqa: F401  (declares the schema)
-    from kilnlm.plugins.reference import paged_attention_reference
+    from kilnlm.plugins.reference import gemm_reference, paged_attention_reference
 
-    if torch._C._dispatch_has_kernel_for_dispatch_key("kilnlm::paged_attention", "CPU"):
-        return None
-    lib = torch.library.Library("kilnlm", "IMPL")
-    lib.impl("paged_attention", paged_attention_reference, "CPU")
+    lib = None
+    for name, reference in (("paged_attention", paged_attention_reference), ("gemm", gemm_reference)):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{name}", "CPU"):
+            lib = lib or torch.library.Library("kilnlm", "IMPL")
+            lib.impl(name, reference, "CPU")
     return lib
 
 
@@ -79,23 +75,15 @@ class EagerEngine:
         return self.network(*inputs.as_args(kv_cache))
 
 
-def build_config(**overrides) -> BuildConfig:
-    """A small CPU build config; keyword arguments override its fields."""
-    params = dict(qformat="fp32", dtype="float32", kv_cache_dtype="float32", max_batch_size=4, max_num_tokens=32,
-                  max_seq_len=128, tokens_per_block=4, target="cpu")
-    params.update(overrides)
-    return BuildConfig(**params)
-
-
 @pytest.fixture(scope="session")
 def make_build_config():
-    """Factory: ``make_build_config(**overrides) -> BuildConfig`` (small CPU limits)."""
+    """Factory: ``make_build_config(**overrides) -> BuildConfig`` (small CPU limits; factories.build_config)."""
     return build_config
 
 
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint(tmp_path_factory, rt_tokenizer_dir) -> Path:
-    return _load_factories().make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), rt_tokenizer_dir, seed=0)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), rt_tokenizer_dir, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -110,15 +98,13 @@ def make_eager_engine(tiny_hf_model, tiny_hf_checkpoint):
     """Factory: ``make_eager_engine(**build_overrides) -> EagerEngine`` over the tiny Llama."""
     from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
 
-    lib = _register_reference_attention()
+    lib = _register_reference_kernels()
     model_config: ModelConfig = model_config_from_hf(tiny_hf_model.config)
     state_dict = {k: v.detach().clone() for k, v in tiny_hf_model.state_dict().items() if k != "lm_head.weight" or not model_config.tie_word_embeddings}
     network = LlamaNetwork(model_config, state_dict, torch.float32).eval()
 
     def make(**build_overrides) -> EagerEngine:
-        manifest = Manifest(model=model_config, build=build_config(**build_overrides),
-                            generation=GenerationDefaults(eos_token_ids=[2], bos_token_id=1, pad_token_id=2),
-                            plugins={}, toolchain={}, source_checkpoint_digest="sha256:test")
+        manifest = make_manifest(build_config(**build_overrides), model_config)
         return EagerEngine(manifest, network, torch.float32, tiny_hf_checkpoint)
 
     make.library = lib  # keep the op registration alive as long as the fixture

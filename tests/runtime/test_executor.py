@@ -9,10 +9,11 @@ import threading
 import pytest
 import torch
 
+from factories import make_manifest, tiny_model_config
 from kilnlm.runtime.abi import EngineInputs
 from kilnlm.runtime.errors import RequestError
 from kilnlm.runtime.executor import Executor, ExecutorConfig
-from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
+from kilnlm.runtime.manifest import BuildConfig
 from kilnlm.runtime.request import FinishReason, SamplingParams
 from kilnlm.runtime.tokenizer import Tokenizer
 
@@ -25,8 +26,7 @@ class CountingEngine:
     ``fail_on`` makes forward raise when that token id is among the inputs."""
 
     def __init__(self, build: BuildConfig):
-        model = ModelConfig("LlamaForCausalLM", 1, 8, 16, 2, 1, 4, VOCAB_SIZE, 4096, 10000.0, 1e-5, True)
-        self.manifest = Manifest(model, build, GenerationDefaults([EOS_ID]), {}, {}, "sha256:x")
+        self.manifest = make_manifest(build, tiny_model_config(VOCAB_SIZE), eos_token_ids=(EOS_ID,))
         self.fail_on: int | None = None
         self.num_forwards = 0
         self.max_seen_tokens = 0

@@ -104,7 +104,7 @@ def test_generate_cli_on_the_tiny_engine(tiny_engine_dir, tiny_llama_dir, capsys
 
 
 def test_engine_forward_releases_the_gil(tiny_engine_dir):
-    """Another Python thread runs while the compiled forward runs (kilnlm.runtime.engine.load_package), and
+    """Another Python thread runs while the compiled forward runs (kilnlm.runtime.backends.cpu.load_package), and
     the logits equal those of torch's own runner (which holds the GIL)."""
     engine = Engine.load(tiny_engine_dir)
     *tensors, kv_cache = example_inputs(engine.manifest.model, engine.manifest.build, engine.dtype)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import hf_greedy, run_in_flight
+from factories import hf_greedy, make_request, make_scheduler, run_in_flight
 
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.inputs import InputBuilder, InputLimits
-from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
-from kilnlm.runtime.request import FinishReason, Request, SamplingParams
-from kilnlm.runtime.scheduler import ScheduledBatch, ScheduledSeq
+from kilnlm.runtime.request import FinishReason, SamplingParams
+from kilnlm.runtime.scheduler import Scheduler
 from kilnlm.runtime.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -89,22 +88,28 @@ def test_prefix_reuse_skips_cached_tokens_and_gives_identical_logits(make_eager_
     first = tokenizer.encode("Shared system prompt: you are a careful assistant. Question one?")
     second = first[:12] + tokenizer.encode(" A different question entirely.", add_special_tokens=False)
 
-    def run(kv: KVCacheManager, pool: torch.Tensor, request_id: int, token_ids: list[int]) -> tuple[torch.Tensor, int]:
-        request = Request(request_id, token_ids, SamplingParams(), end_ids=frozenset(), max_num_tokens=len(token_ids) + 1)
-        num_cached = kv.allocate(request_id, token_ids)
-        request.num_computed_tokens = num_cached
-        batch = ScheduledBatch([ScheduledSeq(request, len(token_ids) - num_cached)])
-        logits = engine.forward(InputBuilder(limits).build(batch, kv), pool)
-        kv.cache_computed_blocks(request_id, token_ids, len(token_ids))
+    def run(scheduler: Scheduler, pool: torch.Tensor, request_id: int, token_ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Schedule the request alone, run its context, sample its one token: the executor's path."""
+        request = make_request(request_id, token_ids, max_tokens=1)
+        scheduler.add(request)
+        batch = scheduler.schedule()
+        num_cached = request.num_computed_tokens
+        assert [(s.request, s.num_new_tokens) for s in batch.seqs] == [(request, len(token_ids) - num_cached)]
+        logits = engine.forward(InputBuilder(limits).build(batch, scheduler.kv_cache), pool)
+        scheduler.update(batch, logits.argmax(-1).tolist())  # registers the blocks; finishes ("length")
+        assert request.finished and not scheduler.has_work()
         return logits, num_cached
 
-    kv = KVCacheManager(KVCacheConfig(64, build.tokens_per_block, enable_prefix_caching=True))
+    def make(num_blocks: int) -> Scheduler:
+        return make_scheduler(num_blocks, build.tokens_per_block, build.max_batch_size, build.max_num_tokens,
+                              enable_prefix_caching=True)
+
+    scheduler = make(64)
     pool = engine.allocate_kv_cache(64)
-    run(kv, pool, 1, first)
-    reused_logits, num_cached = run(kv, pool, 2, second)
+    run(scheduler, pool, 1, first)
+    reused_logits, num_cached = run(scheduler, pool, 2, second)
     assert num_cached == 12  # three full blocks of 4 shared tokens skipped
 
-    fresh_kv = KVCacheManager(KVCacheConfig(64, build.tokens_per_block, enable_prefix_caching=True))
-    fresh_logits, fresh_cached = run(fresh_kv, engine.allocate_kv_cache(64), 1, second)
+    fresh_logits, fresh_cached = run(make(64), engine.allocate_kv_cache(64), 1, second)
     assert fresh_cached == 0
     torch.testing.assert_close(reused_logits, fresh_logits, rtol=1e-5, atol=1e-5)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import factories
 from kilnlm.runtime.inputs import InputBuilder, InputLimits
-from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
-from kilnlm.runtime.request import Request, SamplingParams
+from kilnlm.runtime.kv_cache import KVCacheManager
+from kilnlm.runtime.request import Request
 from kilnlm.runtime.scheduler import ScheduledBatch, ScheduledSeq
 
 TOKENS_PER_BLOCK = 4
@@ -19,7 +20,7 @@ LIMITS = InputLimits(max_num_tokens=64, max_batch_size=4, max_blocks_per_seq=8, 
 def make_request(kv: KVCacheManager, request_id: int, num_tokens: int, num_computed: int) -> Request:
     """A request holding blocks for ``num_tokens`` tokens, ``num_computed`` of them already in the pool."""
     token_ids = [1000 + 7 * request_id + i for i in range(num_tokens)]
-    request = Request(request_id, token_ids, SamplingParams(), end_ids=frozenset(), max_num_tokens=num_tokens + 8)
+    request = factories.make_request(request_id, token_ids)
     assert kv.allocate(request_id, token_ids) is not None
     request.num_computed_tokens = num_computed
     return request
@@ -57,7 +58,7 @@ def assert_inputs(builder: InputBuilder, batch: ScheduledBatch, kv: KVCacheManag
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 4])
 def test_generation_step_batches(num_seqs):
-    kv = KVCacheManager(KVCacheConfig(64, TOKENS_PER_BLOCK, enable_prefix_caching=False))
+    kv = factories.make_kv_cache_manager(64, TOKENS_PER_BLOCK)
     # Sequences of different lengths, the new token at a block's first, middle and last offset.
     requests = [make_request(kv, i + 1, n, n - 1) for i, n in enumerate([9, 6, 12, 3][:num_seqs])]
     assert_inputs(InputBuilder(LIMITS), ScheduledBatch([ScheduledSeq(r, 1) for r in requests]), kv)
@@ -66,7 +67,7 @@ def test_generation_step_batches(num_seqs):
 def test_mixed_batches_then_generation_steps_reuse_the_buffers():
     """Steps of both kinds over the same builder: each step's inputs equal its own definition, whatever
     earlier steps left in the buffers (a longer block table in a row, other cu_seqlens_q)."""
-    kv = KVCacheManager(KVCacheConfig(64, TOKENS_PER_BLOCK, enable_prefix_caching=False))
+    kv = factories.make_kv_cache_manager(64, TOKENS_PER_BLOCK)
     builder = InputBuilder(LIMITS)
     long_one = make_request(kv, 1, 29, 0)  # 8 blocks
     short = make_request(kv, 2, 5, 0)

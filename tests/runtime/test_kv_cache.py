@@ -1,14 +1,17 @@
-"""Exact block accounting of the KV-cache manager on tiny pools (block ids, eviction order, ref counts)."""
+"""Exact block accounting of the KV-cache manager on tiny pools (block ids, eviction order, ref counts), and
+the pool's size in blocks from a byte budget."""
 
 from __future__ import annotations
 
 import pytest
 
-from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from factories import make_kv_cache_manager
+from kilnlm.runtime.errors import KilnError
+from kilnlm.runtime.kv_cache import DEFAULT_MAX_KV_CACHE_BYTES, KVCacheConfig, KVCacheManager, num_kv_cache_blocks
 
 
 def make_manager(num_blocks: int = 8, tokens_per_block: int = 4, prefix: bool = True) -> KVCacheManager:
-    return KVCacheManager(KVCacheConfig(num_blocks, tokens_per_block, prefix))
+    return make_kv_cache_manager(num_blocks, tokens_per_block, prefix)
 
 
 def test_allocate_takes_blocks_in_order_and_free_returns_them():
@@ -123,3 +126,19 @@ def test_duplicate_content_is_cached_once():
 def test_invalid_config(bad):
     with pytest.raises(ValueError):
         KVCacheManager(KVCacheConfig(**bad))
+
+
+def test_pool_size_from_a_byte_budget():
+    assert num_kv_cache_blocks(1000, 64, max_batch_size=4, max_seq_len=128, tokens_per_block=4) == 15
+    with pytest.raises(KilnError, match="holds no KV block.*raise kv_cache_bytes"):
+        num_kv_cache_blocks(63, 64, max_batch_size=4, max_seq_len=128, tokens_per_block=4)
+
+
+def test_default_pool_holds_every_sequence_up_to_the_cap_but_at_least_one():
+    # 4 sequences of 128 tokens in blocks of 4: 4 * 32 blocks.
+    assert num_kv_cache_blocks(None, 64, max_batch_size=4, max_seq_len=128, tokens_per_block=4) == 128
+    # Blocks so large that the cap holds 2: still one whole max_seq_len sequence (32 blocks).
+    huge = DEFAULT_MAX_KV_CACHE_BYTES // 2
+    assert num_kv_cache_blocks(None, huge, max_batch_size=4, max_seq_len=128, tokens_per_block=4) == 32
+    # Capped: 2 GiB of 1 MiB blocks = 2048 blocks, fewer than 64 sequences * 32 blocks.
+    assert num_kv_cache_blocks(None, 1 << 20, max_batch_size=64, max_seq_len=4096, tokens_per_block=128) == 2048

@@ -50,7 +50,7 @@ def test_engine_weights_span_is_its_constants(tiny_engine_dir):
     from kilnlm.runtime.engine import Engine
 
     engine = Engine.load(tiny_engine_dir)
-    begin, end = engine._runner.constants_span()
+    begin, end = engine.backend.package.constants_span()
     assert 0 < begin < end
     weights = sum(f.stat().st_size for f in Path(tiny_engine_dir).glob("*.pt2"))
     assert end - begin <= weights, "the constants span more than the whole package holds"

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import factories
 from kilnlm.runtime.errors import RequestError
 from kilnlm.runtime.request import Request, SamplingParams
 from kilnlm.runtime.sampler import Sampler
 
 
 def make_request(request_id: int = 1, token_ids=(5, 6, 7), **params) -> Request:
-    return Request(request_id, list(token_ids), SamplingParams(**params), end_ids=frozenset(), max_num_tokens=100)
+    return factories.make_request(request_id, list(token_ids), **params)
 
 
 def draw_counts(logits_row: torch.Tensor, num_draws: int, **params) -> torch.Tensor:

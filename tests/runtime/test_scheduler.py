@@ -1,34 +1,20 @@
 """Scheduler policies on tiny configs: admission by KV capacity, packing by token budget, chunked context,
-generation-first ordering, preemption by recompute. No engine: a step "computes" what was scheduled."""
+generation-first ordering, preemption by recompute; and its update after a forward (computed tokens, end
+ids, length, prefix registration). No engine: a step "computes" what was scheduled and samples a fixed
+token, and Scheduler.update applies it as in the executor."""
 
 from __future__ import annotations
 
-from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
-from kilnlm.runtime.request import Request, RequestStatus, SamplingParams
-from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from factories import make_request, make_scheduler
+from kilnlm.runtime.request import FinishReason, RequestStatus
+from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler
 
 
-def make_request(request_id: int, num_prompt_tokens: int, max_tokens: int = 8) -> Request:
-    prompt = [(request_id * 1000 + i) % 50000 for i in range(num_prompt_tokens)]
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), end_ids=frozenset(),
-                   max_num_tokens=num_prompt_tokens + max_tokens)
-
-
-def make_scheduler(num_blocks=16, tokens_per_block=4, max_batch_size=4, max_num_tokens=8) -> Scheduler:
-    kv = KVCacheManager(KVCacheConfig(num_blocks, tokens_per_block, enable_prefix_caching=False))
-    return Scheduler(SchedulerConfig(max_batch_size, max_num_tokens), kv)
-
-
-def run_step(scheduler: Scheduler, batch: ScheduledBatch, next_token: int = 7) -> None:
-    """What the executor does after the forward: advance computed tokens, append a token where sampled."""
-    for seq in batch.seqs:
-        completes = seq.completes_sequence
-        seq.request.num_computed_tokens += seq.num_new_tokens
-        if completes:
-            seq.request.token_ids.append(next_token)
-            if seq.request.num_generated_tokens >= seq.request.params.max_tokens:
-                scheduler.remove(seq.request)
-                seq.request.status = RequestStatus.FINISHED
+def run_step(scheduler: Scheduler, batch: ScheduledBatch, next_token: int = 7) -> list:
+    """The step after the forward: every sampled sequence samples ``next_token``; the scheduler's own
+    update applies it. Returns the requests that got a token."""
+    num_sampled = sum(seq.completes_sequence for seq in batch.seqs)
+    return scheduler.update(batch, [next_token] * num_sampled)
 
 
 def plan(batch: ScheduledBatch) -> list[tuple[int, int]]:
@@ -37,7 +23,7 @@ def plan(batch: ScheduledBatch) -> list[tuple[int, int]]:
 
 def test_long_prompt_is_chunked_across_iterations():
     scheduler = make_scheduler(max_num_tokens=8)
-    scheduler.add(make_request(1, 20, max_tokens=2))
+    scheduler.add(make_request(1, num_prompt_tokens=20, max_tokens=2))
     chunks = []
     for _ in range(5):
         batch = scheduler.schedule()
@@ -50,10 +36,10 @@ def test_long_prompt_is_chunked_across_iterations():
 
 def test_generation_tokens_first_then_context_chunks_within_budget():
     scheduler = make_scheduler(max_num_tokens=8)
-    scheduler.add(make_request(1, 3))
+    scheduler.add(make_request(1, num_prompt_tokens=3))
     run_step(scheduler, scheduler.schedule())  # request 1's prompt; it samples its first token
-    scheduler.add(make_request(2, 12))
-    scheduler.add(make_request(3, 5))
+    scheduler.add(make_request(2, num_prompt_tokens=12))
+    scheduler.add(make_request(3, num_prompt_tokens=5))
     batch = scheduler.schedule()
     assert plan(batch) == [(1, 1), (2, 7)]  # decode first; request 2 gets the rest of the budget
     run_step(scheduler, batch)
@@ -65,7 +51,7 @@ def test_generation_tokens_first_then_context_chunks_within_budget():
 def test_admission_respects_max_batch_size_and_kv_capacity():
     scheduler = make_scheduler(num_blocks=6, max_batch_size=2, max_num_tokens=64)
     for i, n in enumerate([8, 8, 4], start=1):
-        scheduler.add(make_request(i, n))
+        scheduler.add(make_request(i, num_prompt_tokens=n))
     batch = scheduler.schedule()
     assert plan(batch) == [(1, 8), (2, 8)] and scheduler.num_waiting == 1  # batch slots full
     scheduler.remove(scheduler.running[0])
@@ -73,7 +59,7 @@ def test_admission_respects_max_batch_size_and_kv_capacity():
 
     scheduler = make_scheduler(num_blocks=5, max_batch_size=4, max_num_tokens=64)
     for i, n in enumerate([12, 12, 4], start=1):
-        scheduler.add(make_request(i, n))
+        scheduler.add(make_request(i, num_prompt_tokens=n))
     # Request 2 needs 3 blocks but 2 are free: FCFS stops there, request 3 waits behind it.
     assert plan(scheduler.schedule()) == [(1, 12)]
     assert [r.request_id for r in scheduler.waiting] == [2, 3]
@@ -83,7 +69,7 @@ def test_preemption_frees_the_latest_request_and_recomputes_it():
     # 4 blocks of 4 tokens. Two requests of 7 prompt tokens hold 2 blocks each; request 1's second
     # generated token (position 8) needs a third block: request 2 (the latest admitted) is preempted.
     scheduler = make_scheduler(num_blocks=4, max_batch_size=4, max_num_tokens=16)
-    r1, r2 = make_request(1, 7, max_tokens=4), make_request(2, 7, max_tokens=4)
+    r1, r2 = make_request(1, num_prompt_tokens=7, max_tokens=4), make_request(2, num_prompt_tokens=7, max_tokens=4)
     scheduler.add(r1)
     scheduler.add(r2)
     run_step(scheduler, scheduler.schedule())  # both prompts; 8 tokens each now
@@ -105,10 +91,78 @@ def test_preemption_frees_the_latest_request_and_recomputes_it():
 
 def test_removed_requests_return_all_blocks():
     scheduler = make_scheduler()
-    requests = [make_request(i, 5 + i) for i in range(1, 4)]
+    requests = [make_request(i, num_prompt_tokens=5 + i) for i in range(1, 4)]
     for r in requests:
         scheduler.add(r)
     run_step(scheduler, scheduler.schedule())
     for r in requests:
         scheduler.remove(r)
     assert scheduler.kv_cache.num_free_blocks == 16 and not scheduler.has_work()
+
+
+def test_update_advances_computed_tokens_and_appends_only_completed_sequences():
+    scheduler = make_scheduler(max_num_tokens=8)
+    long_one, short = make_request(1, num_prompt_tokens=10), make_request(2, num_prompt_tokens=3)
+    scheduler.add(short)
+    scheduler.add(long_one)
+    batch = scheduler.schedule()
+    assert plan(batch) == [(2, 3), (1, 5)]
+    assert scheduler.update(batch, [42]) == [short]  # the long prompt's first chunk samples nothing
+    assert (short.num_computed_tokens, short.token_ids[-1], short.num_generated_tokens) == (3, 42, 1)
+    assert (long_one.num_computed_tokens, long_one.num_generated_tokens) == (5, 0)
+    assert short.first_token_time_s is not None and long_one.first_token_time_s is None
+
+
+def test_update_finishes_on_an_end_id_without_appending_it_and_frees_the_blocks():
+    scheduler = make_scheduler()
+    request = make_request(1, num_prompt_tokens=5, end_ids=frozenset({2}))
+    scheduler.add(request)
+    assert scheduler.update(scheduler.schedule(), [9]) == [request]
+    assert scheduler.update(scheduler.schedule(), [2]) == [request]
+    assert request.finished and request.finish_reason is FinishReason.END_ID
+    assert request.output_token_ids == [9]
+    assert not scheduler.has_work() and scheduler.kv_cache.num_free_blocks == 16
+
+
+def test_update_finishes_at_max_tokens_and_at_max_num_tokens():
+    scheduler = make_scheduler()
+    request = make_request(1, num_prompt_tokens=4, max_tokens=2)
+    scheduler.add(request)
+    run_step(scheduler, scheduler.schedule())
+    assert request.status is RequestStatus.RUNNING
+    run_step(scheduler, scheduler.schedule())
+    assert request.finish_reason is FinishReason.LENGTH and request.output_token_ids == [7, 7]
+    # The engine's max_seq_len caps max_num_tokens below prompt + max_tokens.
+    capped = make_request(2, num_prompt_tokens=4, max_tokens=10)
+    capped.max_num_tokens = 5
+    scheduler.add(capped)
+    run_step(scheduler, scheduler.schedule())
+    assert capped.finish_reason is FinishReason.LENGTH and capped.num_tokens == 5
+    assert scheduler.kv_cache.num_free_blocks == 16
+
+
+def test_update_registers_full_computed_blocks_for_prefix_reuse():
+    scheduler = make_scheduler(max_num_tokens=6, enable_prefix_caching=True)
+    first = make_request(1, num_prompt_tokens=10)
+    scheduler.add(first)
+    run_step(scheduler, scheduler.schedule())  # 6 of 10 prompt tokens: one full block
+    assert scheduler.kv_cache.num_cached_blocks == 1
+    run_step(scheduler, scheduler.schedule())  # the other 4 (and a sampled token): two full blocks
+    assert scheduler.kv_cache.num_cached_blocks == 2
+    second = make_request(2, first.prompt_token_ids[:8] + [5, 6])
+    scheduler.add(second)
+    scheduler.schedule()
+    assert second.num_computed_tokens == 8  # both full blocks reused
+
+
+def test_update_skips_requests_finished_before_it():
+    scheduler = make_scheduler()
+    failed, chunked = make_request(1, num_prompt_tokens=2), make_request(2, num_prompt_tokens=12)
+    scheduler.add(failed)
+    scheduler.add(chunked)
+    batch = scheduler.schedule()
+    assert plan(batch) == [(1, 2), (2, 6)]
+    scheduler.finish(failed, FinishReason.ERROR, "sampling failed")  # as the executor does when sampling fails
+    assert scheduler.update(batch, []) == []
+    assert failed.num_computed_tokens == 0 and chunked.num_computed_tokens == 6
+    assert failed.error_message == "sampling failed" and failed not in scheduler.running

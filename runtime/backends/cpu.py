@@ -1,0 +1,98 @@
+"""The ``cpu`` target's engine backend: an AOTInductor package (``model.pt2``) whose plugin ops run as
+kilnlm's C++ kernels (:mod:`kilnlm.plugins.cpu`), with the paged KV pool in CPU memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kilnlm.runtime.abi import KV_CACHE_DTYPES, EngineInputs, kv_cache_bytes_per_block, kv_cache_shape
+from kilnlm.runtime.errors import EngineError
+from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest
+from kilnlm.runtime.memory import advise_huge_pages
+
+
+def machine_cpu_isas() -> set[str]:
+    """Vector ISAs inductor-generated code may use on this machine (e.g. ``avx2``, ``avx512``)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    return {str(isa) for isa in valid_vec_isa_list()}
+
+
+def load_package(package_path: Path):
+    """The AOTInductor package at ``package_path``, loaded by torch's own loader behind kilnlm's
+    ``AotiPackage`` (:func:`kilnlm.plugins.cpu.load_aoti_package`), whose ``run`` releases the GIL:
+    ``torch._inductor.aoti_load_package``'s runner holds it for the whole forward, stalling every other
+    Python thread of the process (request submission, response streaming, metrics) for 3-10 ms per step.
+    Needs the plugins' CPU kernels loaded. Raises RuntimeError for a package that fails to load.
+
+    Its weights are then backed by transparent huge pages where Linux allows (:mod:`kilnlm.runtime.memory`):
+    a decode step streams all of them, and 4 KiB pages cost a TLB miss every 4 KiB."""
+    from kilnlm.plugins.cpu import load_aoti_package
+
+    package = load_aoti_package(str(package_path))
+    advise_huge_pages(*package.constants_span())
+    return package
+
+
+class CpuBackend:
+    """A loaded ``cpu`` engine. ``package``: the AOTInductor package (its ``run`` is the forward)."""
+
+    target = "cpu"
+
+    def __init__(self, manifest: Manifest, package) -> None:
+        self.manifest = manifest
+        self.package = package
+        self.kv_cache_dtype = KV_CACHE_DTYPES[manifest.build.kv_cache_dtype]
+
+    @classmethod
+    def verify(cls, engine_dir: Path, manifest: Manifest) -> None:
+        """Refuse an engine compiled for a CPU vector ISA (``toolchain.cpu_isa``) this machine lacks."""
+        isa = manifest.toolchain.get("cpu_isa", "")
+        if isa and isa not in machine_cpu_isas():
+            raise EngineError(f"{engine_dir / MANIFEST_NAME}: toolchain.cpu_isa is {isa!r} but this CPU supports only "
+                              f"{', '.join(sorted(machine_cpu_isas())) or 'no vector ISA'}: rebuild the engine on (or for) this machine")
+
+    @classmethod
+    def load(cls, engine_dir: Path, manifest: Manifest) -> "CpuBackend":
+        """Load the plugins' CPU kernels, then the package. Raises :class:`EngineError` when either fails."""
+        import kilnlm.plugins as plugins
+
+        try:
+            plugins.load_cpu_kernels()
+        except plugins.KernelBuildError as exc:
+            raise EngineError(f"cannot serve {engine_dir}: {exc}") from None
+        try:
+            package = load_package(engine_dir / manifest.engine_file)
+        except RuntimeError as exc:
+            raise EngineError(f"cannot load {engine_dir / manifest.engine_file} ({str(exc).splitlines()[0]}): "
+                              "rebuild the engine with this torch version "
+                              f"({torch.__version__}; built with {manifest.toolchain.get('torch', 'unknown')})") from None
+        return cls(manifest, package)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV block takes over all layers (K and V) in ``kv_cache_dtype``."""
+        m = self.manifest.model
+        return kv_cache_bytes_per_block(m.num_layers, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim,
+                                        self.kv_cache_dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """Zeros ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` in ``kv_cache_dtype``,
+        CPU, backed by transparent huge pages where Linux allows (attention reads the pool every step)."""
+        m = self.manifest.model
+        shape = kv_cache_shape(m.num_layers, num_blocks, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim)
+        # Huge pages are asked for before the zeros fault fresh pages in, since collapsing a written pool
+        # copies it (~0.5 s for SmolLM2's default 377 MB); then collapsed, for memory the allocator reused
+        # (already faulted in, in 4 KiB pages).
+        kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype)
+        span = (kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.nbytes)
+        advise_huge_pages(*span, collapse=False)
+        kv_cache.zero_()
+        advise_huge_pages(*span)
+        return kv_cache
+
+    def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The package's forward over ``inputs.as_args(kv_cache)``; releases the GIL while it runs."""
+        (logits,) = self.package.run(list(inputs.as_args(kv_cache)))
+        return logits
