@@ -190,7 +190,7 @@ class Int4Linear(nn.Module):
     bfloat16; returns ``[T, out_features]`` in x's dtype."""
 
     @classmethod
-    def from_parts(cls, parts: list[QuantizedWeights], quant: "IntQuantization", dtype: torch.dtype) -> "Int4Linear":
+    def from_parts(cls, parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> Int4Linear:
         """The linear of ``parts`` (a fused projection's, or one) with ``quant``'s group size."""
         return cls(parts, quant.group_size, dtype)
 
@@ -223,7 +223,7 @@ class Int8Linear(nn.Module):
     x: ``[T, in_features]`` float32 / bfloat16; returns ``[T, out_features]`` in x's dtype."""
 
     @classmethod
-    def from_parts(cls, parts: list[QuantizedWeights], quant: "IntQuantization", dtype: torch.dtype) -> "Int8Linear":
+    def from_parts(cls, parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> Int8Linear:
         """The linear of ``parts`` (a fused projection's, or one)."""
         return cls(parts, dtype)
 
@@ -251,7 +251,7 @@ class Int8SqLinear(nn.Module):
     x: ``[T, in_features]`` float32 / bfloat16; returns ``[T, out_features]`` in x's dtype."""
 
     @classmethod
-    def from_parts(cls, parts: list[QuantizedWeights], quant: "IntQuantization", dtype: torch.dtype) -> "Int8SqLinear":
+    def from_parts(cls, parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> Int8SqLinear:
         """The linear of ``parts`` (a fused projection's, or one) with ``quant``'s per_token."""
         return cls(parts, dtype, quant.per_token)
 
