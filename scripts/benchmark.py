@@ -302,14 +302,14 @@ def main() -> int:
     if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):  # an allocator is chosen at process start
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
-    from kilnlm.builder.formats import FORMATS as QFORMATS
+    from kilnlm.builder.formats import FORMATS
     from kilnlm.runtime.manifest import read_manifest
     from kilnlm.runtime.tokenizer import Tokenizer
 
     formats = [f for f in args.formats.split(",") if f]
-    unknown = [f for f in formats if split_spec(f)[0] not in QFORMATS]
+    unknown = [f for f in formats if split_spec(f)[0] not in FORMATS]
     if unknown:
-        parser.error(f"--formats {','.join(unknown)}: this kilnlm builds {', '.join(QFORMATS)} "
+        parser.error(f"--formats {','.join(unknown)}: this kilnlm builds {', '.join(FORMATS)} "
                      f"(append {LM_HEAD_SUFFIX} to a weight-only format to quantize the LM head too)")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     bandwidth_gbs = measure_read_bandwidth_gbs()
