@@ -7,15 +7,16 @@
   name and SHA-256, never timestamps or the directory's path. Hashing the files is cheap next to loading
   them (SmolLM2-135M fp32: ~1 s for 540 MB on a busy 2-core machine, against minutes for a build), so
   the key is known before any conversion starts;
-- ``build``: every :class:`~kilnlm.builder.build.BuildOptions` field except :data:`EXCLUDED_FIELDS`
-  (where the engine goes, overwriting, the smoke test), defaults resolved (``dtype auto`` -> the
-  activation dtype, unset calibration sizes / calibration text -> their defaults),
-  file-valued options (e.g. calibration data) replaced by their content digest. Fields added to
-  ``BuildOptions`` later are covered without touching this module;
+- ``build``: every field of the resolved build options (:class:`~kilnlm.builder.config.ResolvedBuildOptions`,
+  defaults applied: ``dtype auto`` -> the activation dtype, unset calibration sizes / zero points -> the
+  format's defaults, no calibration text -> the digest of the default texts) except
+  :data:`EXCLUDED_FIELDS` (where the engine goes, overwriting, the smoke test), file-valued options (e.g.
+  calibration data) replaced by their content digest. Fields added to the options later are covered
+  without touching this module;
 - ``format_version``: the engine manifest's format version; ``plugins``: every plugin's version;
-- ``toolchain``: kilnlm's version and a digest of the builder / plugin / artifact-format sources, torch
-  version, C++ compiler, target and the CPU vector ISA inductor generates code for (a TensorRT target
-  adds its GPU SM architecture and TensorRT version here).
+- ``toolchain``: the target's toolchain versions (:meth:`kilnlm.builder.targets.Target.toolchain_versions`;
+  for ``cpu``: kilnlm, torch, C++ compiler, target and the CPU vector ISA inductor generates code for;
+  memoized, :mod:`kilnlm.builder.toolchain`) and a digest of the builder / plugin / artifact-format sources.
 
 The key and its inputs are recorded in the engine's manifest (``cache_key``, ``cache_key_inputs``).
 """
@@ -30,13 +31,20 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from kilnlm.builder.errors import BuildError
-from kilnlm.builder.toolchain import toolchain_for_key
+import pydoc_data.topics
 
-# BuildOptions fields that do not change the engine: where it (or a side output such as an exported
-# checkpoint) is written, whether an existing directory is replaced, the smoke test, how much is logged.
-EXCLUDED_FIELDS = frozenset({"checkpoint", "output", "overwrite", "smoke_test", "quiet", "verbose", "verbosity",
-                             "export_checkpoint"})
+from kilnlm.builder.calibration import GENERAL_TEXT_PATH
+from kilnlm.builder.config import ResolvedBuildOptions
+from kilnlm.builder.errors import BuildError
+from kilnlm.builder.targets import get_target
+from kilnlm.builder.toolchain import kilnlm_source_digest, memoized
+from kilnlm.plugins import PLUGIN_VERSIONS
+from kilnlm.runtime import manifest as manifest_format
+
+# Build option fields that do not change the engine: where it (or a side output such as an exported
+# checkpoint) is written, whether an existing directory is replaced, the smoke test. (The checkpoint is
+# keyed by its content, apart.)
+EXCLUDED_FIELDS = frozenset({"checkpoint", "output", "overwrite", "smoke_test", "export_checkpoint"})
 # Files in an HF checkpoint directory that no build reads (documentation, other weight formats).
 _IGNORED_SUFFIXES = (".md", ".bin", ".pth", ".pt", ".h5", ".msgpack", ".ckpt", ".onnx", ".gguf", ".lock")
 _IGNORED_NAMES = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")
@@ -107,52 +115,47 @@ def _normalize(value: Any, name: str) -> Any:
     return f"{type(value).__module__}.{type(value).__qualname__}:{value}"
 
 
-def normalized_build_config(opts) -> dict[str, Any]:
-    """The engine-affecting part of ``opts`` (a :class:`BuildOptions`) as a JSON-ready dict, defaults
-    resolved: ``dtype auto`` -> the activation dtype; unset calibration sizes -> the defaults the build
-    applies; unset calibration data -> the digest of the default texts (kilnlm's ``data/general_en.txt``
-    and ``pydoc_data.topics``, which may change with the Python release). An unset int4 group size stays
-    unset: the build picks it per model (128, or the largest of 64/32/16 that divides), so it is not the
-    same as an explicit 128. Options a format does not use are refused by
-    :func:`~kilnlm.builder.build.check_quant_options` (so they are always unset there) rather than dropped
-    here. Raises :class:`BuildError` for options the build would refuse."""
-    from kilnlm.builder import build
+def toolchain_for_key(target: str) -> dict[str, str]:
+    """The toolchain part of the cache key: ``target``'s :meth:`~kilnlm.builder.targets.Target.toolchain_versions`
+    (memoized per machine and compiler, :func:`kilnlm.builder.toolchain.memoized`) plus
+    :func:`~kilnlm.builder.toolchain.kilnlm_source_digest` (always recomputed)."""
+    versions = memoized(f"toolchain:{target}", get_target(target).toolchain_versions)
+    return {**versions, "kilnlm_sources": kilnlm_source_digest()}
 
-    build.check_quant_options(opts)
+
+def _default_calibration_digest() -> dict[str, Any]:
+    """What an unset ``calib_data`` stands for: kilnlm's ``data/general_en.txt`` and ``pydoc_data.topics``
+    (which may change with the Python release), by content."""
+    topics = Path(pydoc_data.topics.__file__)
+    return {"default": ["general_en.txt", "pydoc_data.topics"],
+            "content": [_digest_tree([GENERAL_TEXT_PATH], GENERAL_TEXT_PATH.parent), _digest_tree([topics], topics.parent)]}
+
+
+def normalized_build_config(opts: ResolvedBuildOptions) -> dict[str, Any]:
+    """The engine-affecting part of the resolved options ``opts`` as a JSON-ready dict: every field but
+    :data:`EXCLUDED_FIELDS`, files by content, an unset ``calib_data`` by the default texts' content. An unset
+    int4 group size stays unset: the build picks it per model (the format's 128, or the largest of 64/32/16
+    that divides), so it is not the same as an explicit 128."""
     config = {f.name: _normalize(getattr(opts, f.name), f.name) for f in fields(opts) if f.name not in EXCLUDED_FIELDS}
-    config["dtype"] = build.resolve_dtype(opts.qformat, opts.dtype)
-    defaults = (("calib_num_samples", build.default_calib_num_samples(opts.qformat)),
-                ("calib_seq_len", build.DEFAULT_CALIB_SEQ_LEN))
-    for name, default in defaults:
-        if name in config and config[name] is None:
-            config[name] = default
-    if "calib_data" in config and config["calib_data"] is None:
-        import pydoc_data.topics
-
-        from kilnlm.builder.calibration import GENERAL_TEXT_PATH
-
-        topics = Path(pydoc_data.topics.__file__)
-        config["calib_data"] = {"default": ["general_en.txt", "pydoc_data.topics"],
-                                "content": [_digest_tree([GENERAL_TEXT_PATH], GENERAL_TEXT_PATH.parent),
-                                            _digest_tree([topics], topics.parent)]}
+    if opts.calib_data is None:
+        config["calib_data"] = _default_calibration_digest()
     return config
 
 
-def compute_cache_key(opts) -> CacheKey:
-    """The cache key of building ``opts`` (a :class:`BuildOptions`). Reads and hashes the checkpoint's
-    files but loads nothing. Raises :class:`BuildError` for a missing checkpoint or bad options."""
-    from kilnlm.plugins import PLUGIN_VERSIONS
-    from kilnlm.runtime.manifest import FORMAT_VERSION
-
+def compute_cache_key(opts: ResolvedBuildOptions) -> CacheKey:
+    """The cache key of building the resolved options ``opts`` (:func:`kilnlm.builder.config.resolve`).
+    Reads and hashes the checkpoint's files but loads nothing. Raises :class:`BuildError` for a missing
+    checkpoint."""
     inputs = {
         "checkpoint": checkpoint_content_digest(opts.checkpoint),
         "build": normalized_build_config(opts),
-        "format_version": FORMAT_VERSION,
+        "format_version": manifest_format.FORMAT_VERSION,
         "plugins": dict(sorted(PLUGIN_VERSIONS.items())),
-        "toolchain": toolchain_for_key(),
+        "toolchain": toolchain_for_key(opts.target),
     }
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return CacheKey(key=hashlib.sha256(canonical.encode()).hexdigest(), inputs=json.loads(canonical))
 
 
-__all__ = ["CacheKey", "EXCLUDED_FIELDS", "checkpoint_content_digest", "compute_cache_key", "normalized_build_config"]
+__all__ = ["CacheKey", "EXCLUDED_FIELDS", "checkpoint_content_digest", "compute_cache_key", "normalized_build_config",
+           "toolchain_for_key"]

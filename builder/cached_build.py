@@ -2,6 +2,7 @@
 
 ::
 
+    opts = resolve(options)                  validated once, before any work
     key = compute_cache_key(opts)            hashes the checkpoint's files; loads nothing
     hit:  cache.fetch(key) -> opts.output    downloaded, sizes + SHA-256 checked, renamed into place
     miss: build_engine(opts) -> opts.output  then cache.publish(opts.output) (files first, manifest last)
@@ -14,8 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kilnlm.builder.build import BuildOptions, build_engine
+from kilnlm.builder.build import build_engine
 from kilnlm.builder.cache_key import compute_cache_key
+from kilnlm.builder.config import BuildOptions, ResolvedBuildOptions, resolve
 from kilnlm.runtime.engine_cache import CacheEntry, EngineCache, split_name_version
 from kilnlm.runtime.manifest import Manifest
 
@@ -33,15 +35,16 @@ class CachedBuild:
     elapsed_s: float
 
 
-def build_with_cache(opts: BuildOptions, cache_url: str, name: str | None = None,
+def build_with_cache(options: BuildOptions | ResolvedBuildOptions, cache_url: str, name: str | None = None,
                      say: Callable[[str], None] = print) -> CachedBuild:
-    """Place the engine of ``opts`` at ``opts.output``, from the cache at ``cache_url`` when it holds the
+    """Place the engine of ``options`` at ``options.output``, from the cache at ``cache_url`` when it holds the
     build's key, else by building and publishing it. ``name``: ``NAME`` or ``NAME:VERSION`` to tag.
     ``say`` receives one-line progress messages ("cache hit <key>", ...). Raises :class:`BuildError`
     for bad build options and :class:`CacheError` for cache problems (checked before any work)."""
     t_start = time.perf_counter()
     tag_name, tag_version = split_name_version(name) if name else (None, None)
     cache = EngineCache(cache_url)
+    opts = options if isinstance(options, ResolvedBuildOptions) else resolve(options)
     key = compute_cache_key(opts)
     # --export-checkpoint writes ModelOpt's quantized checkpoint, which only a build produces: skip the lookup.
     entry = cache.lookup(key.key) if opts.export_checkpoint is None else None

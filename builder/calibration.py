@@ -31,12 +31,14 @@ from kilnlm.builder.errors import BuildError
 JSONL_SUFFIXES = (".jsonl", ".json")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CalibrationConfig:
-    """What to calibrate on. ``data_path`` None = the default sources (:func:`default_calibration_texts`)."""
+    """What to calibrate on (made from the resolved build options,
+    :attr:`kilnlm.builder.config.ResolvedBuildOptions.calibration`, which hold the defaults). ``data_path``
+    None = the default sources (:func:`default_calibration_texts`)."""
 
-    num_samples: int = 24  # calibration sequences (--calib-size)
-    seq_len: int = 256  # tokens per sequence (--calib-max-seq-len)
+    num_samples: int  # calibration sequences (--calib-size)
+    seq_len: int  # tokens per sequence (--calib-max-seq-len)
     data_path: Path | None = None  # --calib-data: plain text, or JSONL with a "text" field
 
     def describe(self) -> str:

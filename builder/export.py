@@ -40,14 +40,11 @@ from pathlib import Path
 import torch
 
 from kilnlm.builder.errors import BuildError
+from kilnlm.builder.formats import QuantFormat
 from kilnlm.builder.network.layers import QuantizedWeights
 from kilnlm.plugins.reference import pack_int4
 
 log = logging.getLogger(__name__)
-
-# qformat -> the quant_algo ModelOpt records in hf_quant_config.json.
-QUANT_ALGOS = {"int4_awq": "W4A16_AWQ", "int4_wo": "W4A16_AWQ", "int8_wo": "W8A16", "int8_sq": "W8A8_SQ_PER_CHANNEL"}
-
 
 def export_unified_checkpoint(model, tokenizer, export_dir: Path) -> Path:
     """Write ModelOpt's unified HF checkpoint of a ``mtq.quantize``-d transformers ``model`` (modified in
@@ -150,20 +147,20 @@ def write_int4_zero_points(export_dir: Path, linears: dict[str, tuple[torch.Tens
                 path.write_text(json.dumps(config, indent=2))
 
 
-def read_unified_checkpoint(export_dir: Path, qformat: str) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeights], int | None]:
+def read_unified_checkpoint(export_dir: Path, fmt: QuantFormat) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeights], int | None]:
     """Read a ModelOpt unified checkpoint back into kilnlm's layout.
 
     Returns ``(state_dict, linears, group_size)``: the unquantized tensors (float32, HF names: norms with
     AWQ's folded scales, embeddings, an unquantized LM head), the quantized linears by HF module name
     (``model.layers.0.self_attn.q_proj``, ``lm_head``) as :class:`QuantizedWeights` in the layouts of the
     ``kilnlm::int4_linear`` / ``int8_linear`` / ``int8_sq_linear`` schemas, and the int4 group size (None
-    for int8). Raises :class:`BuildError` when the checkpoint's ``quant_algo`` is not ``qformat``'s."""
+    for int8). Raises :class:`BuildError` when the checkpoint's ``quant_algo`` is not ``fmt.modelopt_quant_algo``."""
     section = quant_section(export_dir)
     algo = section.get("quant_algo")
-    if algo != QUANT_ALGOS[qformat]:
-        raise BuildError(f"{export_dir}: quant_algo {algo!r} is not {QUANT_ALGOS[qformat]!r} (--qformat {qformat}): "
+    if algo != fmt.modelopt_quant_algo:
+        raise BuildError(f"{export_dir}: quant_algo {algo!r} is not {fmt.modelopt_quant_algo!r} (--qformat {fmt.name}): "
                          "ModelOpt quantized with a different recipe; report this as a kilnlm bug")
-    group_size = int(section["group_size"]) if qformat.startswith("int4") else None
+    group_size = int(section["group_size"]) if fmt.group_wise else None
     tensors = load_tensors(Path(export_dir))
     modules = sorted(name[: -len(".weight_scale")] for name in tensors if name.endswith(".weight_scale"))
     linears: dict[str, QuantizedWeights] = {}
@@ -172,7 +169,7 @@ def read_unified_checkpoint(export_dir: Path, qformat: str) -> tuple[dict[str, t
         if group_size is not None:
             weight = modelopt_int4_to_kilnlm(weight.view(torch.uint8))
         elif weight.dtype != torch.int8:
-            raise BuildError(f"{export_dir}: {name}.weight is {weight.dtype}, expected int8 for --qformat {qformat}")
+            raise BuildError(f"{export_dir}: {name}.weight is {weight.dtype}, expected int8 for --qformat {fmt.name}")
         pre_quant_scale = tensors.pop(f"{name}.pre_quant_scale", None)
         input_scale = tensors.pop(f"{name}.input_scale", None)
         zero_point = tensors.pop(f"{name}.weight_zero_point", None)

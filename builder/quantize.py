@@ -20,6 +20,7 @@ import torch
 from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, forward_loop
 from kilnlm.builder.checkpoint import Checkpoint
 from kilnlm.builder.errors import BuildError
+from kilnlm.builder.formats import QuantFormat
 from kilnlm.builder.network.layers import Fp8Amax
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ def without_lm_head_exclusion(recipe: dict) -> dict:
     return recipe
 
 
-def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig, quantize_lm_head: bool = False) -> dict[str, Fp8Amax]:
-    """Run ModelOpt FP8 calibration on the checkpoint's float32 weights.
+def calibrate_fp8(ck: Checkpoint, fmt: QuantFormat, cfg: CalibrationConfig, quantize_lm_head: bool = False) -> dict[str, Fp8Amax]:
+    """Run ModelOpt's FP8 calibration (``fmt.modelopt_config``) on the checkpoint's float32 weights.
 
     Returns HF linear name (``model.layers.{i}.self_attn.q_proj``, ...) -> :class:`Fp8Amax` for every
     decoder linear, and for ``lm_head`` too with ``quantize_lm_head`` (``--quantize-lm-head``: ModelOpt's
@@ -44,7 +45,7 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig, quantize_lm_head: bool
     try:
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
-        raise BuildError(f"--qformat fp8 needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
+        raise BuildError(f"--qformat {fmt.name} needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(ck.config, dtype=torch.float32)
@@ -53,7 +54,8 @@ def calibrate_fp8(ck: Checkpoint, cfg: CalibrationConfig, quantize_lm_head: bool
         model.tie_weights()
     model.eval()
     # the default recipe leaves the LM head (and embeddings) unquantized
-    recipe = without_lm_head_exclusion(mtq.FP8_DEFAULT_CFG) if quantize_lm_head else mtq.FP8_DEFAULT_CFG
+    recipe = getattr(mtq, fmt.modelopt_config)
+    recipe = without_lm_head_exclusion(recipe) if quantize_lm_head else recipe
     batches = calibration_batches(ck.tokenizer, cfg)
     log.info("calibrating FP8 on %d samples x %d tokens of %s", len(batches), batches[0].shape[1], cfg.describe())
     loop = forward_loop(batches, "FP8 calibration", log.isEnabledFor(logging.INFO))

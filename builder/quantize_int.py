@@ -17,11 +17,11 @@ int8_sq    ``INT8_SMOOTHQUANT_CFG`` (per-channel weights,    SmoothQuant (Xiao e
 SmoothQuant's migration strength alpha decides how much of the activations' range moves into the weights;
 its paper tunes it per model (0.5 for most, up to 0.8-0.85 for GLM / Llama-class models with stronger
 activation outliers). Without ``--smoothquant-alpha``, a per-tensor int8_sq build tries each alpha of
-:data:`SMOOTHQUANT_ALPHA_GRID` and keeps the quantized model with the lowest next-token loss on validation
+:data:`~kilnlm.builder.formats.SMOOTHQUANT_ALPHA_GRID` and keeps the quantized model with the lowest next-token loss on validation
 windows of the calibration text (disjoint from the calibration windows; never the evaluation text). The
 calibration windows themselves would favour the alpha whose activation ranges fit them best: on SmolLM2
 they ranked 0.9 above 0.8, against held-out text (docs/quantization.md). With ``--per-token`` the default is
-:data:`PER_TOKEN_SMOOTHQUANT_ALPHA`, TensorRT-LLM's documented recipe (``--smoothquant 0.5 --per_token``).
+:data:`~kilnlm.builder.formats.PER_TOKEN_SMOOTHQUANT_ALPHA`, TensorRT-LLM's documented recipe (``--smoothquant 0.5 --per_token``).
 
 Symmetric integers: int4 in [-8, 7] with ``scale = amax / 7`` per group, int8 in [-128, 127] with
 ``scale = amax / 127`` (ModelOpt's convention, checked in its ``quant_utils``).
@@ -50,54 +50,24 @@ from __future__ import annotations
 import copy
 import logging
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, forward_loop
+from kilnlm.builder.calibration import calibration_batches, forward_loop
 from kilnlm.builder.checkpoint import Checkpoint
+from kilnlm.builder.config import ResolvedBuildOptions
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.export import export_unified_checkpoint, read_unified_checkpoint
+from kilnlm.builder.formats import SMOOTHQUANT_ALPHA_GRID, QuantFormat
 from kilnlm.builder.network.layers import IntQuantization
 from kilnlm.builder.network.llama import fold_smoothing_into_norms
 from kilnlm.builder.quantize import without_lm_head_exclusion
 
 log = logging.getLogger(__name__)
 
-INT_QFORMATS = ("int4_awq", "int4_wo", "int8_wo", "int8_sq")
-INT4_QFORMATS = ("int4_awq", "int4_wo")
-# Formats whose quantization reads calibration text.
-CALIBRATED_QFORMATS = ("fp8", "int4_awq", "int8_sq")
-# Formats whose LM head may go through the same quantization (--quantize-lm-head): all of them. fp8 and int8_sq
-# make it W8A8 with its own calibrated input scale; int8_sq's smoothing of the head folds into the final norm.
-LM_HEAD_QFORMATS = ("fp8", "int4_awq", "int4_wo", "int8_wo", "int8_sq")
 # Group sizes offered in error messages (the int4 kernels' natural block widths).
 GROUP_SIZE_CHOICES = (16, 32, 64, 128, 256)
-# SmoothQuant alphas a per-tensor int8_sq build tries when --smoothquant-alpha is not given.
-SMOOTHQUANT_ALPHA_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-# int8_sq --per-token without --smoothquant-alpha: TensorRT-LLM's recipe for per-token activations.
-PER_TOKEN_SMOOTHQUANT_ALPHA = 0.5
-# int4 formats whose groups get zero points unless --no-zero-point (int4_wo stays TensorRT-LLM's symmetric RTN).
-ZERO_POINT_QFORMATS = ("int4_awq",)
-
-
-@dataclass
-class IntQuantConfig:
-    """What ``kilnlm build`` asks of the integer formats."""
-
-    qformat: str  # one of INT_QFORMATS
-    group_size: int | None = None  # int4: input columns per scale (--group-size; None: default_group_size)
-    quantize_lm_head: bool = False  # --quantize-lm-head
-    calib: CalibrationConfig = field(default_factory=CalibrationConfig)
-    export_dir: Path | None = None  # --export-checkpoint: keep the unified checkpoint here
-    per_token: bool = False  # int8_sq --per-token: dynamic per-token activation scales at run time
-    smoothquant_alpha: float | None = None  # int8_sq --smoothquant-alpha (None: searched, or 0.5 with per_token)
-    zero_point: bool | None = None  # int4 --zero-point (None: on for int4_awq, off for int4_wo)
-
-    def uses_zero_points(self) -> bool:
-        return self.qformat in INT4_QFORMATS and (self.zero_point if self.zero_point is not None
-                                                  else self.qformat in ZERO_POINT_QFORMATS)
 
 
 def linear_in_features(hf_config) -> dict[str, int]:
@@ -141,16 +111,15 @@ def default_group_size(hf_config, quantize_lm_head: bool, preferred: int = 128) 
     return preferred
 
 
-def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool, smoothquant_alpha: float | None = None) -> dict:
-    """A deep copy of ModelOpt's recipe for ``qformat`` with the int4 block size set to ``group_size``,
-    with ``quantize_lm_head``, the LM head's weight quantizer enabled (its input quantizer too for int8_sq,
-    so that SmoothQuant smooths and calibrates the head like any other linear), and for int8_sq SmoothQuant's alpha
-    set to ``smoothquant_alpha`` (None keeps the recipe's)."""
+def modelopt_recipe(fmt: QuantFormat, group_size: int, quantize_lm_head: bool,
+                    smoothquant_alpha: float | None = None) -> dict:
+    """A deep copy of ModelOpt's recipe for ``fmt`` (:attr:`QuantFormat.modelopt_config`) with the int4 block
+    size set to ``group_size``, with ``quantize_lm_head``, the LM head's weight quantizer enabled (its input
+    quantizer too for a W8A8 format, so that SmoothQuant smooths and calibrates the head like any other
+    linear), and for SmoothQuant the alpha set to ``smoothquant_alpha`` (None keeps the recipe's)."""
     import modelopt.torch.quantization as mtq
 
-    base = {"int4_awq": mtq.INT4_AWQ_CFG, "int4_wo": mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
-            "int8_wo": mtq.INT8_WEIGHT_ONLY_CFG, "int8_sq": mtq.INT8_SMOOTHQUANT_CFG}[qformat]
-    recipe = copy.deepcopy(base)
+    recipe = copy.deepcopy(getattr(mtq, fmt.modelopt_config))
     entries = recipe["quant_cfg"]
     for entry in entries:
         if entry.get("quantizer_name") == "*weight_quantizer" and "block_sizes" in entry.get("cfg", {}):
@@ -158,13 +127,13 @@ def modelopt_recipe(qformat: str, group_size: int, quantize_lm_head: bool, smoot
     if quantize_lm_head:
         weight_cfg = next(e["cfg"] for e in entries if e.get("quantizer_name") == "*weight_quantizer")
         recipe = without_lm_head_exclusion(recipe)
-        # W8A8 for int8_sq (SmoothQuant then smooths the head too); weight-only for the others
+        # W8A8 for W8A8 formats (SmoothQuant then smooths the head too); weight-only for the others
         input_entry = next((e for e in entries if e.get("quantizer_name") == "*input_quantizer"), None)
         head_input = ({"quantizer_name": "*lm_head*input_quantizer", "cfg": copy.deepcopy(input_entry["cfg"])}
-                      if qformat == "int8_sq" else {"quantizer_name": "*lm_head*input_quantizer", "enable": False})
+                      if fmt.quantizes_activations else {"quantizer_name": "*lm_head*input_quantizer", "enable": False})
         recipe["quant_cfg"] += [{"quantizer_name": "*lm_head*weight_quantizer", "cfg": copy.deepcopy(weight_cfg)},
                                 head_input]
-    if qformat == "int8_sq" and smoothquant_alpha is not None:
+    if fmt.smoothquant and smoothquant_alpha is not None:
         recipe["algorithm"] = {"method": "smoothquant", "alpha": float(smoothquant_alpha)}
     return recipe
 
@@ -201,8 +170,8 @@ def calibration_loss(model, batches: list[torch.Tensor], group_size: int = 8) ->
     return total / count
 
 
-def search_smoothquant_alpha(model, cfg: IntQuantConfig, batches: list[torch.Tensor], loop):
-    """Quantize a copy of the float ``model`` with each alpha of :data:`SMOOTHQUANT_ALPHA_GRID` (calibrated
+def search_smoothquant_alpha(model, fmt: QuantFormat, quantize_lm_head: bool, batches: list[torch.Tensor], loop):
+    """Quantize a copy of the float ``model`` with each alpha of :data:`~kilnlm.builder.formats.SMOOTHQUANT_ALPHA_GRID` (calibrated
     by ``loop``), rank them by :func:`calibration_loss` on ``batches``, the validation windows (ties: the
     first), and return ``(alpha, model quantized in place with it)``. Only one candidate is held at a time
     (peak memory: two copies of the model), at the price of quantizing the winner once more (deterministic:
@@ -211,7 +180,7 @@ def search_smoothquant_alpha(model, cfg: IntQuantConfig, batches: list[torch.Ten
 
     def quantize(target, alpha: float):
         torch.manual_seed(0)
-        return mtq.quantize(target, modelopt_recipe("int8_sq", 128, cfg.quantize_lm_head, alpha), loop)
+        return mtq.quantize(target, modelopt_recipe(fmt, 128, quantize_lm_head, alpha), loop)
 
     baseline = calibration_loss(model, batches)
     losses = {}
@@ -219,10 +188,11 @@ def search_smoothquant_alpha(model, cfg: IntQuantConfig, batches: list[torch.Ten
         candidate = quantize(copy.deepcopy(model), alpha)
         losses[alpha] = calibration_loss(candidate, batches)
         del candidate
-        log.info("int8_sq SmoothQuant alpha %.1f: validation loss %+.4f nats/token over the float model", alpha,
+        log.info("%s SmoothQuant alpha %.1f: validation loss %+.4f nats/token over the float model", fmt.name, alpha,
                  losses[alpha] - baseline)
     alpha = min(losses, key=losses.get)
-    log.info("int8_sq: SmoothQuant alpha %.1f (lowest validation loss, %+.4f nats/token)", alpha, losses[alpha] - baseline)
+    log.info("%s: SmoothQuant alpha %.1f (lowest validation loss, %+.4f nats/token)", fmt.name, alpha,
+             losses[alpha] - baseline)
     return alpha, quantize(model, alpha)
 
 
@@ -295,54 +265,53 @@ def requantize_with_zero_points(export_dir: Path, ck: Checkpoint, group_size: in
     log.info("int4 zero points: re-rounded %d linears asymmetrically (groups of %d)", len(linears), group_size)
 
 
-def quantize_int(ck: Checkpoint, cfg: IntQuantConfig) -> tuple[dict[str, torch.Tensor], IntQuantization]:
-    """Quantize ``ck`` with ModelOpt's recipe for ``cfg.qformat``, export the unified HF checkpoint (to
-    ``cfg.export_dir``, or a temporary directory) and read it back into kilnlm's layout. A per-tensor
-    int8_sq without ``cfg.smoothquant_alpha`` searches SmoothQuant's alpha (:func:`search_smoothquant_alpha`).
+def quantize_int(ck: Checkpoint, opts: ResolvedBuildOptions) -> tuple[dict[str, torch.Tensor], IntQuantization]:
+    """Quantize ``ck`` with ModelOpt's recipe for ``opts.format``, export the unified HF checkpoint (to
+    ``opts.export_checkpoint``, or a temporary directory) and read it back into kilnlm's layout. A per-tensor
+    SmoothQuant build without ``opts.smoothquant_alpha`` searches SmoothQuant's alpha (:func:`search_smoothquant_alpha`).
 
     Returns ``(state_dict, quant)``: the float tensors the network still needs (float32, HF names; norms
     with the folded smoothing / AWQ scales) and the quantized linears. Raises :class:`BuildError` for a
     missing ModelOpt, an invalid group size or calibration data, or an export ModelOpt cannot write."""
+    fmt = opts.format
     try:
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
-        raise BuildError(f"--qformat {cfg.qformat} needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
-    group_size = cfg.group_size
-    if cfg.qformat in INT4_QFORMATS:
+        raise BuildError(f"--qformat {fmt.name} needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
+    group_size = opts.group_size
+    if fmt.group_wise:
         if group_size is None:
-            group_size = default_group_size(ck.config, cfg.quantize_lm_head)
-        check_group_size(ck.config, group_size, cfg.quantize_lm_head)
-    model = _float_model(ck, untie=cfg.quantize_lm_head)
+            group_size = default_group_size(ck.config, opts.quantize_lm_head, fmt.group_size)
+        check_group_size(ck.config, group_size, opts.quantize_lm_head)
+    model = _float_model(ck, untie=opts.quantize_lm_head)
     loop = None
-    if cfg.qformat in CALIBRATED_QFORMATS:
-        batches = calibration_batches(ck.tokenizer, cfg.calib)
-        log.info("calibrating %s (ModelOpt) on %d samples x %d tokens of %s", cfg.qformat, len(batches),
-                 batches[0].shape[1], cfg.calib.describe())
-        loop = forward_loop(batches, f"{cfg.qformat} calibration", log.isEnabledFor(logging.INFO))
+    if fmt.calibrated:
+        batches = calibration_batches(ck.tokenizer, opts.calibration)
+        log.info("calibrating %s (ModelOpt) on %d samples x %d tokens of %s", fmt.name, len(batches),
+                 batches[0].shape[1], opts.calibration.describe())
+        loop = forward_loop(batches, f"{fmt.name} calibration", log.isEnabledFor(logging.INFO))
     else:
-        log.info("quantizing %s (ModelOpt, round-to-nearest from the weights; no calibration data)", cfg.qformat)
-    alpha = cfg.smoothquant_alpha
-    if cfg.qformat == "int8_sq" and alpha is None and cfg.per_token:
-        alpha = PER_TOKEN_SMOOTHQUANT_ALPHA
-    if cfg.qformat == "int8_sq" and alpha is None:
-        validation = calibration_batches(ck.tokenizer, cfg.calib, validation=True)
-        alpha, model = search_smoothquant_alpha(model, cfg, validation, loop)
+        log.info("quantizing %s (ModelOpt, round-to-nearest from the weights; no calibration data)", fmt.name)
+    if fmt.smoothquant and opts.smoothquant_alpha is None:
+        validation = calibration_batches(ck.tokenizer, opts.calibration, validation=True)
+        _, model = search_smoothquant_alpha(model, fmt, opts.quantize_lm_head, validation, loop)
     else:
         torch.manual_seed(0)
-        model = mtq.quantize(model, modelopt_recipe(cfg.qformat, group_size or 128, cfg.quantize_lm_head, alpha), loop)
+        model = mtq.quantize(model, modelopt_recipe(fmt, group_size or 128, opts.quantize_lm_head, opts.smoothquant_alpha),
+                             loop)
     with tempfile.TemporaryDirectory(prefix="kilnlm-export-") as tmp:
-        export_dir = Path(cfg.export_dir) if cfg.export_dir is not None else Path(tmp)
+        export_dir = opts.export_checkpoint if opts.export_checkpoint is not None else Path(tmp)
         export_unified_checkpoint(model, ck.tokenizer, export_dir)
-        if cfg.export_dir is not None:
+        if opts.export_checkpoint is not None:
             log.info("wrote the unified HF checkpoint (ModelOpt format) to %s", export_dir)
-        if cfg.uses_zero_points():
+        if opts.zero_point:
             requantize_with_zero_points(export_dir, ck, group_size)
-        state, linears, group_size = read_unified_checkpoint(export_dir, cfg.qformat)
-    quant = IntQuantization(cfg.qformat, group_size, linears, per_token=cfg.per_token)
-    if cfg.quantize_lm_head and "lm_head" not in linears:
+        state, linears, group_size = read_unified_checkpoint(export_dir, fmt)
+    quant = IntQuantization(fmt.name, group_size, linears, per_token=opts.per_token)
+    if opts.quantize_lm_head and "lm_head" not in linears:
         raise BuildError("ModelOpt did not quantize the LM head although --quantize-lm-head was given: report this as a kilnlm bug")
-    if cfg.qformat == "int8_sq":
+    if fmt.smoothquant:
         fold_smoothing_into_norms(state, quant, ck.config.num_hidden_layers)
-    if getattr(ck.config, "tie_word_embeddings", False) and not cfg.quantize_lm_head:
+    if getattr(ck.config, "tie_word_embeddings", False) and not opts.quantize_lm_head:
         state.pop("lm_head.weight", None)
     return state, quant

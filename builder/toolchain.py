@@ -1,6 +1,6 @@
 """The toolchain an engine depends on, cheaply enough for a cache lookup.
 
-:func:`kilnlm.builder.build.toolchain_versions` asks inductor (importing ``torch._inductor`` costs ~4 s
+A target's ``toolchain_versions`` (e.g. :func:`kilnlm.builder.targets.cpu.toolchain_versions`) asks inductor (importing ``torch._inductor`` costs ~4 s
 on a busy 2-core machine, and its CPU-ISA probe compiles and runs test programs for another ~2-4 s). A
 cache hit must cost a small fraction of a build, so the answers are memoized in
 ``$XDG_CACHE_HOME/kilnlm/toolchain.json`` (default ``~/.cache``), each under a digest of everything
@@ -63,7 +63,7 @@ def _read_memo(path: Path) -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def _memoized(kind: str, compute) -> Any:
+def memoized(kind: str, compute) -> Any:
     """``compute()``'s JSON-able answer, from the memo file when its probe id is recorded there."""
     path, probe = memo_path(), _probe_id(kind)
     known = _read_memo(path)
@@ -89,7 +89,7 @@ def inductor_cpu_isa() -> str:
 
         return str(pick_vec_isa())
 
-    return _memoized("cpu_isa", probe)
+    return memoized("cpu_isa", probe)
 
 
 def kilnlm_source_digest() -> str:
@@ -113,15 +113,3 @@ def kilnlm_source_digest() -> str:
             with open(path, "rb") as f:
                 digest.update(f"{rel}\0{hashlib.sha256(f.read()).hexdigest()}\n".encode())
     return "sha256:" + digest.hexdigest()
-
-
-def toolchain_for_key() -> dict[str, str]:
-    """The toolchain part of the cache key: :func:`kilnlm.builder.build.toolchain_versions` (kilnlm,
-    torch, compiler, cpu_isa, target; memoized) plus :func:`kilnlm_source_digest` (always recomputed)."""
-
-    def probe() -> dict[str, str]:
-        from kilnlm.builder.build import toolchain_versions
-
-        return toolchain_versions()
-
-    return {**_memoized("toolchain", probe), "kilnlm_sources": kilnlm_source_digest()}

@@ -1,70 +1,118 @@
-"""``kilnlm build``: compile a checkpoint (HF directory or .gguf) into an engine directory."""
+"""``kilnlm build``: compile a checkpoint (HF directory or .gguf) into an engine directory.
+
+One flag per :class:`kilnlm.builder.config.BuildOptions` field, of the same name (``--calib-size`` is
+``calib_size``). Defaults, choices and the defaults quoted in the help texts are read from the options'
+field defaults and from the format and target registries, never written here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import fields
 from pathlib import Path
 
 
-def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
-    from kilnlm.builder.build import QFORMATS
-    from kilnlm.builder.kv_quant import KV_CACHE_DTYPE_CHOICES
+def _formats_help() -> dict[str, str]:
+    """Help fragments generated from the format registry (:mod:`kilnlm.builder.formats`)."""
+    from kilnlm.builder.formats import (FORMATS, PER_TOKEN_SMOOTHQUANT_ALPHA, SMOOTHQUANT_ALPHA_GRID, QuantFormat,
+                                        format_names)
 
+    def names(predicate) -> str:
+        return " / ".join(format_names(predicate))
+
+    described = ", ".join(f"{f.name} ({f.summary})" if f.summary else f.name for f in FORMATS.values())
+    by_dtype: dict[str, list[str]] = {}
+    for f in FORMATS.values():
+        by_dtype.setdefault(f.activation_dtype, []).append(f.name)
+    usual_dtype = max(by_dtype, key=lambda d: len(by_dtype[d]))
+    auto = ", ".join(f"{d} for {', '.join(n)}" for d, n in by_dtype.items() if d != usual_dtype)
+    usual_calib = next(f.default for f in fields(QuantFormat) if f.name == "calib_size")
+    calib_exceptions = "".join(f"; {f.calib_size} for {f.name}" + (f", {f.calib_size_reason}" if f.calib_size_reason else "")
+                               for f in FORMATS.values() if f.calibrated and f.calib_size != usual_calib)
+    group_sizes = sorted({f.group_size for f in FORMATS.values() if f.group_wise})
+    zero_points = [f for f in FORMATS.values() if f.zero_point is not None]
+    grid = SMOOTHQUANT_ALPHA_GRID
+    return {
+        "qformat": described,
+        "auto_dtype": f"{auto}, {usual_dtype} for every other qformat",
+        "group_size": " / ".join(map(str, group_sizes)),
+        "calibrated": names(lambda f: f.calibrated),
+        "calib_size": f"{usual_calib}{calib_exceptions}",
+        "zero_point": names(lambda f: f.zero_point is not None),
+        "zero_point_default": ", ".join(f"{'on' if f.zero_point else 'off'} for {f.name}" for f in zero_points),
+        "smoothquant": names(lambda f: f.smoothquant),
+        "alpha_grid": f"{grid[0]}, {grid[1]}, ..., {grid[-1]}",
+        "alpha_calibrations": str(len(grid) + 1),
+        "per_token_alpha": str(PER_TOKEN_SMOOTHQUANT_ALPHA),
+    }
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    from kilnlm.builder.config import DEFAULT_CALIB_MAX_SEQ_LEN, DTYPES, option_default
+    from kilnlm.builder.formats import FORMATS
+    from kilnlm.builder.kv_quant import KV_CACHE_DTYPE_CHOICES
+    from kilnlm.builder.targets import TARGETS
+
+    default = option_default
+    h = _formats_help()
     p = subparsers.add_parser(name, help=help_text, description=help_text)
     p.add_argument("--checkpoint", required=True, type=Path,
                    help="Hugging Face model directory (config.json + *.safetensors) or a .gguf file")
     p.add_argument("--output", required=True, type=Path, help="engine directory to create")
-    p.add_argument("--qformat", choices=QFORMATS, default="fp32",
-                   help="weight format (TensorRT-LLM's names): fp32, bf16, fp8 (E4M3 per-tensor, calibrated), int4_awq "
-                        "(W4A16 group-wise, AWQ-calibrated), int4_wo / int8_wo (weight-only round-to-nearest, per group / "
-                        "per channel), int8_sq (W8A8 SmoothQuant, calibrated); quantization through NVIDIA ModelOpt "
-                        "(default: fp32)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="activation and KV-cache dtype; auto = float32 for fp32, bfloat16 for every other qformat "
-                        "(default: auto)")
+    p.add_argument("--qformat", choices=tuple(FORMATS), default=default("qformat"),
+                   help=f"weight format (TensorRT-LLM's names): {h['qformat']}; quantization through NVIDIA ModelOpt "
+                        f"(default: {default('qformat')})")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default=default("dtype"),
+                   help=f"activation and KV-cache dtype; auto = {h['auto_dtype']} (default: {default('dtype')})")
+    p.add_argument("--target", choices=tuple(TARGETS), default=default("target"),
+                   help=f"what the engine is compiled for: {', '.join(f'{t.name} ({t.description})' for t in TARGETS.values())}"
+                        f" (default: {default('target')})")
     p.add_argument("--group-size", type=int, default=None, metavar="COLUMNS",
-                   help="int4 formats: input columns sharing one weight scale; must divide every linear's in_features "
-                        "(default: 128, or the largest of 64 / 32 / 16 that divides them, e.g. 64 for SmolLM2's 576)")
+                   help=f"int4 formats: input columns sharing one weight scale; must divide every linear's in_features "
+                        f"(default: {h['group_size']}, or the largest of 64 / 32 / 16 that divides them, e.g. 64 for "
+                        "SmolLM2's 576)")
     p.add_argument("--calib-data", type=Path, default=None, metavar="PATH",
-                   help="calibration text for fp8 / int4_awq / int8_sq: a plain UTF-8 text file, or .jsonl with a "
+                   help=f"calibration text for {h['calibrated']}: a plain UTF-8 text file, or .jsonl with a "
                         "\"text\" field per line (default: half the samples from kilnlm's general English text, half "
                         "from the Python standard library's pydoc_data.topics)")
     p.add_argument("--calib-size", type=int, default=None, metavar="SAMPLES",
-                   help="calibration samples taken at evenly spaced offsets of the text (default: 24; 16 for int4_awq, whose "
-                        "AWQ search runs every sample once per candidate scaling)")
+                   help=f"calibration samples taken at evenly spaced offsets of the text (default: {h['calib_size']})")
     p.add_argument("--calib-max-seq-len", type=int, default=None, metavar="TOKENS",
-                   help="tokens per calibration sample (default: 256)")
+                   help=f"tokens per calibration sample (default: {DEFAULT_CALIB_MAX_SEQ_LEN})")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="quantized formats: quantize the LM head too (default: off; the embedding and "
                         "LM head stay 16-bit)")
     p.add_argument("--zero-point", action=argparse.BooleanOptionalAction, default=None,
-                   help="int4_awq / int4_wo: asymmetric groups, each with an int8 zero point: w = (q - zero) * scale "
+                   help=f"{h['zero_point']}: asymmetric groups, each with an int8 zero point: w = (q - zero) * scale "
                         "over the group's [min, max] (AWQ's own quantizer, Lin et al. 2023) instead of symmetric "
-                        "[-amax, amax] (default: on for int4_awq, off for int4_wo, TensorRT-LLM's round-to-nearest; "
+                        f"[-amax, amax] (default: {h['zero_point_default']}, TensorRT-LLM's round-to-nearest; "
                         "--no-zero-point keeps ModelOpt's symmetric W4A16_AWQ checkpoint exactly)")
     p.add_argument("--per-token", action="store_true",
-                   help="int8_sq: quantize activations with dynamic per-token scales (each token's amax / 127, as "
-                        "TensorRT-LLM's --per_token) instead of one calibrated per-tensor scale (default: off)")
+                   help=f"{h['smoothquant']}: quantize activations with dynamic per-token scales (each token's amax / "
+                        "127, as TensorRT-LLM's --per_token) instead of one calibrated per-tensor scale (default: off)")
     p.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
-                   help="int8_sq: SmoothQuant's migration strength in [0, 1], how much of the activations' range moves "
-                        "into the weights (default: searched over 0.5, 0.6, ..., 1.0 for the lowest loss on held-out "
-                        "windows of the calibration text, seven calibrations; 0.5 with --per-token, TensorRT-LLM's "
-                        "recipe)")
+                   help=f"{h['smoothquant']}: SmoothQuant's migration strength in [0, 1], how much of the activations' "
+                        f"range moves into the weights (default: searched over {h['alpha_grid']} for the lowest loss "
+                        f"on held-out windows of the calibration text, {h['alpha_calibrations']} calibrations; "
+                        f"{h['per_token_alpha']} with --per-token, TensorRT-LLM's recipe)")
     p.add_argument("--export-checkpoint", type=Path, default=None, metavar="DIR",
                    help="integer formats: also write the quantized checkpoint in ModelOpt's unified Hugging Face "
                         "format (config.json with quantization_config, hf_quant_config.json, safetensors with "
                         "scales) to DIR (default: not written)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default=default("kv_cache_dtype"),
                    help="paged KV-cache storage: auto = the activation dtype (--dtype); fp8 (E4M3) or int8 = 8 bits with "
                         "per-layer K and V scales calibrated on the calibration text (half of bfloat16's bytes: twice "
-                        "the tokens in the same --kv-cache-bytes) (default: auto)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="sequences per forward (default: 32)")
-    p.add_argument("--max-seq-len", type=int, default=2048,
-                   help="tokens per sequence, prompt + generated (default: 2048)")
-    p.add_argument("--max-num-tokens", type=int, default=2048,
-                   help="tokens packed into one forward, context chunks + generation tokens (default: 2048)")
-    p.add_argument("--tokens-per-block", type=int, default=32, help="tokens per paged-KV block (default: 32)")
+                        f"the tokens in the same --kv-cache-bytes) (default: {default('kv_cache_dtype')})")
+    p.add_argument("--max-batch-size", type=int, default=default("max_batch_size"),
+                   help=f"sequences per forward (default: {default('max_batch_size')})")
+    p.add_argument("--max-seq-len", type=int, default=default("max_seq_len"),
+                   help=f"tokens per sequence, prompt + generated (default: {default('max_seq_len')})")
+    p.add_argument("--max-num-tokens", type=int, default=default("max_num_tokens"),
+                   help=f"tokens packed into one forward, context chunks + generation tokens "
+                        f"(default: {default('max_num_tokens')})")
+    p.add_argument("--tokens-per-block", type=int, default=default("tokens_per_block"),
+                   help=f"tokens per paged-KV block (default: {default('tokens_per_block')})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
     p.add_argument("--cache", default=None, metavar="URL",
                    help="engine cache (a directory, file:///path or s3://bucket/prefix): on a hit the engine is fetched "
@@ -75,6 +123,14 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--quiet", action="store_true", help="print only errors")
     p.set_defaults(run=run)
     return p
+
+
+def build_options(args: argparse.Namespace):
+    """The :class:`~kilnlm.builder.config.BuildOptions` of parsed ``kilnlm build`` arguments: each field from
+    the flag of the same name (fields without a flag keep their defaults)."""
+    from kilnlm.builder.config import BuildOptions
+
+    return BuildOptions(**{f.name: getattr(args, f.name) for f in fields(BuildOptions) if hasattr(args, f.name)})
 
 
 def _build(args: argparse.Namespace, opts):
@@ -89,22 +145,12 @@ def _build(args: argparse.Namespace, opts):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kilnlm.builder.build import BuildOptions
-
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="[kilnlm build] %(message)s")
     if args.name and not args.cache:
         from kilnlm.builder.errors import BuildError
 
         raise BuildError("--name tags an engine in a cache: add --cache URL (or drop --name)")
-    manifest = _build(args, BuildOptions(
-        checkpoint=args.checkpoint, output=args.output, qformat=args.qformat, dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
-        tokens_per_block=args.tokens_per_block, overwrite=args.overwrite, group_size=args.group_size,
-        calib_data=args.calib_data, calib_num_samples=args.calib_size, calib_seq_len=args.calib_max_seq_len,
-        quantize_lm_head=args.quantize_lm_head, export_checkpoint=args.export_checkpoint,
-        per_token=args.per_token, smoothquant_alpha=args.smoothquant_alpha, zero_point=args.zero_point,
-    ))
+    manifest = _build(args, build_options(args))
     if not args.quiet:
         size_bytes = sum(f["size"] for f in manifest.files.values())
         print(f"engine written to {args.output} ({size_bytes / 1e6:.1f} MB, qformat {manifest.build.qformat})")

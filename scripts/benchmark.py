@@ -53,11 +53,7 @@ from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.memory import MALLOC_CHOICES, preload_malloc
 
 DEFAULT_FORMATS = "fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq"
-# Bytes per linear weight as stored in the engine (int4: two per byte); scales are counted apart.
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8_wo": 1, "int8_sq": 1, "int4_wo": 0.5, "int4_awq": 0.5}
-INT4_GROUP_SIZE = 64  # SmolLM2's hidden size 576 is not a multiple of the default 128
-SCALE_BYTES = {"int8": 4, "int4": 2}  # int8: float32 per output channel; int4: float16 per group of INT4_GROUP_SIZE inputs
-ZERO_POINT_BYTES = {"int4_awq": 1}  # int8 zero point per int4 group (the formats built with zero points by default)
+INT4_GROUP_SIZE = 64  # group-wise formats: SmolLM2's hidden size 576 is not a multiple of the default 128
 
 
 LM_HEAD_SUFFIX = "+lm_head"  # a format spec "int4_awq+lm_head" builds with --quantize-lm-head
@@ -70,7 +66,9 @@ def split_spec(spec: str) -> tuple[str, bool]:
 
 def hf_dtype(spec: str) -> torch.dtype:
     """The transformers dtype a format is compared with: its activation dtype."""
-    return torch.float32 if spec == "fp32" else torch.bfloat16
+    from kilnlm.builder.formats import FORMATS
+
+    return getattr(torch, FORMATS[split_spec(spec)[0]].activation_dtype)
 
 
 @dataclass
@@ -92,13 +90,15 @@ def prepare_hf_dir(work_dir: Path) -> Path:
 
 
 def prepare_engine(work_dir: Path, hf_dir: Path, spec: str) -> Path:
-    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.build import build_engine
+    from kilnlm.builder.config import BuildOptions
+    from kilnlm.builder.formats import FORMATS
 
     qformat, quantize_lm_head = split_spec(spec)
     engine_dir = work_dir / f"engine-{spec.replace('+', '-')}"
     if not (engine_dir / "manifest.json").exists():
         t0 = time.perf_counter()
-        extra = {"group_size": INT4_GROUP_SIZE} if qformat.startswith("int4") else {}
+        extra = {"group_size": INT4_GROUP_SIZE} if FORMATS[qformat].group_wise else {}
         build_engine(BuildOptions(checkpoint=hf_dir, output=engine_dir, qformat=qformat, max_batch_size=32,
                                   max_seq_len=512, max_num_tokens=2048, overwrite=True,
                                   quantize_lm_head=quantize_lm_head, **extra))
@@ -116,13 +116,14 @@ def make_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[int]
 
 
 def linear_bytes(qformat: str, out_features: int, in_features: int) -> float:
-    """Bytes of one linear's weights in ``qformat``, its scales included."""
-    num_bytes = out_features * in_features * WEIGHT_BYTES[qformat]
-    if qformat.startswith("int8"):
-        num_bytes += SCALE_BYTES["int8"] * out_features
-    elif qformat.startswith("int4"):
-        num_bytes += (SCALE_BYTES["int4"] + ZERO_POINT_BYTES.get(qformat, 0)) * out_features * in_features // INT4_GROUP_SIZE
-    return num_bytes
+    """Bytes of one linear's weights in ``qformat``, its scales (and zero points, for the formats built with
+    them by default) included."""
+    from kilnlm.builder.formats import FORMATS
+
+    fmt = FORMATS[qformat]
+    group_size = INT4_GROUP_SIZE if fmt.group_wise else None
+    return (out_features * in_features * fmt.bytes_per_weight
+            + fmt.scale_bytes_per_linear(out_features, in_features, group_size, zero_point=bool(fmt.zero_point)))
 
 
 def decode_weight_bytes(manifest, spec: str) -> int:
@@ -131,14 +132,15 @@ def decode_weight_bytes(manifest, spec: str) -> int:
     negligible)."""
     qformat, quantize_lm_head = split_spec(spec)
     m = manifest.model
+    float_bytes = torch.empty((), dtype=getattr(torch, manifest.build.dtype)).element_size()  # norms, 16-bit LM head
     q_out = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     # (out_features, in_features) of qkv, o, gate/up, down
     shapes = [(q_out, m.hidden_size), (m.hidden_size, m.num_heads * m.head_dim),
               (2 * m.intermediate_size, m.hidden_size), (m.hidden_size, m.intermediate_size)]
     per_layer = sum(linear_bytes(qformat, o, i) for o, i in shapes)
-    norms = (2 * m.num_layers + 1) * m.hidden_size * (4 if qformat == "fp32" else 2)
+    norms = (2 * m.num_layers + 1) * m.hidden_size * float_bytes
     lm_head = (linear_bytes(qformat, m.vocab_size, m.hidden_size) if quantize_lm_head
-               else m.vocab_size * m.hidden_size * (4 if qformat == "fp32" else 2))
+               else m.vocab_size * m.hidden_size * float_bytes)
     return int(m.num_layers * per_layer) + norms + lm_head
 
 
@@ -300,14 +302,14 @@ def main() -> int:
     if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):  # an allocator is chosen at process start
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
-    from kilnlm.builder.build import QFORMATS
+    from kilnlm.builder.formats import FORMATS
     from kilnlm.runtime.manifest import read_manifest
     from kilnlm.runtime.tokenizer import Tokenizer
 
     formats = [f for f in args.formats.split(",") if f]
-    unknown = [f for f in formats if split_spec(f)[0] not in QFORMATS]
+    unknown = [f for f in formats if split_spec(f)[0] not in FORMATS]
     if unknown:
-        parser.error(f"--formats {','.join(unknown)}: this kilnlm builds {', '.join(QFORMATS)} "
+        parser.error(f"--formats {','.join(unknown)}: this kilnlm builds {', '.join(FORMATS)} "
                      f"(append {LM_HEAD_SUFFIX} to a weight-only format to quantize the LM head too)")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     bandwidth_gbs = measure_read_bandwidth_gbs()

@@ -54,7 +54,8 @@ def tiny_llama_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
 
 def build_test_engine(checkpoint: Path, output: Path, **options) -> Path:
     """Build an engine with :func:`kilnlm.builder.build.build_engine` (the CLI's API)."""
-    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.build import build_engine
+    from kilnlm.builder.config import BuildOptions
 
     build_engine(BuildOptions(checkpoint=checkpoint, output=output, **options))
     return output
@@ -90,11 +91,9 @@ SMOLLM2_INT4_GROUP_SIZE = 64
 @pytest.fixture(scope="session")
 def smollm2_format_engine(request, smollm2_hf_dir, tmp_path_factory):
     """``smollm2_format_engine(qformat, kv_cache_dtype="auto", **options) -> Path``: a SmolLM2 engine with the
-    CLI's default limits (int4 formats: ``--group-size 64``) and any further ``BuildOptions`` fields. Skips (naming what is missing) when this kilnlm's builder does not offer the qformat or
-    ``--kv-cache-dtype``; a build that fails is a test failure."""
-    from dataclasses import fields
-
-    from kilnlm.builder.build import QFORMATS, BuildOptions
+    CLI's default limits (group-wise formats: ``--group-size 64``) and any further ``BuildOptions`` fields. A
+    qformat the builder does not offer, or a build that fails, is a test failure."""
+    from kilnlm.builder.formats import get_format
 
     built: dict[tuple, Path] = {}
 
@@ -104,13 +103,9 @@ def smollm2_format_engine(request, smollm2_hf_dir, tmp_path_factory):
             if kv_cache_dtype == "auto" and qformat in ("fp32", "fp8") and not extra:
                 built[key] = request.getfixturevalue(f"smollm2_engine_{qformat}_dir")
                 return built[key]
-            if qformat not in QFORMATS:
-                pytest.skip(f"--qformat {qformat} has not landed in kilnlm.builder.build (has {', '.join(QFORMATS)})")
             # SmolLM2's hidden size 576 is not a multiple of the default group size 128
-            options = {"group_size": SMOLLM2_INT4_GROUP_SIZE} if qformat.startswith("int4") else {}
+            options = {"group_size": SMOLLM2_INT4_GROUP_SIZE} if get_format(qformat).group_wise else {}
             if kv_cache_dtype != "auto":
-                if "kv_cache_dtype" not in {f.name for f in fields(BuildOptions)}:
-                    pytest.skip(f"--kv-cache-dtype {kv_cache_dtype} has not landed in kilnlm.builder.build.BuildOptions")
                 options["kv_cache_dtype"] = kv_cache_dtype
             options.update(extra)
             name = f"smollm2_{qformat}" + (f"_kv_{kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + \

@@ -135,7 +135,7 @@ class IntQuantization:
     (``model.layers.{i}.self_attn.q_proj``, ..., ``lm_head`` when the LM head is quantized); ``group_size``
     for the int4 formats (None for int8)."""
 
-    qformat: str  # int4_awq | int4_wo | int8_wo | int8_sq
+    qformat: str  # a kilnlm.builder.formats name whose linear_module builds these linears (from_parts)
     group_size: int | None
     linears: dict[str, QuantizedWeights]
     per_token: bool = False  # int8_sq: dynamic per-token activation scales (int8_sq_linear's per_token)
@@ -189,6 +189,11 @@ class Int4Linear(nn.Module):
     per output row and input group, so nothing is re-quantized). x: ``[T, in_features]`` float32 /
     bfloat16; returns ``[T, out_features]`` in x's dtype."""
 
+    @classmethod
+    def from_parts(cls, parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> Int4Linear:
+        """The linear of ``parts`` (a fused projection's, or one) with ``quant``'s group size."""
+        return cls(parts, quant.group_size, dtype)
+
     def __init__(self, parts: list[QuantizedWeights], group_size: int, dtype: torch.dtype):
         super().__init__()
         self.group_size = group_size
@@ -217,6 +222,11 @@ class Int8Linear(nn.Module):
 
     x: ``[T, in_features]`` float32 / bfloat16; returns ``[T, out_features]`` in x's dtype."""
 
+    @classmethod
+    def from_parts(cls, parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> Int8Linear:
+        """The linear of ``parts`` (a fused projection's, or one)."""
+        return cls(parts, dtype)
+
     def __init__(self, parts: list[QuantizedWeights], dtype: torch.dtype):
         super().__init__()
         if _shared_pre_quant_scale(parts) is not None:
@@ -240,6 +250,11 @@ class Int8SqLinear(nn.Module):
 
     x: ``[T, in_features]`` float32 / bfloat16; returns ``[T, out_features]`` in x's dtype."""
 
+    @classmethod
+    def from_parts(cls, parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> Int8SqLinear:
+        """The linear of ``parts`` (a fused projection's, or one) with ``quant``'s per_token."""
+        return cls(parts, dtype, quant.per_token)
+
     def __init__(self, parts: list[QuantizedWeights], dtype: torch.dtype, per_token: bool = False):
         super().__init__()
         self.per_token = per_token
@@ -254,18 +269,6 @@ class Int8SqLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kilnlm.int8_sq_linear(x, self.weight, self.weight_scale, self.input_scale,
                                                self.pre_quant_scale, self.bias, self.per_token)
-
-
-def make_quantized_linear(parts: list[QuantizedWeights], qformat: str, group_size: int | None,
-                          dtype: torch.dtype, per_token: bool = False) -> nn.Module:
-    """One integer-format linear from the parts of a fused projection (or a single linear)."""
-    if qformat in ("int4_awq", "int4_wo"):
-        return Int4Linear(parts, group_size, dtype)
-    if qformat == "int8_wo":
-        return Int8Linear(parts, dtype)
-    if qformat == "int8_sq":
-        return Int8SqLinear(parts, dtype, per_token)
-    raise BuildError(f"no quantized linear for qformat {qformat!r}: report this as a kilnlm bug")
 
 
 class GatedMLP(nn.Module):

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kilnlm.builder.errors import BuildError
-from kilnlm.builder.network.layers import (AttentionShape, Fp8Amax, GatedMLP, IntQuantization, PagedAttention, RMSNorm,
-                                          make_linear, make_quantized_linear, rope_inv_freq)
+from kilnlm.builder.formats import get_format
+from kilnlm.builder.network.layers import (AttentionShape, Fp8Amax, GatedMLP, IntQuantization, PagedAttention, QuantizedWeights,
+                                          RMSNorm, make_linear, rope_inv_freq)
 from kilnlm.runtime.manifest import ModelConfig
 
 # Hugging Face linear names of one decoder layer, grouped by the fused linear they become.
@@ -106,8 +107,7 @@ class LlamaNetwork(nn.Module):
         def linear(prefix: str, names: tuple[str, ...], bias: bool) -> nn.Module:
             full = [f"{prefix}.{n}" for n in names]
             if quant is not None and full[0] in quant.linears:
-                return make_quantized_linear([_quantized_of(quant, n) for n in full], quant.qformat, quant.group_size, dtype,
-                                             quant.per_token)
+                return _quantized_linear([_quantized_of(quant, n) for n in full], quant, dtype)
             weights = [sd.take(f"{n}.weight") for n in full]
             biases = [sd.take(f"{n}.bias") if bias else None for n in full]
             amax = None if fp8_amax is None else [_amax_of(fp8_amax, n) for n in full]
@@ -128,8 +128,7 @@ class LlamaNetwork(nn.Module):
         embed = sd.take("model.embed_tokens.weight").to(dtype)
         self.lm_head = None  # --quantize-lm-head: the head in the engine's format
         if quant is not None and "lm_head" in quant.linears:
-            self.lm_head = make_quantized_linear([quant.linears["lm_head"]], quant.qformat, quant.group_size, dtype,
-                                                 quant.per_token)
+            self.lm_head = _quantized_linear([quant.linears["lm_head"]], quant, dtype)
         elif fp8_amax is not None and "lm_head" in fp8_amax:  # tied: from the float embedding
             head = sd.take("model.embed_tokens.weight") if cfg.tie_word_embeddings else sd.take("lm_head.weight")
             self.lm_head = make_linear([head], [None], dtype, [fp8_amax["lm_head"]])
@@ -155,6 +154,12 @@ class LlamaNetwork(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(h).float()  # [B, vocab]
         return torch.ops.kilnlm.gemm(h, self.lm_head_weight, None).float()  # [B, vocab]
+
+
+def _quantized_linear(parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> nn.Module:
+    """One quantized linear from the parts of a fused projection (or a single linear), of the module the
+    format declares (:attr:`kilnlm.builder.formats.QuantFormat.linear_module`)."""
+    return get_format(quant.qformat).linear_module.from_parts(parts, quant, dtype)
 
 
 def _quantized_of(quant: IntQuantization, name: str):

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/factories.
 from factories import make_engine_inputs  # noqa: E402
 
 from kilnlm.builder.checkpoint import load_checkpoint  # noqa: E402
-from kilnlm.builder.compile import CompileOptions, compile_engine  # noqa: E402
+from kilnlm.builder.targets.cpu import CompileOptions, compile_engine  # noqa: E402
 from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf  # noqa: E402
 from kilnlm.plugins import load_cpu_kernels  # noqa: E402
 from kilnlm.runtime.manifest import BuildConfig  # noqa: E402

@@ -57,7 +57,7 @@ def test_engine_calls_the_ops_through_their_c_shims(tiny_engine_dir):
 def proxy_engine_dir(tiny_llama_dir, tmp_path_factory):
     """The tiny fp32 engine compiled as before the C shims: ops through the proxy executor, and the plugin
     versions of then (paged_attention 2, gemm 1) in its manifest."""
-    import kilnlm.builder.compile as compile_module
+    import kilnlm.builder.targets.cpu as compile_module
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compile_module, "c_shim_configs", lambda: {})

@@ -32,14 +32,15 @@ PROMPTS = [[5, 17, 300, 41, 9, 2200, 77, 123, 4000, 11, 600, 31, 8, 95, 1000, 42
 @pytest.fixture(scope="module")
 def tiny_kv_engines(tiny_llama_dir, tmp_path_factory):
     """Tiny bf16-weight engines with a bfloat16 ("auto"), fp8 and int8 KV cache, built once per module."""
-    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.build import build_engine
+    from kilnlm.builder.config import BuildOptions
 
     root = tmp_path_factory.mktemp("kv_engines")
     dirs = {}
     for kv in ("auto", "fp8", "int8"):
         dirs[kv] = root / kv
         # a short calibration: the tiny model's KV range is reached within a few hundred tokens
-        calib = {} if kv == "auto" else dict(calib_num_samples=4, calib_seq_len=64)
+        calib = {} if kv == "auto" else dict(calib_size=4, calib_max_seq_len=64)
         build_engine(BuildOptions(checkpoint=tiny_llama_dir, output=dirs[kv], qformat="bf16", kv_cache_dtype=kv,
                                   **TINY_LIMITS, **calib))
     return dirs
@@ -112,7 +113,8 @@ def test_scale_rule_and_unusable_amax():
 
 
 def test_bad_kv_cache_dtype_refused_before_loading(tmp_path):
-    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.build import build_engine
+    from kilnlm.builder.config import BuildOptions
     from kilnlm.builder.errors import BuildError
 
     for typo in ("fp16", "FP8", "float8", "bfloat16"):

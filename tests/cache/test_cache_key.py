@@ -1,5 +1,6 @@
 """The cache key: content-based, blind to where things lie, and changed by every option that changes
-the engine (checked field by field against BuildOptions, so a new build option needs a case here)."""
+the engine (checked field by field against the resolved build options, so a new build option needs a case
+here)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kilnlm.builder.build import BuildOptions
 from kilnlm.builder.cache_key import EXCLUDED_FIELDS, checkpoint_content_digest, compute_cache_key
-from kilnlm.builder.compile import CompileOptions
+from kilnlm.builder.config import BuildOptions, ResolvedBuildOptions, resolve
+from kilnlm.builder.targets.cpu import CompileOptions
 
 # field -> (base options, changed options): each pair differs in that one field only and is valid for the build.
 ENGINE_CHANGES = {
@@ -25,13 +26,14 @@ ENGINE_CHANGES = {
     "kv_cache_dtype": ({}, {"kv_cache_dtype": "fp8"}),
     "group_size": ({"qformat": "int4_awq"}, {"qformat": "int4_awq", "group_size": 64}),
     "calib_data": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_data": "CALIB"}),
-    "calib_num_samples": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_num_samples": 8}),
-    "calib_seq_len": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_seq_len": 64}),
+    "calib_size": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_size": 8}),
+    "calib_max_seq_len": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_max_seq_len": 64}),
     "quantize_lm_head": ({"qformat": "int4_wo"}, {"qformat": "int4_wo", "quantize_lm_head": True}),
     "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": True}),
     "smoothquant_alpha": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "smoothquant_alpha": 0.5}),
     "zero_point": ({"qformat": "int4_awq"}, {"qformat": "int4_awq", "zero_point": False}),
     "compile": ({}, {"compile": CompileOptions(inductor_configs={"freezing": False})}),
+    "target": ({}, {"target": "cpu"}),  # the only target yet: checked below that it is keyed
 }
 
 
@@ -49,15 +51,25 @@ def checkpoint(tmp_path) -> Path:
 def _key(checkpoint: Path, tmp_path: Path, **options) -> str:
     if options.get("calib_data") == "CALIB":
         options["calib_data"] = tmp_path / "calib.txt"
-    return compute_cache_key(BuildOptions(checkpoint=checkpoint, output=tmp_path / "engine", **options)).key
+    return _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "engine", **options)).key
+
+
+def _compute(options: BuildOptions):
+    return compute_cache_key(resolve(options))
 
 
 def test_every_engine_affecting_option_has_a_case():
-    fields = {f.name for f in dataclasses.fields(BuildOptions)} - EXCLUDED_FIELDS
-    assert fields == set(ENGINE_CHANGES), "add the new BuildOptions field to ENGINE_CHANGES or EXCLUDED_FIELDS"
+    fields = {f.name for f in dataclasses.fields(ResolvedBuildOptions)} - EXCLUDED_FIELDS
+    assert fields == set(ENGINE_CHANGES), "add the new build option to ENGINE_CHANGES or EXCLUDED_FIELDS"
+    assert {f.name for f in dataclasses.fields(BuildOptions)} == {f.name for f in dataclasses.fields(ResolvedBuildOptions)}
 
 
-@pytest.mark.parametrize("field", sorted(ENGINE_CHANGES))
+def test_the_target_is_keyed(checkpoint, tmp_path):
+    inputs = _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "engine")).inputs
+    assert inputs["build"]["target"] == "cpu" and inputs["toolchain"]["target"] == "cpu"
+
+
+@pytest.mark.parametrize("field", sorted(set(ENGINE_CHANGES) - {"target"}))
 def test_changing_an_engine_option_changes_the_key(checkpoint, tmp_path, field):
     (tmp_path / "calib.txt").write_text("Calibration text.\n" * 100)
     base, changed = ENGINE_CHANGES[field]
@@ -65,15 +77,21 @@ def test_changing_an_engine_option_changes_the_key(checkpoint, tmp_path, field):
 
 
 def test_options_that_do_not_change_the_engine_keep_the_key(checkpoint, tmp_path):
-    key = compute_cache_key(BuildOptions(checkpoint=checkpoint, output=tmp_path / "a")).key
+    key = _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "a")).key
     same = [
         BuildOptions(checkpoint=checkpoint, output=tmp_path / "elsewhere" / "b", overwrite=True, smoke_test=False),
         BuildOptions(checkpoint=checkpoint, output=tmp_path / "c", dtype="float32"),  # what auto resolves to
     ]
-    assert all(compute_cache_key(opts).key == key for opts in same)
-    fp8 = [compute_cache_key(BuildOptions(checkpoint=checkpoint, output=tmp_path / "d", qformat="fp8", **extra)).key
-           for extra in ({}, {"calib_num_samples": 24, "calib_seq_len": 256})]
+    assert all(_compute(opts).key == key for opts in same)
+    fp8 = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "d", qformat="fp8", **extra)).key
+           for extra in ({}, {"calib_size": 24, "calib_max_seq_len": 256})]
     assert len(set(fp8)) == 1  # unset options and their defaults
+    awq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", qformat="int4_awq", **extra)).key
+           for extra in ({}, {"calib_size": 16, "zero_point": True})]
+    assert len(set(awq)) == 1  # the format's own defaults
+    sq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq", per_token=True, **extra)).key
+          for extra in ({}, {"smoothquant_alpha": 0.5})]
+    assert len(set(sq)) == 1  # --per-token's alpha
 
 
 def test_checkpoint_digest_is_content_based(checkpoint, tmp_path):
@@ -113,9 +131,9 @@ def test_toolchain_plugins_and_format_version_change_the_key(checkpoint, tmp_pat
 
     key = _key(checkpoint, tmp_path)
     real = cache_key.toolchain_for_key
-    other_isa = "avx512" if real()["cpu_isa"] != "avx512" else "avx2"  # differs from this machine's
+    other_isa = "avx512" if real("cpu")["cpu_isa"] != "avx512" else "avx2"  # differs from this machine's
     for change in ({"cpu_isa": other_isa}, {"torch": "9.9.9"}, {"kilnlm_sources": "sha256:0"}):
-        monkeypatch.setattr(cache_key, "toolchain_for_key", lambda change=change: {**real(), **change})
+        monkeypatch.setattr(cache_key, "toolchain_for_key", lambda target, change=change: {**real(target), **change})
         assert _key(checkpoint, tmp_path) != key, change
     monkeypatch.setattr(cache_key, "toolchain_for_key", real)
     monkeypatch.setitem(PLUGIN_VERSIONS, "paged_attention", PLUGIN_VERSIONS["paged_attention"] + 1)
@@ -129,20 +147,22 @@ def test_toolchain_plugins_and_format_version_change_the_key(checkpoint, tmp_pat
 
 def test_toolchain_probe_is_memoized_per_machine_and_compiler(tmp_path, monkeypatch):
     """The inductor probe runs once per (torch, kilnlm, compiler, ATEN_CPU_CAPABILITY, CPU flags)."""
-    import kilnlm.builder.build as build
-    from kilnlm.builder.toolchain import memo_path, toolchain_for_key
+    from kilnlm.builder.cache_key import toolchain_for_key
+    from kilnlm.builder.targets import TARGETS
+    from kilnlm.builder.targets import cpu as cpu_target
+    from kilnlm.builder.toolchain import memo_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    first = toolchain_for_key()
-    assert memo_path().is_file() and first["cpu_isa"] == build.toolchain_versions()["cpu_isa"]
+    first = toolchain_for_key("cpu")
+    assert memo_path().is_file() and first["cpu_isa"] == TARGETS["cpu"].toolchain_versions()["cpu_isa"]
     calls = []
 
     def probe():
         calls.append(1)
         return {**first, "cpu_isa": "probed"}
 
-    monkeypatch.setattr(build, "toolchain_versions", probe)
-    assert toolchain_for_key() == first and calls == []  # memo hit: no probe
+    monkeypatch.setattr(cpu_target, "toolchain_versions", probe)
+    assert toolchain_for_key("cpu") == first and calls == []  # memo hit: no probe
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # inductor would pick another ISA
-    assert toolchain_for_key()["cpu_isa"] == "probed" and calls == [1]
+    assert toolchain_for_key("cpu")["cpu_isa"] == "probed" and calls == [1]

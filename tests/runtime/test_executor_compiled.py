@@ -15,7 +15,7 @@ import torch
 
 from factories import hf_greedy, run_in_flight
 
-from kilnlm.builder.compile import example_inputs
+from kilnlm.builder.targets.cpu import example_inputs
 from kilnlm.runtime.abi import EngineInputs
 from kilnlm.runtime.engine import Engine
 from kilnlm.runtime.executor import Executor, ExecutorConfig

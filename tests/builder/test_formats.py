@@ -1,11 +1,13 @@
-"""Integer formats (int4_awq, int4_wo, int8_wo, int8_sq) built from the tiny random Llama: engine numerics
-against the same network on the reference ops and against the fp32 engine, packed sizes, determinism, the
-exported unified checkpoint, and refusals through the CLI.
+"""Every format of the registry (:data:`kilnlm.builder.formats.FORMATS`) built from the tiny random Llama:
+engine numerics against the same network on the reference ops and against the fp32 engine; then the
+integer formats' packed sizes, determinism, the exported unified checkpoint, and refusals through the CLI.
+A format added to the registry is built and checked here; a format whose kernel is missing fails.
 
-The tiny engines here run float32 activations (``--dtype float32``, which every integer op accepts) so that
-the engine-vs-reference comparison is tight: with bfloat16 activations the two paths' roundings differ by a
-few bf16 steps per layer and would hide a real layout bug of the same size. The default bfloat16 path is
-covered by the SmolLM2 test at the end and by the quality tests (tests/builder/test_quality.py).
+The tiny engines here run float32 activations (``--dtype float32``, which every quantized op accepts)
+wherever the format allows it, so that the engine-vs-reference comparison is tight: with bfloat16
+activations the two paths' roundings differ by a few bf16 steps per layer and would hide a real layout bug
+of the same size. The default bfloat16 path is covered by the bf16 format here, the SmolLM2 tests and the
+quality tests (tests/builder/test_quality.py).
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ import torch
 
 from factories import make_engine_inputs, make_tiny_checkpoint
 
+from kilnlm.builder.config import BuildOptions
+from kilnlm.builder.formats import FORMATS, Quantization, format_names
 from kilnlm.cli.main import main
 from kilnlm.plugins import PLUGIN_VERSIONS
 from kilnlm.runtime.abi import kv_cache_shape
 
-FORMATS = ("int4_awq", "int4_wo", "int8_wo", "int8_sq")
-OPS = {"int4_awq": "int4_linear", "int4_wo": "int4_linear", "int8_wo": "int8_linear", "int8_sq": "int8_sq_linear"}
+QUANTIZED = format_names(lambda f: f.quantization is not Quantization.NONE)
 TINY_LIMITS = dict(max_batch_size=8, max_seq_len=256, max_num_tokens=256, tokens_per_block=16)
 PROMPTS = [[1, 9519, 28, 314, 1345, 42, 7, 11], [500, 600, 700], list(range(1000, 1041)), [77]]
 # Engine (C++ kernels, AOTInductor) vs the eager network on the reference ops, float32 activations: both
 # accumulate in float32 over the same packed integers and scales; only summation order differs.
 REF_ATOL = 2e-3
+# bfloat16 activations (bf16, whose dtype is fixed): the engine's and the eager network's roundings of the
+# activations differ by a few bf16 steps per layer.
+REF_ATOL_BF16 = 5e-2
 # Engine vs the fp32 engine: the error of the quantization itself, on random N(0, 0.08) weights, which
 # have no outlier structure for AWQ / SmoothQuant to exploit and are the worst case for round-to-nearest:
 # int4 (group 32) moves each weight by ~9% of its standard deviation, int8 by ~0.5%; int8_sq also rounds
@@ -38,33 +44,38 @@ REF_ATOL = 2e-3
 # language reference's 4 calibration windows, 0.29 with two of them replaced by the general text's: its one
 # per-tensor activation scale per linear depends on which 256 tokens it saw). Real-model quality is
 # measured as perplexity on SmolLM2 (tests/builder/test_quality.py).
-FP32_REL_ERR = {"int4_awq": 0.5, "int4_wo": 0.45, "int8_wo": 0.04, "int8_sq": 0.38}
+# fp8: E4M3's 3 mantissa bits on weights and activations (measured worst row 0.108).
+FP32_REL_ERR = {"fp8": 0.14, "int4_awq": 0.5, "int4_wo": 0.45, "int8_wo": 0.04, "int8_sq": 0.38}
 
 
 def format_options(qformat: str, **extra) -> dict:
-    """Build options of a small, fast tiny-Llama engine in ``qformat`` (group size 32: hidden size 64)."""
-    opts = dict(TINY_LIMITS, qformat=qformat, dtype="float32")
-    if qformat.startswith("int4"):
+    """Build options of a small, fast tiny-Llama engine in ``qformat``: float32 activations unless the format
+    fixes its dtype, group size 32 (hidden size 64) for group-wise formats, 4 x 64 calibration tokens."""
+    fmt = FORMATS[qformat]
+    opts = dict(TINY_LIMITS, qformat=qformat, dtype=fmt.activation_dtype if fmt.fixed_dtype else "float32")
+    if fmt.group_wise:
         opts["group_size"] = 32
-    if qformat in ("int4_awq", "int8_sq"):
-        opts.update(calib_num_samples=4, calib_seq_len=64)
+    if fmt.calibrated:
+        opts.update(calib_size=4, calib_max_seq_len=64)
     opts.update(extra)
     return opts
 
 
 def require_kernel(qformat: str) -> None:
+    """Fail (never skip) when the format's linear op has no CPU kernel: its engines could not run."""
     import kilnlm.plugins as plugins
 
     plugins.load_cpu_kernels()
-    op = OPS[qformat]
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{op}", "CPU"):
-        pytest.skip(f"kilnlm::{op} has no CPU kernel in this checkout (plugins/csrc): its engine cannot run")
+    for op in filter(None, ["gemm", FORMATS[qformat].linear_plugin]):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{op}", "CPU"), \
+            f"kilnlm::{op} ({qformat}'s linear op) has no CPU kernel in plugins/csrc"
 
 
 @pytest.fixture(scope="module")
 def int_engine(tiny_llama_dir, tmp_path_factory):
-    """``int_engine(qformat) -> Path``: one tiny float32-activation engine per format, built on first use."""
-    from kilnlm.builder.build import BuildOptions, build_engine
+    """``int_engine(qformat) -> Path``: one tiny engine per format (float32 activations where the format
+    allows them), built on first use."""
+    from kilnlm.builder.build import build_engine
 
     built: dict[str, Path] = {}
 
@@ -81,26 +92,30 @@ def int_engine(tiny_llama_dir, tmp_path_factory):
 
 def eager_network(checkpoint: Path, **options):
     """The builder's eager network (quantization included) for build ``options``."""
-    from kilnlm.builder.build import DTYPES, BuildOptions, build_network, resolve_dtype
+    from kilnlm.builder.build import build_network
     from kilnlm.builder.checkpoint import load_checkpoint
+    from kilnlm.builder.config import resolve
     from kilnlm.builder.network.llama import model_config_from_hf
 
     import kilnlm.plugins as plugins
 
     plugins.load_cpu_kernels()  # paged_attention runs its C++ kernel in eager mode too
-    opts = BuildOptions(checkpoint=checkpoint, output=checkpoint / "unused", **options)
+    opts = resolve(BuildOptions(checkpoint=checkpoint, output=checkpoint / "unused", **options))
     ck = load_checkpoint(checkpoint)
-    dtype = DTYPES[resolve_dtype(opts.qformat, opts.dtype)]
-    return build_network(opts, ck, model_config_from_hf(ck.config), dtype).eval()
+    return build_network(opts, ck, model_config_from_hf(ck.config)).eval()
 
 
 def use_reference_ops(network: torch.nn.Module) -> None:
-    """Route every integer linear of ``network`` through the plain-torch reference of its op."""
-    from kilnlm.builder.network.layers import Int4Linear, Int8Linear, Int8SqLinear
+    """Route every linear of ``network`` through the plain-torch reference of its op."""
+    from kilnlm.builder.network.layers import Fp8Linear, Int4Linear, Int8Linear, Int8SqLinear, Linear
     from kilnlm.plugins import reference as ref
 
     for m in network.modules():
-        if isinstance(m, Int4Linear):
+        if isinstance(m, Linear):
+            m.forward = lambda x, m=m: ref.gemm_reference(x, m.weight, m.bias)
+        elif isinstance(m, Fp8Linear):
+            m.forward = lambda x, m=m: ref.fp8_linear_reference(x, m.weight, m.weight_scale, m.input_scale, m.bias)
+        elif isinstance(m, Int4Linear):
             m.forward = lambda x, m=m: ref.int4_linear_reference(x, m.weight, m.weight_scale, m.pre_quant_scale, m.bias,
                                                                  m.group_size, m.zero_point)
         elif isinstance(m, Int8Linear):
@@ -127,26 +142,30 @@ def reference_logits(network, manifest) -> torch.Tensor:
     build, m = manifest.build, manifest.model
     inputs = make_engine_inputs([(p, 0) for p in PROMPTS], build.tokens_per_block, build.max_blocks_per_seq)
     kv_cache = torch.zeros(kv_cache_shape(m.num_layers, len(PROMPTS) * build.max_blocks_per_seq, build.tokens_per_block,
-                                          m.num_kv_heads, m.head_dim), dtype=torch.float32)
+                                          m.num_kv_heads, m.head_dim), dtype=getattr(torch, build.kv_cache_dtype))
     with torch.no_grad():
         return network(*inputs.as_args(kv_cache))
 
 
-@pytest.mark.parametrize("qformat", FORMATS)
+@pytest.mark.parametrize("qformat", tuple(FORMATS))
 def test_engine_matches_the_network_on_reference_ops(int_engine, tiny_llama_dir, qformat):
+    """The registry walk: every format builds a tiny engine that calls the format's linear op and equals the
+    eager network with every linear on its op's reference."""
     engine_dir = int_engine(qformat)
     from kilnlm.runtime.manifest import read_manifest
 
     manifest = read_manifest(engine_dir)
-    assert manifest.build.qformat == qformat
-    assert manifest.plugins == {name: PLUGIN_VERSIONS[name] for name in ("paged_attention", "gemm", OPS[qformat])}
+    assert manifest.build.qformat == qformat and manifest.build.target == "cpu"
+    ops = ("paged_attention", "gemm", *filter(None, [FORMATS[qformat].linear_plugin]))
+    assert manifest.plugins == {name: PLUGIN_VERSIONS[name] for name in ops}
     logits = engine_logits(engine_dir)
 
     network = eager_network(tiny_llama_dir, **format_options(qformat))
-    torch.testing.assert_close(logits, reference_logits(network, manifest), atol=REF_ATOL, rtol=0)
+    atol = REF_ATOL if manifest.build.dtype == "float32" else REF_ATOL_BF16
+    torch.testing.assert_close(logits, reference_logits(network, manifest), atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("qformat", FORMATS)
+@pytest.mark.parametrize("qformat", QUANTIZED)
 def test_engine_stays_close_to_the_fp32_engine(int_engine, tiny_engine_dir, qformat):
     logits = engine_logits(int_engine(qformat))
     fp32 = engine_logits(tiny_engine_dir)
@@ -158,7 +177,7 @@ def test_int8_sq_per_token_engine_matches_the_network_on_reference_ops(tiny_llam
     """int8_sq --per-token --smoothquant-alpha 0.5: every int8_sq_linear call of the engine carries
     per_token (the engine equals the eager network on the per-token reference), and it stays within
     int8_sq's error bound of the fp32 engine."""
-    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.build import build_engine
     from kilnlm.runtime.manifest import read_manifest
 
     require_kernel("int8_sq")
@@ -253,11 +272,11 @@ def test_fp8_quantized_lm_head(tiny_llama_dir, tmp_path):
     """fp8 --quantize-lm-head: the tied LM head is an FP8 linear (one byte per weight, its own calibrated
     weight and input scales) beside a 16-bit embedding; the engine needs no kilnlm::gemm; the logits move by
     about E4M3's rounding only (measured on the tiny model: relative error 0.039; bound 0.05)."""
-    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.build import build_engine
     from kilnlm.builder.network.layers import Fp8Linear
     from kilnlm.runtime.manifest import read_manifest
 
-    options = dict(TINY_LIMITS, qformat="fp8", calib_num_samples=4, calib_seq_len=64)
+    options = dict(TINY_LIMITS, qformat="fp8", calib_size=4, calib_max_seq_len=64)
     network = eager_network(tiny_llama_dir, **options, quantize_lm_head=True)
     assert isinstance(network.lm_head, Fp8Linear) and network.lm_head.weight.shape == (49152, 64)
     assert network.lm_head.weight.dtype == torch.float8_e4m3fn and float(network.lm_head.input_scale) > 0
@@ -279,7 +298,7 @@ def test_int8_sq_quantized_lm_head(tiny_llama_dir, tiny_engine_dir, tmp_path):
     input scale, SmoothQuant's smoothing of its input folded into the final norm (no pre_quant_scale left);
     the engine needs no kilnlm::gemm, equals the eager network on the reference ops and stays within
     int8_sq's error bound of the fp32 engine. With --per-token the head takes per-token scales too."""
-    from kilnlm.builder.build import BuildOptions, build_engine
+    from kilnlm.builder.build import build_engine
     from kilnlm.builder.checkpoint import load_checkpoint
     from kilnlm.builder.network.layers import Int8SqLinear
     from kilnlm.runtime.manifest import read_manifest
@@ -461,10 +480,11 @@ def test_smoothquant_alpha_search_keeps_the_lowest_calibration_loss(tiny_llama_d
     from kilnlm.builder import quantize_int
     from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, forward_loop
     from kilnlm.builder.checkpoint import load_checkpoint
+    from kilnlm.builder.formats import SMOOTHQUANT_ALPHA_GRID
 
     ck = load_checkpoint(tiny_llama_dir)
-    cfg = quantize_int.IntQuantConfig("int8_sq", calib=CalibrationConfig(num_samples=4, seq_len=64))
-    batches = calibration_batches(ck.tokenizer, cfg.calib)
+    int8_sq = FORMATS["int8_sq"]
+    batches = calibration_batches(ck.tokenizer, CalibrationConfig(num_samples=4, seq_len=64))
     loop = forward_loop(batches, "calibration", False)
     model = quantize_int._float_model(ck, untie=False)
     with torch.no_grad():
@@ -472,11 +492,11 @@ def test_smoothquant_alpha_search_keeps_the_lowest_calibration_loss(tiny_llama_d
     assert quantize_int.calibration_loss(model, batches[:1]) == pytest.approx(expected, abs=1e-5)
 
     losses = {}
-    for alpha in quantize_int.SMOOTHQUANT_ALPHA_GRID:
+    for alpha in SMOOTHQUANT_ALPHA_GRID:
         torch.manual_seed(0)
-        recipe = quantize_int.modelopt_recipe("int8_sq", 128, False, alpha)
+        recipe = quantize_int.modelopt_recipe(int8_sq, 128, False, alpha)
         losses[alpha] = quantize_int.calibration_loss(mtq.quantize(copy.deepcopy(model), recipe, loop), batches)
     assert len({round(loss, 6) for loss in losses.values()}) > 1, losses  # the alphas give different models
-    alpha, quantized = quantize_int.search_smoothquant_alpha(model, cfg, batches, loop)
+    alpha, quantized = quantize_int.search_smoothquant_alpha(model, int8_sq, False, batches, loop)
     assert alpha == min(losses, key=losses.get), losses
     assert quantize_int.calibration_loss(quantized, batches) == pytest.approx(losses[alpha], abs=1e-6)

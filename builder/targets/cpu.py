@@ -1,5 +1,5 @@
-"""Export the network with ``torch.export`` and compile it ahead of time with AOTInductor into a
-``.pt2`` package (the CPU target's compiled engine).
+"""The ``cpu`` target: export the network with ``torch.export`` and compile it ahead of time with
+AOTInductor into one ``.pt2`` package (``model.pt2``), which the runtime's CPU backend loads.
 
 Dynamic dimensions: T (packed tokens, 1..max_num_tokens), B (sequences, 1..max_batch_size; ``cu_seqlens_q``
 is B+1), N (logits rows, 1..max_num_tokens) and num_blocks (the KV pool's size, chosen by the runtime). ``max_blocks_per_seq`` =
@@ -8,6 +8,7 @@ ceil(max_seq_len / tokens_per_block) is fixed. Weights are frozen into the packa
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import torch
 from torch.export import Dim
 
 from kilnlm.builder.errors import BuildError
+from kilnlm.builder.toolchain import inductor_cpu_isa
 from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
 from kilnlm.runtime.engine import KV_CACHE_DTYPES
 from kilnlm.runtime.manifest import BuildConfig, ModelConfig
@@ -35,8 +37,10 @@ def default_inductor_configs() -> dict:
     return {"freezing": True, "cpp.weight_prepack": False}
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompileOptions:
+    """The CPU target's compile options (:attr:`kilnlm.builder.config.BuildOptions.compile`)."""
+
     inductor_configs: dict = field(default_factory=default_inductor_configs)
 
 
@@ -128,3 +132,37 @@ def compile_engine(network: torch.nn.Module, model: ModelConfig, build: BuildCon
     log.info("AOT-compiled the engine in %.1f s (%s, %.1f MB)", time.perf_counter() - t0, package_path.name,
              package_path.stat().st_size / 1e6)
     return package_path
+
+
+def toolchain_versions() -> dict[str, str]:
+    """kilnlm, torch, C++ compiler and the CPU vector ISA inductor generates code for."""
+    from torch._inductor import cpp_builder
+
+    try:
+        kilnlm_version = importlib.metadata.version("kilnlm")
+    except importlib.metadata.PackageNotFoundError:
+        kilnlm_version = "0+unknown"
+    info = cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler())
+    compiler = next((part.strip() for part in info.split("_") if " version " in part), info[-80:]).strip()
+    return {"kilnlm": kilnlm_version, "torch": torch.__version__, "compiler": compiler,
+            "cpu_isa": inductor_cpu_isa(), "target": CpuTarget.name}
+
+
+@dataclass(frozen=True)
+class CpuTarget:
+    """The ``cpu`` entry of :data:`kilnlm.builder.targets.TARGETS` (see :class:`~kilnlm.builder.targets.Target`)."""
+
+    name = "cpu"
+    description = "AOTInductor package, C++ kernels"
+    engine_file = "model.pt2"
+
+    def default_compile_options(self) -> CompileOptions:
+        return CompileOptions()
+
+    def toolchain_versions(self) -> dict[str, str]:
+        return toolchain_versions()
+
+    def compile(self, network: torch.nn.Module, model: ModelConfig, build: BuildConfig, dtype: torch.dtype,
+                out_dir: Path, options: CompileOptions) -> list[Path]:
+        """AOT-compile ``network`` into ``out_dir / model.pt2`` (:func:`compile_engine`)."""
+        return [compile_engine(network, model, build, dtype, Path(out_dir) / self.engine_file, options)]

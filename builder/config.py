@@ -1,0 +1,223 @@
+"""Build options: what the user gave (:class:`BuildOptions`) and the one resolved build configuration
+(:class:`ResolvedBuildOptions`) that the build, the cache key and the manifest read.
+
+::
+
+    kilnlm build flags --argparse--> BuildOptions --resolve()--> ResolvedBuildOptions --+--> build_engine
+    (defaults and help texts        (None = not      (validated once,             +--> compute_cache_key
+     generated from the fields       given)           defaults applied, frozen)    +--> manifest.build
+     and the format registry)                                                          (runtime BuildConfig)
+
+Each default is written once: the limits, dtype, target and KV-cache dtype as :class:`BuildOptions` field
+defaults; the quantization defaults (group size, zero points, calibration size) per format in
+:mod:`kilnlm.builder.formats`; :data:`DEFAULT_CALIB_MAX_SEQ_LEN` here. Field names are the CLI's flags
+(TensorRT-LLM's names): ``--calib-size`` is ``calib_size``, ``--calib-max-seq-len`` is ``calib_max_seq_len``.
+
+The manifest's :class:`kilnlm.runtime.manifest.BuildConfig` is the part of the resolved options that the
+runtime needs (:meth:`ResolvedBuildOptions.manifest_build_config`): format, dtypes, limits, target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kilnlm.builder.calibration import CalibrationConfig, read_calibration_text
+from kilnlm.builder.errors import BuildError
+from kilnlm.builder.formats import FORMATS, PER_TOKEN_SMOOTHQUANT_ALPHA, QuantFormat, format_names, get_format
+from kilnlm.builder.kv_quant import KV_QUANT_MAX, resolve_kv_cache_dtype
+from kilnlm.builder.targets import get_target
+from kilnlm.runtime.manifest import BuildConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_CALIB_MAX_SEQ_LEN = 256  # tokens per calibration sample
+LIMIT_FIELDS = ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What ``kilnlm build`` takes, one field per flag (TensorRT-LLM's meanings for the limits). None =
+    not given: :func:`resolve` applies the default where the format uses the option and refuses it where
+    the format does not."""
+
+    checkpoint: Path
+    output: Path
+    qformat: str = "fp32"  # a kilnlm.builder.formats.FORMATS name
+    dtype: str = "auto"  # activation / KV-cache dtype: auto (the format's) | float32 | bfloat16
+    target: str = "cpu"  # a kilnlm.builder.targets.TARGETS name
+    max_batch_size: int = 32  # sequences per forward
+    max_seq_len: int = 2048  # tokens of one sequence (prompt + generated)
+    max_num_tokens: int = 2048  # packed tokens per forward
+    tokens_per_block: int = 32  # tokens per paged-KV block
+    kv_cache_dtype: str = "auto"  # paged KV pool: auto (= dtype) | fp8 | int8 (8 bits, calibrated per-layer scales)
+    overwrite: bool = False
+    smoke_test: bool = True
+    group_size: int | None = None  # group-wise formats: input columns per scale
+    zero_point: bool | None = None  # formats with zero points: asymmetric groups
+    calib_data: Path | None = None  # calibrated formats: plain text / JSONL "text" (None: calibration.py's texts)
+    calib_size: int | None = None  # calibrated formats: samples
+    calib_max_seq_len: int | None = None  # calibrated formats: tokens per sample
+    quantize_lm_head: bool = False  # quantized formats: the LM head through the same format
+    per_token: bool = False  # SmoothQuant: dynamic per-token activation scales instead of the calibrated per-tensor one
+    smoothquant_alpha: float | None = None  # SmoothQuant's alpha (None: searched; 0.5 with per_token)
+    export_checkpoint: Path | None = None  # ModelOpt formats: also write ModelOpt's unified HF checkpoint here
+    compile: Any = None  # the target's compile options (None: the target's defaults)
+
+
+def option_default(name: str) -> Any:
+    """The default of :class:`BuildOptions` field ``name`` (for the CLI's defaults and help texts)."""
+    return next(f.default for f in fields(BuildOptions) if f.name == name)
+
+
+@dataclass(frozen=True)
+class ResolvedBuildOptions:
+    """One build, every option resolved and validated (made by :func:`resolve`, never by hand).
+
+    ``dtype``: the activation / KV-cache dtype name (float32 | bfloat16); ``kv_cache_dtype``: the pool's
+    (= dtype, or fp8 | int8). ``group_size``: group-wise formats only; None = the format's preferred size
+    where it divides every linear of the model, else the largest of 64 / 32 / 16 that does (decided when the
+    checkpoint is read, :func:`kilnlm.builder.quantize_int.default_group_size`). ``zero_point``: the
+    format's default where it offers zero points, else None. ``calib_data``: None = the default texts.
+    ``smoothquant_alpha``: None = searched (per-tensor SmoothQuant only). ``compile``: the target's options."""
+
+    checkpoint: Path
+    output: Path
+    qformat: str
+    dtype: str
+    target: str
+    max_batch_size: int
+    max_seq_len: int
+    max_num_tokens: int
+    tokens_per_block: int
+    kv_cache_dtype: str
+    overwrite: bool
+    smoke_test: bool
+    group_size: int | None
+    zero_point: bool | None
+    calib_data: Path | None
+    calib_size: int
+    calib_max_seq_len: int
+    quantize_lm_head: bool
+    per_token: bool
+    smoothquant_alpha: float | None
+    export_checkpoint: Path | None
+    compile: Any
+
+    @property
+    def format(self) -> QuantFormat:
+        return FORMATS[self.qformat]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def calibration(self) -> CalibrationConfig:
+        """What calibrated quantization (of the weights or of the KV cache) reads."""
+        return CalibrationConfig(num_samples=self.calib_size, seq_len=self.calib_max_seq_len, data_path=self.calib_data)
+
+    @property
+    def quantizes_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in KV_QUANT_MAX
+
+    def plugins_used(self) -> list[str]:
+        """The plugin ops the engine calls: paged attention, ``gemm`` for the float linears and a 16-bit LM
+        head (every engine but a quantized one with ``--quantize-lm-head``), the format's linear op."""
+        linear = [self.format.linear_plugin] if self.format.linear_plugin else []
+        return ["paged_attention"] + ([] if self.quantize_lm_head else ["gemm"]) + linear
+
+    def manifest_build_config(self) -> BuildConfig:
+        """The manifest's build section."""
+        return BuildConfig(qformat=self.qformat, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+                           max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
+                           max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block, target=self.target)
+
+
+def resolve_dtype(fmt: QuantFormat, dtype: str) -> str:
+    """The activation dtype name for ``fmt`` and ``--dtype``. Raises :class:`BuildError` for contradictory
+    choices (fp32 weights with bfloat16 activations and the reverse)."""
+    if dtype == "auto":
+        return fmt.activation_dtype
+    if dtype not in DTYPES:
+        raise BuildError(f"--dtype {dtype!r} is not supported: choose auto, {', '.join(DTYPES)}")
+    if fmt.fixed_dtype and dtype != fmt.activation_dtype:
+        other = next(name for name, f in FORMATS.items() if f.fixed_dtype and f.activation_dtype == dtype)
+        raise BuildError(f"--qformat {fmt.name} runs {fmt.activation_dtype} activations, not {dtype}: "
+                         f"drop --dtype or pick --qformat {other}")
+    return dtype
+
+
+def check_quant_options(options: BuildOptions, fmt: QuantFormat) -> None:
+    """Refuse quantization options that ``fmt`` would ignore, with what would work instead.
+
+    Options a format does not use are refused rather than silently ignored: a pipeline passing
+    ``--calib-data`` to int4_wo most likely meant int4_awq, and an ignored option hides that."""
+    q = fmt.name
+    calib_given = [flag for flag, value in (("--calib-data", options.calib_data), ("--calib-size", options.calib_size),
+                                            ("--calib-max-seq-len", options.calib_max_seq_len)) if value is not None]
+    if calib_given and not fmt.calibrated and options.kv_cache_dtype == "auto":
+        raise BuildError(f"{', '.join(calib_given)} given but --qformat {q} does not calibrate: drop them, or pick a "
+                         f"calibrated format ({', '.join(format_names(lambda f: f.calibrated))}) or an 8-bit "
+                         f"--kv-cache-dtype ({', '.join(KV_QUANT_MAX)})")
+    for flag, value in (("--calib-size", options.calib_size), ("--calib-max-seq-len", options.calib_max_seq_len)):
+        if value is not None and value < 1:
+            raise BuildError(f"{flag} is {value}: it must be at least 1")
+    if options.calib_data is not None:  # read now: a bad file fails before the long steps, not after them
+        read_calibration_text(Path(options.calib_data))
+    group_wise = ", ".join(format_names(lambda f: f.group_wise))
+    if options.group_size is not None and not fmt.group_wise:
+        raise BuildError(f"--group-size applies to the int4 formats ({group_wise}), not --qformat {q}: drop it")
+    if options.quantize_lm_head and not fmt.lm_head_quantizable:
+        raise BuildError(f"--quantize-lm-head works with {', '.join(format_names(lambda f: f.lm_head_quantizable))}, "
+                         f"not --qformat {q}: drop it or pick one of those")
+    if options.zero_point is not None and fmt.zero_point is None:
+        raise BuildError(f"--zero-point / --no-zero-point apply to the int4 formats "
+                         f"({', '.join(format_names(lambda f: f.zero_point is not None))}), not --qformat {q}: drop it")
+    if (options.per_token or options.smoothquant_alpha is not None) and not fmt.smoothquant:
+        raise BuildError(f"--per-token / --smoothquant-alpha apply to --qformat "
+                         f"{' / '.join(format_names(lambda f: f.smoothquant))}, not {q}: drop them")
+    if options.smoothquant_alpha is not None and not 0.0 <= options.smoothquant_alpha <= 1.0:
+        raise BuildError(f"--smoothquant-alpha {options.smoothquant_alpha}: it must be within [0, 1] "
+                         f"({PER_TOKEN_SMOOTHQUANT_ALPHA} is SmoothQuant's usual choice with --per-token)")
+    if options.export_checkpoint is not None and not fmt.exports_checkpoint:
+        raise BuildError(f"--export-checkpoint writes ModelOpt's unified checkpoint for "
+                         f"{', '.join(format_names(lambda f: f.exports_checkpoint))}, not --qformat {q}: drop it or "
+                         "pick one of those")
+
+
+def resolve(options: BuildOptions) -> ResolvedBuildOptions:
+    """Validate ``options`` and apply every default: the one place a build option gets its final value.
+    Reads ``--calib-data`` (a bad file fails here, before the long steps) but not the checkpoint. Raises
+    :class:`BuildError` naming the option to change."""
+    fmt = get_format(options.qformat)
+    dtype = resolve_dtype(fmt, options.dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, dtype)
+    check_quant_options(options, fmt)
+    for name in LIMIT_FIELDS:
+        if getattr(options, name) < 1:
+            raise BuildError(f"--{name.replace('_', '-')} is {getattr(options, name)}: it must be at least 1")
+    target = get_target(options.target)
+    alpha = options.smoothquant_alpha
+    if fmt.smoothquant and options.per_token and alpha is None:
+        alpha = PER_TOKEN_SMOOTHQUANT_ALPHA
+    return ResolvedBuildOptions(
+        checkpoint=Path(options.checkpoint), output=Path(options.output), qformat=fmt.name, dtype=dtype,
+        target=target.name, max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
+        max_num_tokens=options.max_num_tokens, tokens_per_block=options.tokens_per_block, kv_cache_dtype=kv_cache_dtype,
+        overwrite=options.overwrite, smoke_test=options.smoke_test, group_size=options.group_size,
+        zero_point=options.zero_point if options.zero_point is not None else fmt.zero_point,
+        calib_data=None if options.calib_data is None else Path(options.calib_data),
+        calib_size=options.calib_size if options.calib_size is not None else fmt.calib_size,
+        calib_max_seq_len=(options.calib_max_seq_len if options.calib_max_seq_len is not None
+                           else DEFAULT_CALIB_MAX_SEQ_LEN),
+        quantize_lm_head=options.quantize_lm_head, per_token=options.per_token, smoothquant_alpha=alpha,
+        export_checkpoint=None if options.export_checkpoint is None else Path(options.export_checkpoint),
+        compile=options.compile if options.compile is not None else target.default_compile_options(),
+    )
+
+
+__all__ = ["BuildOptions", "DEFAULT_CALIB_MAX_SEQ_LEN", "DTYPES", "ResolvedBuildOptions", "check_quant_options",
+           "option_default", "resolve", "resolve_dtype"]

@@ -1,0 +1,167 @@
+"""The quantization formats ``kilnlm build --qformat`` offers: one :class:`QuantFormat` entry per format.
+
+Everything the builder, the CLI and the benchmark need to know about a format is declared here and read
+from here (TensorRT-LLM's ``QuantAlgo`` + ``QuantConfig`` and vLLM's quantization registry are the
+models); nothing else compares a format's name. A new format is one entry below plus its plugin kernel.
+
+=========  ==========  ==============  ===============  =================================  ===========
+qformat    activations weights         linear op        ModelOpt recipe                    calibrated
+=========  ==========  ==============  ===============  =================================  ===========
+fp32       float32     float32         gemm             --                                 no
+bf16       bfloat16    bfloat16        gemm             --                                 no
+fp8        bfloat16    E4M3, 1 B       fp8_linear       FP8_DEFAULT_CFG                    yes
+int4_awq   bfloat16    int4, 0.5 B     int4_linear      INT4_AWQ_CFG (awq_lite)            yes
+int4_wo    bfloat16    int4, 0.5 B     int4_linear      INT4_BLOCKWISE_WEIGHT_ONLY_CFG     no
+int8_wo    bfloat16    int8, 1 B       int8_linear      INT8_WEIGHT_ONLY_CFG               no
+int8_sq    bfloat16    int8, 1 B       int8_sq_linear   INT8_SMOOTHQUANT_CFG               yes
+=========  ==========  ==============  ===============  =================================  ===========
+
+The build turns a checkpoint into the network by the entry's :class:`Quantization` method: the float
+weights as they are, FP8 amax calibration (:mod:`kilnlm.builder.quantize`), or a ModelOpt recipe whose
+unified checkpoint is read back (:mod:`kilnlm.builder.quantize_int`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from torch import nn
+
+from kilnlm.builder.errors import BuildError
+from kilnlm.builder.network.layers import Fp8Linear, Int4Linear, Int8Linear, Int8SqLinear, Linear
+
+# SmoothQuant alphas a per-tensor SmoothQuant build tries when --smoothquant-alpha is not given.
+SMOOTHQUANT_ALPHA_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# SmoothQuant --per-token without --smoothquant-alpha: TensorRT-LLM's recipe for per-token activations.
+PER_TOKEN_SMOOTHQUANT_ALPHA = 0.5
+
+
+class Quantization(enum.Enum):
+    """How the build gets a format's network from the float checkpoint."""
+
+    NONE = "none"  # the float weights, cast to the activation dtype
+    FP8_CALIBRATION = "fp8_calibration"  # ModelOpt FP8 amax calibration -> per-tensor scales (quantize.py)
+    MODELOPT_EXPORT = "modelopt_export"  # a ModelOpt recipe, its unified HF checkpoint read back (quantize_int.py)
+
+
+class ScaleGranularity(enum.Enum):
+    """What one weight scale covers."""
+
+    NONE = "none"
+    TENSOR = "tensor"  # one per linear (one per fused part)
+    CHANNEL = "channel"  # one per output channel
+    GROUP = "group"  # one per output channel and group of group_size input columns
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One ``--qformat``.
+
+    ``activation_dtype``: what ``--dtype auto`` resolves to; with ``fixed_dtype`` no other ``--dtype`` is
+    accepted. ``weight_dtype`` / ``weight_bits``: how a linear's weight is stored in the engine (int4: two
+    per byte); ``scale_granularity`` / ``scale_bytes``: its scales (float16 int4 group scales, float32
+    otherwise). ``linear_plugin``: the kilnlm op its linears call (None: ``kilnlm::gemm``);
+    ``linear_module``: the network module of a quantized linear. ``modelopt_config``: the name of the
+    ModelOpt recipe in ``modelopt.torch.quantization`` and ``modelopt_quant_algo`` the ``quant_algo`` its
+    unified checkpoint records. ``calibrated``: the quantization reads calibration text;
+    ``quantizes_activations``: W8A8 (a quantized LM head gets an input quantizer too);
+    ``lm_head_quantizable``: ``--quantize-lm-head`` is accepted. ``group_size``: the preferred
+    ``--group-size`` of a group-wise format (None: not group-wise, the option is refused);
+    ``zero_point``: the ``--zero-point`` default of a format that offers zero points (None: refused);
+    ``calib_size``: the ``--calib-size`` default (``calib_size_reason``: why, where it is not the usual
+    one); ``smoothquant``: SmoothQuant's options
+    (``--per-token``, ``--smoothquant-alpha``) apply and its smoothing folds into the norms."""
+
+    name: str
+    summary: str  # the CLI's one-line description, e.g. "W4A16 group-wise, AWQ-calibrated"
+    activation_dtype: str  # "float32" | "bfloat16"
+    weight_dtype: str  # "float32" | "bfloat16" | "float8_e4m3fn" | "int4" | "int8"
+    weight_bits: int
+    linear_module: type[nn.Module]
+    quantization: Quantization = Quantization.NONE
+    fixed_dtype: bool = False
+    scale_granularity: ScaleGranularity = ScaleGranularity.NONE
+    scale_bytes: int = 0
+    linear_plugin: str | None = None
+    modelopt_config: str | None = None
+    modelopt_quant_algo: str | None = None
+    calibrated: bool = False
+    quantizes_activations: bool = False
+    lm_head_quantizable: bool = False
+    group_size: int | None = None
+    zero_point: bool | None = None
+    calib_size: int = 24
+    calib_size_reason: str = ""  # why calib_size differs from the usual default (for the CLI's help)
+    smoothquant: bool = False
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes one weight takes in the engine, scales not counted (int4: 0.5)."""
+        return self.weight_bits / 8
+
+    @property
+    def group_wise(self) -> bool:
+        return self.group_size is not None
+
+    @property
+    def exports_checkpoint(self) -> bool:
+        """Whether ``--export-checkpoint`` (ModelOpt's unified HF checkpoint) is available."""
+        return self.quantization is Quantization.MODELOPT_EXPORT
+
+    def scale_bytes_per_linear(self, out_features: int, in_features: int, group_size: int | None = None,
+                               zero_point: bool = False) -> int:
+        """Bytes of one ``[out_features, in_features]`` linear's weight scales (and int8 zero points,
+        one per group, with ``zero_point``) in the engine. ``group_size``: group-wise formats only."""
+        if self.scale_granularity is ScaleGranularity.GROUP:
+            return (self.scale_bytes + (1 if zero_point else 0)) * out_features * (in_features // group_size)
+        if self.scale_granularity is ScaleGranularity.CHANNEL:
+            return self.scale_bytes * out_features
+        return self.scale_bytes if self.scale_granularity is ScaleGranularity.TENSOR else 0
+
+
+_INT4 = dict(activation_dtype="bfloat16", weight_dtype="int4", weight_bits=4, linear_module=Int4Linear,
+             quantization=Quantization.MODELOPT_EXPORT, scale_granularity=ScaleGranularity.GROUP, scale_bytes=2,
+             linear_plugin="int4_linear", modelopt_quant_algo="W4A16_AWQ", lm_head_quantizable=True, group_size=128)
+_INT8 = dict(activation_dtype="bfloat16", weight_dtype="int8", weight_bits=8, quantization=Quantization.MODELOPT_EXPORT,
+             scale_granularity=ScaleGranularity.CHANNEL, scale_bytes=4, lm_head_quantizable=True)
+
+# --qformat name -> its declaration, in the order the CLI lists them (TensorRT-LLM's names).
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
+    QuantFormat("fp32", "", "float32", "float32", 32, Linear, fixed_dtype=True),
+    QuantFormat("bf16", "", "bfloat16", "bfloat16", 16, Linear, fixed_dtype=True),
+    QuantFormat("fp8", "E4M3 per-tensor, calibrated", "bfloat16", "float8_e4m3fn", 8, Fp8Linear,
+                quantization=Quantization.FP8_CALIBRATION, scale_granularity=ScaleGranularity.TENSOR, scale_bytes=4,
+                linear_plugin="fp8_linear", modelopt_config="FP8_DEFAULT_CFG", calibrated=True,
+                quantizes_activations=True, lm_head_quantizable=True),
+    # int4_awq's search runs each sample through every linear once per candidate alpha (11 with ModelOpt's
+    # alpha_step 0.1): 16 samples keep a SmolLM2 build to minutes on 2 cores. SmolLM2's perplexity moves by
+    # +-1.5 points with the sample count (docs/quantization.md: 8 +13.9%, 16 +10.9%, 24 +12.9%).
+    QuantFormat("int4_awq", "W4A16 group-wise, AWQ-calibrated", **_INT4, modelopt_config="INT4_AWQ_CFG",
+                calibrated=True, zero_point=True, calib_size=16,
+                calib_size_reason="whose AWQ search runs every sample once per candidate scaling"),
+    QuantFormat("int4_wo", "weight-only round-to-nearest, per group", **_INT4,
+                modelopt_config="INT4_BLOCKWISE_WEIGHT_ONLY_CFG", zero_point=False),
+    QuantFormat("int8_wo", "weight-only round-to-nearest, per channel", **_INT8, linear_module=Int8Linear,
+                linear_plugin="int8_linear", modelopt_config="INT8_WEIGHT_ONLY_CFG", modelopt_quant_algo="W8A16"),
+    QuantFormat("int8_sq", "W8A8 SmoothQuant, calibrated", **_INT8, linear_module=Int8SqLinear,
+                linear_plugin="int8_sq_linear", modelopt_config="INT8_SMOOTHQUANT_CFG",
+                modelopt_quant_algo="W8A8_SQ_PER_CHANNEL", calibrated=True, quantizes_activations=True,
+                smoothquant=True),
+)}
+
+
+def get_format(qformat: str) -> QuantFormat:
+    """The declaration of ``qformat``. Raises :class:`BuildError` naming the formats there are."""
+    if qformat not in FORMATS:
+        raise BuildError(f"--qformat {qformat!r} is not supported: choose one of {', '.join(FORMATS)}")
+    return FORMATS[qformat]
+
+
+def format_names(predicate=lambda fmt: True) -> tuple[str, ...]:
+    """The names of the formats for which ``predicate(QuantFormat)`` holds, in registry order."""
+    return tuple(name for name, fmt in FORMATS.items() if predicate(fmt))
+
+
+__all__ = ["FORMATS", "PER_TOKEN_SMOOTHQUANT_ALPHA", "Quantization", "QuantFormat", "SMOOTHQUANT_ALPHA_GRID",
+           "ScaleGranularity", "format_names", "get_format"]

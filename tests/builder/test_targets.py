@@ -1,0 +1,26 @@
+"""The build-target registry: each target declares its name, engine file and toolchain, and the manifest
+records them; ``cpu`` (AOTInductor) is the first entry."""
+
+from __future__ import annotations
+
+import inspect
+
+from kilnlm.builder.targets import TARGETS, Target
+from kilnlm.runtime.manifest import read_manifest
+
+
+def test_every_target_implements_the_protocol():
+    assert "cpu" in TARGETS
+    members = [name for name, _ in inspect.getmembers(Target) if not name.startswith("_")]
+    for name, target in TARGETS.items():
+        assert target.name == name and target.engine_file and target.description
+        assert all(hasattr(target, member) for member in members), name
+        assert set(target.toolchain_versions()) >= {"kilnlm", "target"} and target.toolchain_versions()["target"] == name
+
+
+def test_the_manifest_records_the_target_and_its_files(tiny_engine_dir):
+    manifest = read_manifest(tiny_engine_dir)
+    target = TARGETS[manifest.build.target]
+    assert manifest.build.target == "cpu" and manifest.engine_file == target.engine_file
+    assert manifest.engine_file in manifest.files
+    assert manifest.toolchain == target.toolchain_versions()
