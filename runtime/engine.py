@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 
-# KV_CACHE_DTYPES is imported from here by the builder (the pool dtype it compiles for).
 from kilnlm.runtime.abi import ACTIVATION_DTYPES, KV_CACHE_DTYPES, EngineInputs
 from kilnlm.runtime.backends import EngineBackend, engine_backend
 from kilnlm.runtime.errors import EngineError
 from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
 
-__all__ = ["Engine", "KV_CACHE_DTYPES", "verify_engine"]
+__all__ = ["Engine", "verify_engine"]
 
 
 def verify_engine(engine_dir: str | os.PathLike) -> Manifest:

@@ -56,14 +56,14 @@ class ModelConfig:
 class BuildConfig:
     """How the engine was built (TensorRT-LLM's meanings for the limits)."""
 
-    qformat: str  # "fp32" | "bf16" | "fp8"
+    qformat: str  # a --qformat name (kilnlm.builder.formats.FORMATS)
     dtype: str  # activation / KV-cache dtype: "float32" | "bfloat16"
     kv_cache_dtype: str  # "float32" | "bfloat16" (= dtype), or "fp8" | "int8" (8-bit pool, per-layer scales in the engine)
     max_batch_size: int  # sequences per forward
     max_num_tokens: int  # packed tokens per forward (context chunks + generation tokens)
     max_seq_len: int  # prompt + generated tokens of one sequence
     tokens_per_block: int  # tokens per paged-KV block
-    target: str  # "cpu" | "tensorrt"
+    target: str  # a --target name; selects the runtime backend (kilnlm.runtime.backends.ENGINE_BACKENDS)
 
     @property
     def max_blocks_per_seq(self) -> int:

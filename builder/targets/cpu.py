@@ -19,8 +19,7 @@ from torch.export import Dim
 
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.toolchain import inductor_cpu_isa
-from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
-from kilnlm.runtime.engine import KV_CACHE_DTYPES
+from kilnlm.runtime.abi import KV_CACHE_DTYPES, EngineInputs, kv_cache_shape
 from kilnlm.runtime.manifest import BuildConfig, ModelConfig
 
 log = logging.getLogger(__name__)

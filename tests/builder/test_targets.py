@@ -24,3 +24,10 @@ def test_the_manifest_records_the_target_and_its_files(tiny_engine_dir):
     assert manifest.build.target == "cpu" and manifest.engine_file == target.engine_file
     assert manifest.engine_file in manifest.files
     assert manifest.toolchain == target.toolchain_versions()
+
+
+def test_every_target_has_a_runtime_backend_of_the_same_name():
+    """An engine of every target the builder offers can be loaded: the runtime's backend registry has it."""
+    from kilnlm.runtime.backends import ENGINE_BACKENDS
+
+    assert set(TARGETS) <= set(ENGINE_BACKENDS), f"targets without a runtime backend: {set(TARGETS) - set(ENGINE_BACKENDS)}"
