@@ -258,7 +258,7 @@ class TritonPythonModel:
     """
 
     def initialize(self, args):
-        from kilnlm.runtime.engine_source import resolve_served_engine
+        from kilnlm.runtime.distribution.engine_source import resolve_served_engine
         from kilnlm.runtime.errors import RequestError
         from kilnlm.runtime.executor import Executor, ExecutorConfig
         from kilnlm.runtime.request import SamplingParams
@@ -269,7 +269,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         # The engine: this version directory's engine/ or engine.json pointer (`kilnlm deploy`), else the
         # engine_ref parameter (a cache reference, fetched into a local engine cache and verified), else
-        # the engine_dir parameter; see kilnlm.runtime.engine_source.
+        # the engine_dir parameter; see kilnlm.runtime.distribution.engine_source.
         served = resolve_served_engine(args["model_repository"], args["model_version"],
                                        {"engine_dir": "engine", **params}, log=pb_utils.Logger.log_info)
         engine_dir = served.engine_dir
