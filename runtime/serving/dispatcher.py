@@ -2,11 +2,11 @@
 
 ::
 
-    front's thread ──submit()──▶ parse, tokenize, Executor.submit ──▶ outbox ◀── reader thread per request
-                                                                        │          (Executor.stream)
-                                                                        ▼
-                                        dispatcher thread: the only one that touches clients
-                                        (replies, cancellation polling, metrics, stats refresh)
+    front's thread ─submit()─▶ parse, tokenize, Executor.submit ─▶ outbox ◀─ one reader thread per
+                                                                     │        request (Executor.stream)
+                                                                     ▼
+                                    dispatcher thread: the only one that touches clients
+                                    (replies, cancellation polling, metrics, stats refresh)
 
 Only the dispatcher thread talks to clients (send, is_cancelled): concurrent use of Triton's response
 senders from several threads crashed tritonserver 2.51's python backend, as does touching a sender after

@@ -1,6 +1,7 @@
-"""kilnlm.runtime.serving.launcher and its command line scripts/launch_triton.py without a model: finding the binary and the python backend stub, the
-repository copy pointed at an engine, the server command and environment, and signal forwarding (with
-a stand-in tritonserver script, so these run in milliseconds)."""
+"""kilnlm.runtime.serving.launcher (and scripts/launch_triton.py, its command line) without a model:
+finding the binary and the python backend stub, the repository copy pointed at an engine, the server
+command and environment, and signal forwarding (with a stand-in tritonserver script, so these run in
+milliseconds)."""
 
 from __future__ import annotations
 
