@@ -77,12 +77,14 @@ class Metrics:
 
     def __init__(self, backend: MetricsBackend, model_name: str) -> None:
         self._labels = {"model": model_name}
-        self._finished_family = backend.family(REQUESTS_FINISHED)
+        # Every family lives as long as its series: Triton refuses to update a metric whose MetricFamily
+        # object has been deleted ("Invalid metric operation").
+        self._families = {spec.name: backend.family(spec) for spec in ALL_METRICS}
         self._finished: dict[str, object] = {}
 
         def series(spec: MetricSpec):
             buckets = list(LATENCY_BUCKETS_S) if spec.kind is MetricKind.HISTOGRAM else None
-            return backend.family(spec).metric(labels=dict(self._labels), buckets=buckets)
+            return self._families[spec.name].metric(labels=dict(self._labels), buckets=buckets)
 
         self.free_blocks = series(KV_CACHE_FREE_BLOCKS)
         self.total_blocks = series(KV_CACHE_TOTAL_BLOCKS)
@@ -96,7 +98,7 @@ class Metrics:
     def count_finished(self, reason: str) -> None:
         """One more finished request with ``finish_reason`` label ``reason``."""
         if reason not in self._finished:
-            self._finished[reason] = self._finished_family.metric(
+            self._finished[reason] = self._families[REQUESTS_FINISHED.name].metric(
                 labels={**self._labels, "finish_reason": reason}, buckets=None)
         self._finished[reason].increment(1)
 

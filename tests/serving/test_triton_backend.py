@@ -3,6 +3,7 @@ package imports without Triton, and the glue maps replies, errors, flags and met
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import types
@@ -54,9 +55,13 @@ class InferenceResponse:
 class MetricFamily:
     GAUGE, COUNTER, HISTOGRAM = "GAUGE", "COUNTER", "HISTOGRAM"
     created: list = []
+    deleted: list = []  # Triton's metrics stop working once their family object is deleted
 
     def __init__(self, name, description, kind):
         self.name, self.kind = name, kind
+
+    def __del__(self):
+        MetricFamily.deleted.append(self.name)
 
     def Metric(self, labels, **kwargs):  # noqa: N802 (Triton's name)
         MetricFamily.created.append((self.name, self.kind, labels, kwargs))
@@ -126,13 +131,19 @@ def test_client_sends_tensors_with_final_flag_errors_and_close():
 
 def test_metrics_backend_makes_triton_families_with_buckets_for_histograms_only():
     MetricFamily.created.clear()
-    Metrics(triton_backend.TritonMetricsBackend(fake_pb_utils()), "kilnlm")
+    MetricFamily.deleted.clear()
+    metrics = Metrics(triton_backend.TritonMetricsBackend(fake_pb_utils()), "kilnlm")
+    gc.collect()
+    assert MetricFamily.deleted == []  # the families live as long as the metrics
     kinds = {name: (kind, "buckets" in kwargs) for name, kind, labels, kwargs in MetricFamily.created}
     assert kinds["kilnlm_kv_cache_free_blocks"] == ("GAUGE", False)
     assert kinds["kilnlm_generated_tokens_total"] == ("COUNTER", False)
     assert kinds["kilnlm_time_to_first_token_seconds"] == ("HISTOGRAM", True)
     assert all(labels == {"model": "kilnlm"} for _, _, labels, _ in MetricFamily.created)
     assert len(MetricFamily.created) == 8  # every series but the per-finish-reason counters (made on first use)
+    metrics.count_finished("stop")
+    assert MetricFamily.created[-1][:3] == ("kilnlm_requests_finished_total", "COUNTER",
+                                            {"model": "kilnlm", "finish_reason": "stop"})
 
 
 def test_forward_to_decoupled_forces_stream_false_and_returns_the_final_response():
