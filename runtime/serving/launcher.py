@@ -70,7 +70,7 @@ class ServerConfig:
         engine_dir: the built kilnlm engine directory to serve; None serves ``model_repository`` in
             place (a repository written by `kilnlm deploy`).
         model_repository: with ``engine_dir``, the source model repository (copied, never modified);
-            without, the repository served.
+            without, the repository served. Default: kilnlm's template (:func:`default_model_repository`).
         work_dir: where the repository copy and the backend directory are assembled; a fresh
             temporary directory when None.
         address: the interface the HTTP, gRPC and metrics endpoints listen on ("0.0.0.0": all).
