@@ -18,7 +18,7 @@ from typing import Callable
 from kilnlm.builder.build import build_engine
 from kilnlm.builder.cache_key import compute_cache_key
 from kilnlm.builder.config import BuildOptions, ResolvedBuildOptions, resolve
-from kilnlm.runtime.engine_cache import CacheEntry, EngineCache, split_name_version
+from kilnlm.runtime.distribution.cache import CacheEntry, EngineCache, split_name_version
 from kilnlm.runtime.manifest import Manifest
 
 

@@ -63,7 +63,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
 
 
 def _open(args: argparse.Namespace):
-    from kilnlm.runtime.engine_cache import EngineCache
+    from kilnlm.runtime.distribution.cache import EngineCache
 
     return EngineCache(args.cache or default_cache_url())
 
@@ -101,7 +101,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    from kilnlm.runtime.engine_cache import split_name_version
+    from kilnlm.runtime.distribution.cache import split_name_version
 
     name, version = split_name_version(args.name) if args.name else (None, None)
     cache = _open(args)
@@ -127,7 +127,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _tag(args: argparse.Namespace) -> int:
-    from kilnlm.runtime.engine_cache import split_name_version
+    from kilnlm.runtime.distribution.cache import split_name_version
 
     name, version = split_name_version(args.name)
     cache = _open(args)

@@ -1,5 +1,5 @@
 """``kilnlm deploy``: write an engine (local directory or cache reference) into a Triton model repository
-as the model's next version. The logic is :func:`kilnlm.runtime.deploy.deploy`."""
+as the model's next version. The logic is :func:`kilnlm.runtime.distribution.deploy.deploy`."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
 
 def run(args: argparse.Namespace) -> int:
     from kilnlm.cli.cache_cmd import default_cache_url
-    from kilnlm.runtime.deploy import DeployConfig, deploy
+    from kilnlm.runtime.distribution.deploy import DeployConfig, deploy
 
     result = deploy(DeployConfig(ref=args.ref, model_repository=args.model_repository,
                                  model_name=args.model_name, version=args.version,

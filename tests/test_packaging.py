@@ -13,7 +13,8 @@ LAYERING_PROBE = """
 import sys
 import kilnlm.runtime.executor, kilnlm.runtime.engine, kilnlm.runtime.tokenizer, kilnlm.plugins
 import kilnlm.cli.generate_cmd
-import kilnlm.runtime.engine_cache, kilnlm.runtime.cache_store, kilnlm.cli.cache_cmd
+import kilnlm.runtime.distribution.cache, kilnlm.runtime.distribution.object_store, kilnlm.cli.cache_cmd
+import kilnlm.runtime.distribution.deploy, kilnlm.runtime.serving.dispatcher, kilnlm.runtime.serving.launcher
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "modelopt", "gguf")
              or m.startswith("kilnlm.builder"))
 print(",".join(bad))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import kilnlm.builder.cached_build as cached_build
 from kilnlm.cli.main import main
 from kilnlm.runtime.engine import Engine, verify_engine
-from kilnlm.runtime.engine_cache import EngineCache
+from kilnlm.runtime.distribution.cache import EngineCache
 from kilnlm.runtime.manifest import read_manifest
 
 

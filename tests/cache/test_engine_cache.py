@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kilnlm.runtime.cache_store import ObjectStore
-from kilnlm.runtime.engine_cache import EngineCache, split_cache_ref, split_name_version
+from kilnlm.runtime.distribution.object_store import ObjectStore
+from kilnlm.runtime.distribution.cache import EngineCache, split_cache_ref, split_name_version
 from kilnlm.runtime.errors import CacheError
 from kilnlm.runtime.manifest import read_manifest, sha256_file, verify_files
 
@@ -195,8 +195,8 @@ KILLED_PUBLISHER = r'''
 import functools, sys, time
 from pathlib import Path
 from fsspec.callbacks import Callback
-from kilnlm.runtime import cache_store
-from kilnlm.runtime.engine_cache import EngineCache
+from kilnlm.runtime.distribution import object_store
+from kilnlm.runtime.distribution.cache import EngineCache
 
 class Progress(Callback):  # s3fs calls it after each uploaded part
     def relative_update(self, inc=1):
@@ -216,7 +216,7 @@ def slow_copyfile(src, dst):  # the local backend's copy, in 1 MiB steps
 
 cache = EngineCache(sys.argv[1])
 if cache.store.local:
-    cache_store.shutil.copyfile = slow_copyfile
+    object_store.shutil.copyfile = slow_copyfile
 else:
     put_file = cache.store.fs.put_file
     cache.store.fs.put_file = lambda lpath, rpath: put_file(lpath, rpath, callback=Progress(), chunksize=5 << 20)
@@ -286,11 +286,11 @@ def test_refs_and_names():
 RACING_PUBLISHER = r'''
 import sys, time
 from pathlib import Path
-from kilnlm.runtime import cache_store
-from kilnlm.runtime.engine_cache import EngineCache
+from kilnlm.runtime.distribution import object_store
+from kilnlm.runtime.distribution.cache import EngineCache
 
 url, engine, rendezvous, me = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
-real_upload = cache_store.ObjectStore.upload_file
+real_upload = object_store.ObjectStore.upload_file
 
 def upload_file(self, local_path, rel):
     if local_path.name == "model.pt2":  # both processes get here before either writes its manifest
@@ -300,7 +300,7 @@ def upload_file(self, local_path, rel):
             time.sleep(0.01)
     real_upload(self, local_path, rel)
 
-cache_store.ObjectStore.upload_file = upload_file
+object_store.ObjectStore.upload_file = upload_file
 print(EngineCache(url).publish(engine, "race").key)
 '''
 

@@ -1,6 +1,6 @@
 """`kilnlm deploy` into a Triton model repository from a local engine directory: versions, the written
 configs, rollback, refusals that leave the repository as it was, and where the served model finds its
-engine (kilnlm.runtime.engine_source)."""
+engine (kilnlm.runtime.distribution.engine_source)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from kilnlm.cli.main import main as kilnlm_main
-from kilnlm.runtime.deploy import (DeployConfig, DeployError, deploy, existing_versions, locate_template,
+from kilnlm.runtime.distribution.deploy import (DeployConfig, DeployError, deploy, existing_versions, locate_template,
                                    render_model_config)
 from kilnlm.runtime.engine import verify_engine
-from kilnlm.runtime.engine_source import ServedEngine, resolve_served_engine
+from kilnlm.runtime.distribution.engine_source import ServedEngine, resolve_served_engine
 from kilnlm.runtime.errors import EngineError
 
 
@@ -66,7 +66,7 @@ def test_a_new_version_is_staged_outside_the_model_directory(tiny_engine_dir, tm
     """A polling Triton reloads a model whose directory changed. A version staged inside the model directory
     changed it twice (its rename, then the staging directory's removal), which could load it twice and let
     a rollback race the second load; staged beside the repository, the rename is the only change."""
-    import kilnlm.runtime.deploy as deploy_module
+    import kilnlm.runtime.distribution.deploy as deploy_module
 
     repo = tmp_path / "repo"
     deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))

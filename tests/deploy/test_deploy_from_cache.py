@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from kilnlm.cli.main import main as kilnlm_main
-from kilnlm.runtime.deploy import DeployConfig, DeployError, deploy
+from kilnlm.runtime.distribution.deploy import DeployConfig, DeployError, deploy
 from kilnlm.runtime.engine import verify_engine
-from kilnlm.runtime.engine_cache import EngineCache
-from kilnlm.runtime.engine_source import ENGINE_CACHE_DIR_ENV, EnginePointer, resolve_served_engine
+from kilnlm.runtime.distribution.cache import EngineCache
+from kilnlm.runtime.distribution.engine_source import ENGINE_CACHE_DIR_ENV, EnginePointer, resolve_served_engine
 from kilnlm.runtime.errors import EngineError
 
 

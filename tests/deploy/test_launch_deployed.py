@@ -54,7 +54,7 @@ def test_without_engine_the_repository_must_be_a_deployed_one(launcher, tmp_path
     with pytest.raises(launcher.LaunchError, match="holds no model"):
         launcher.check_deployed_repository(tmp_path / "empty")
     with pytest.raises(launcher.LaunchError, match="--engine"):
-        launcher.check_deployed_repository(launcher.DEFAULT_MODEL_REPOSITORY)
+        launcher.check_deployed_repository(launcher.default_model_repository())
 
 
 def test_command_line_serves_a_deployed_repository(tmp_path):

@@ -16,8 +16,8 @@ import pytest
 
 from kilnlm.cli.main import main as kilnlm_main
 from kilnlm.runtime.engine import verify_engine
-from kilnlm.runtime.engine_cache import EngineCache
-from kilnlm.runtime.engine_source import ENGINE_CACHE_DIR_ENV
+from kilnlm.runtime.distribution.cache import EngineCache
+from kilnlm.runtime.distribution.engine_source import ENGINE_CACHE_DIR_ENV
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 

@@ -1,17 +1,15 @@
 """Serving fixtures: one real tritonserver per test session, serving the SmolLM2 fp32 engine.
 
-The server is started exactly as ``scripts/launch_triton.py`` starts it (same module, loaded from its
-file), on free loopback ports, and waited for on ``/v2/health/ready``. Its log is kept in the session's
+The server is started exactly as ``scripts/launch_triton.py`` starts it (its module,
+:mod:`kilnlm.runtime.serving.launcher`), on free loopback ports, and waited for on ``/v2/health/ready``. Its log is kept in the session's
 temporary directory and printed when it fails to start.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,26 +17,16 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER_PATH = REPO_ROOT / "scripts" / "launch_triton.py"
 SERVER_START_TIMEOUT_S = 300.0
 SERVER_STOP_TIMEOUT_S = 60.0
 
 
-def load_launcher():
-    """Import scripts/launch_triton.py as a module (scripts/ is not a package)."""
-    if "kilnlm_launch_triton" in sys.modules:
-        return sys.modules["kilnlm_launch_triton"]
-    spec = importlib.util.spec_from_file_location("kilnlm_launch_triton", LAUNCHER_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def launcher():
-    return load_launcher()
+    """The tritonserver launcher module (what scripts/launch_triton.py runs)."""
+    from kilnlm.runtime.serving import launcher
+
+    return launcher
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
-"""scripts/launch_triton.py without a model: finding the binary and the python backend stub, the
-repository copy pointed at an engine, the server command and environment, and signal forwarding (with
-a stand-in tritonserver script, so these run in milliseconds)."""
+"""kilnlm.runtime.serving.launcher (and scripts/launch_triton.py, its command line) without a model:
+finding the binary and the python backend stub, the repository copy pointed at an engine, the server
+command and environment, and signal forwarding (with a stand-in tritonserver script, so these run in
+milliseconds)."""
 
 from __future__ import annotations
 
@@ -35,19 +36,19 @@ def _fake_install(root: Path, body: str) -> Path:
 def test_prepare_repository_points_engine_dir_at_the_engine(launcher, tmp_path):
     engine = tmp_path / "engine"
     engine.mkdir()
-    out = launcher.prepare_repository(launcher.DEFAULT_MODEL_REPOSITORY, tmp_path / "repo", engine)
+    out = launcher.prepare_repository(launcher.default_model_repository(), tmp_path / "repo", engine)
     config = (out / "kilnlm" / "config.pbtxt").read_text()
     assert f'string_value: "{engine.resolve()}"' in config
     assert (out / "kilnlm" / "1" / "model.py").is_file()
     assert (out / "kilnlm_sync" / "config.pbtxt").read_text() == \
-        (launcher.DEFAULT_MODEL_REPOSITORY / "kilnlm_sync" / "config.pbtxt").read_text()
+        (launcher.default_model_repository() / "kilnlm_sync" / "config.pbtxt").read_text()
     # the source repository is left as it was
-    assert 'string_value: "engine"' in (launcher.DEFAULT_MODEL_REPOSITORY / "kilnlm" / "config.pbtxt").read_text()
+    assert 'string_value: "engine"' in (launcher.default_model_repository() / "kilnlm" / "config.pbtxt").read_text()
 
 
 def test_missing_engine_or_repository_is_a_launch_error(launcher, tmp_path):
     with pytest.raises(launcher.LaunchError, match="kilnlm build"):
-        launcher.prepare_repository(launcher.DEFAULT_MODEL_REPOSITORY, tmp_path / "r", tmp_path / "none")
+        launcher.prepare_repository(launcher.default_model_repository(), tmp_path / "r", tmp_path / "none")
     (tmp_path / "engine").mkdir()
     with pytest.raises(launcher.LaunchError, match="--model-repository"):
         launcher.prepare_repository(tmp_path / "no_repo", tmp_path / "r", tmp_path / "engine")

@@ -15,8 +15,8 @@ these that exists decides (``<model dir>`` is ``args["model_repository"]``, e.g.
 
 A cache reference is materialised in a local engine cache directory (parameter ``engine_cache_dir``, else
 ``$KILNLM_ENGINE_CACHE_DIR``, else ``~/.cache/kilnlm/served-engines``) as ``<engine cache dir>/<key>/``:
-downloaded once through :class:`kilnlm.runtime.engine_cache.EngineCache` (which verifies sizes and SHA-256
-while fetching), verified again with :func:`kilnlm.runtime.engine.verify_engine`, and reused on the next
+downloaded once through :class:`kilnlm.runtime.distribution.cache.EngineCache` (which verifies sizes and
+SHA-256 while fetching), verified again with :func:`kilnlm.runtime.engine.verify_engine`, and reused on the next
 load without contacting the store when the copy still verifies. A pointer with a ``cache_key`` is pinned:
 it serves that key even if the name it came from has since been tagged to another engine, and needs no
 store at all while the verified copy is present. A copy that no longer verifies is moved aside and
@@ -101,7 +101,7 @@ def default_engine_cache_dir(environ: dict[str, str] | None = None) -> Path:
 
 def _resolve_key(engine_ref: str) -> tuple[object, str]:
     """``(EngineCache of the ref's cache URL, key the ref names)``; raises the cache's CacheError."""
-    from kilnlm.runtime.engine_cache import EngineCache, split_cache_ref
+    from kilnlm.runtime.distribution.cache import EngineCache, split_cache_ref
 
     cache_url, name_ref = split_cache_ref(engine_ref)
     cache = EngineCache(cache_url)
@@ -163,7 +163,7 @@ def materialize_cached_engine(engine_ref: str, cache_key: str | None, engine_cac
     log(f"kilnlm: fetching {engine_ref} (key {key}) into {local}")
     try:
         if cache is None:
-            from kilnlm.runtime.engine_cache import EngineCache, split_cache_ref
+            from kilnlm.runtime.distribution.cache import EngineCache, split_cache_ref
 
             cache = EngineCache(split_cache_ref(engine_ref)[0])
         cache.fetch(key, local)

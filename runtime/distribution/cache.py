@@ -19,9 +19,9 @@ go first and the manifest last, created only if absent, so
 - two publishers of one key (even with engines that differ byte-wise, e.g. non-deterministic compiles)
   write disjoint blobs; the first manifest wins and names only blobs its publisher uploaded.
 
-References (keys, ``name:version``, ``<cache URL>/<ref>``) are parsed by :mod:`kilnlm.runtime.cache_refs`;
-the object layer is :mod:`kilnlm.runtime.cache_store`. Never imports kilnlm.builder or transformers
-(serving-only installs resolve cached engines at load time).
+References (keys, ``name:version``, ``<cache URL>/<ref>``) are parsed by
+:mod:`kilnlm.runtime.distribution.refs`; the object layer is :mod:`kilnlm.runtime.distribution.object_store`.
+Never imports kilnlm.builder or transformers (serving-only installs resolve cached engines at load time).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from kilnlm.runtime.cache_refs import (KEY_PREFIX_RE, KEY_RE, LATEST, check_name, check_tag_version, parse_ref,
-                                       split_cache_ref, split_name_version, version_order)
-from kilnlm.runtime.cache_store import ObjectInfo, ObjectStore
+from kilnlm.runtime.distribution.object_store import ObjectInfo, ObjectStore
+from kilnlm.runtime.distribution.refs import (KEY_PREFIX_RE, KEY_RE, LATEST, check_name, check_tag_version,
+                                              parse_ref, split_cache_ref, split_name_version, version_order)
 from kilnlm.runtime.errors import CacheError
 from kilnlm.runtime.manifest import MANIFEST_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, move_into_place, read_manifest, verify_files
 

@@ -23,9 +23,9 @@ REF is a local engine directory, or a cache reference (``s3://bucket/prefix/name
 ``/local/cache/name:latest``, ``<cache url>/<key>``; ``name:version`` alone with ``--cache URL``). A cache
 reference becomes a pointer (``engine.json``: the reference and the key it resolved to, so the version
 keeps serving that exact engine even when the name is tagged again) unless ``copy_engine`` is set; see
-:mod:`kilnlm.runtime.engine_source` for how the served model resolves it. Either way the engine is
-verified (:func:`kilnlm.runtime.engine.verify_engine`; a cache reference is fetched into a temporary
-directory for it) before anything is written to the repository.
+:mod:`kilnlm.runtime.distribution.engine_source` for how the served model resolves it. Either way the
+engine is verified (:func:`kilnlm.runtime.engine.verify_engine`; a cache reference is fetched into a
+temporary directory for it) before anything is written to the repository.
 
 Writes are atomic: a new model, or a new version of a model, is assembled in a staging directory beside
 the repository and renamed into it, so that the rename is the only change a polling Triton sees. When
@@ -50,7 +50,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kilnlm.runtime.engine_source import ENGINE_SUBDIR, POINTER_NAME, EnginePointer
+from kilnlm.runtime.distribution.engine_source import ENGINE_SUBDIR, POINTER_NAME, EnginePointer
 from kilnlm.runtime.errors import EngineError, KilnError
 
 TEMPLATE_ENV = "KILNLM_MODEL_REPOSITORY_TEMPLATE"
@@ -119,7 +119,7 @@ def locate_template(explicit: str | os.PathLike | None = None) -> Path:
 
     Looked for, in order: ``explicit``; ``$KILNLM_MODEL_REPOSITORY_TEMPLATE``; the installed package data
     ``kilnlm.model_repository`` (wheels ship the repository there); the ``model_repository/`` beside the
-    ``runtime/`` directory this module lives in (a source checkout).
+    ``runtime/`` directory this module's package lives in (a source checkout).
 
     Raises:
         DeployError: none of them holds ``kilnlm/config.pbtxt`` and ``kilnlm/1/model.py``.
@@ -136,7 +136,7 @@ def locate_template(explicit: str | os.PathLike | None = None) -> Path:
             spec = None
         if spec is not None and spec.submodule_search_locations:
             candidates.extend(Path(p) for p in spec.submodule_search_locations)
-        candidates.append(Path(__file__).resolve().parent.parent / "model_repository")
+        candidates.append(Path(__file__).resolve().parents[2] / "model_repository")
     for candidate in candidates:
         if (candidate / TEMPLATE_MODEL / CONFIG_FILE).is_file() and \
                 (candidate / TEMPLATE_MODEL / "1" / MODEL_FILE).is_file():
@@ -231,7 +231,7 @@ def _verify_engine_ref(config: DeployConfig, scratch: Path) -> _VerifiedEngine:
             raise DeployError(f"refusing to deploy {source}: {exc}") from None
         return _VerifiedEngine(source, None, manifest.cache_key)
 
-    from kilnlm.runtime.engine_cache import EngineCache, split_cache_ref
+    from kilnlm.runtime.distribution.cache import EngineCache, split_cache_ref
 
     ref = _full_ref(config)
     try:

@@ -1,0 +1,22 @@
+"""kilnlm.runtime.serving: what every serving front (the Triton models, an OpenAI-compatible server) shares.
+
+Framework-free modules (no ``triton_python_backend_utils``, no web framework), one owner each:
+
+- ``request_parsing``: a request's named inputs (Triton tensors or a JSON body, with TensorRT-LLM's
+  ``inflight_batcher_llm`` names) -> :class:`~kilnlm.runtime.serving.request_parsing.GenerateRequest`
+  -> prompt token ids + :class:`~kilnlm.runtime.request.SamplingParams`;
+- ``parameters``: a served model's string parameters (config.pbtxt) -> ``ExecutorConfig`` and defaults;
+- ``responses``: the executor's streamed ``Response``\\ s of one request -> the replies a client gets
+  (:class:`~kilnlm.runtime.serving.responses.Reply`: text, token ids, finish reason) and their output
+  tensors (``text_output``, ``output_ids``, ``sequence_length``, ``finish_reason``);
+- ``metrics``: the ``kilnlm_*`` metrics (KV-cache and queue gauges, finish-reason and token counters, TTFT
+  and inter-token-latency histograms) over any metrics backend;
+- ``dispatcher``: the threads between one executor and many clients (one reader per request, one
+  dispatcher thread owning every client connection, cancellation polling, stats refresh);
+- ``launcher``: finding and starting a real ``tritonserver`` (binary, Python backend with its stub, model
+  repository, command line, environment, foreground run); ``scripts/launch_triton.py`` is its entry point.
+
+Framework glue: ``triton_backend`` adapts Triton's Python backend (requests, response senders, metric
+families) to the modules above; it takes the ``triton_python_backend_utils`` module as an argument, so it
+too imports anywhere. ``model_repository/*/1/model.py`` are thin adapters over it.
+"""

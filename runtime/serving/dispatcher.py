@@ -1,0 +1,201 @@
+"""The threads between one executor and many clients.
+
+::
+
+    front's thread ─submit()─▶ parse, tokenize, Executor.submit ─▶ outbox ◀─ one reader thread per
+                                                                     │        request (Executor.stream)
+                                                                     ▼
+                                    dispatcher thread: the only one that touches clients
+                                    (replies, cancellation polling, metrics, stats refresh)
+
+Only the dispatcher thread talks to clients (send, is_cancelled): concurrent use of Triton's response
+senders from several threads crashed tritonserver 2.51's python backend, as does touching a sender after
+its final response. When a client's ``is_cancelled()`` turns True the request is cancelled in the executor
+(which frees its KV-cache blocks) and the client closed (Triton: one empty final flag, without which it
+never releases the request and the model cannot unload); the client is not used again.
+
+A front supplies a :class:`Client` per request; the Triton adapter is
+:class:`kilnlm.runtime.serving.triton_backend.TritonClient`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Protocol
+
+from kilnlm.runtime.errors import RequestError
+from kilnlm.runtime.serving.metrics import Metrics, RequestTiming
+from kilnlm.runtime.serving.request_parsing import InputReader, parse_request, prepare_submission
+from kilnlm.runtime.serving.responses import Reply, ResponseShaper
+
+STATS_INTERVAL_S = 0.1  # how often the gauges are refreshed from executor.stats()
+CANCEL_POLL_INTERVAL_S = 0.05  # how often live requests are checked for client cancellation
+JOIN_TIMEOUT_S = 5.0
+
+
+class Client(Protocol):
+    """One request's connection to its client. Called from the dispatcher thread only."""
+
+    def send(self, reply: Reply) -> None:
+        """Send ``reply`` (the request's last when ``reply.final``; its ``error`` is None)."""
+
+    def send_error(self, message: str, internal: bool) -> None:
+        """Send a final error: the client's to fix (``internal`` False: Triton INVALID_ARG, HTTP 400) or
+        kilnlm's (True: INTERNAL)."""
+
+    def is_cancelled(self) -> bool:
+        """Whether the client went away (stream closed, connection dropped)."""
+
+    def close(self) -> None:
+        """End a cancelled request without a reply."""
+
+
+@dataclasses.dataclass
+class _LiveRequest:
+    client: Client
+    shaper: ResponseShaper
+    timing: RequestTiming
+    cancelled: bool = False  # the client cancelled; the request is closed, the client unused
+
+
+class RequestDispatcher:
+    """Serves generate requests from one executor; see the module docstring for the threads.
+
+    Args:
+        executor: a started :class:`kilnlm.runtime.executor.Executor` (``tokenizer``, ``submit``,
+            ``stream``, ``cancel``, ``stats``, ``shutdown``); :meth:`shutdown` shuts it down.
+        metrics: the model's :class:`~kilnlm.runtime.serving.metrics.Metrics`.
+        default_max_tokens: ``max_tokens`` of a request that sends none.
+        log: where problems are reported (``info`` / ``warning`` / ``error``, as ``logging.Logger``).
+    """
+
+    def __init__(self, executor, metrics: Metrics, default_max_tokens: int,
+                 log: logging.Logger | None = None) -> None:
+        self._executor = executor
+        self._metrics = metrics
+        self._default_max_tokens = default_max_tokens
+        self._log = log or logging.getLogger(__name__)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._readers: set[threading.Thread] = set()
+        self._thread = threading.Thread(target=self._dispatch_loop, name="kilnlm-dispatcher", daemon=True)
+        self._thread.start()
+
+    # -- the front's thread -----------------------------------------------------------------------------
+    def submit(self, read: InputReader, client: Client) -> None:
+        """Parse a request's inputs (``read``), tokenize and submit it; returns at once. A bad request
+        gets one final error reply (not internal); a failure to submit, an internal one."""
+        arrival_s = time.monotonic()
+        try:
+            request = parse_request(read, self._default_max_tokens)
+            request_id = self._executor.submit(*prepare_submission(request, self._executor.tokenizer))
+        except RequestError as exc:  # the client's to fix: say what
+            self._outbox.put(("refused", client, (str(exc), False)))
+            return
+        except Exception as exc:  # a bug or a broken engine: report it, keep serving others
+            self._log.error(f"kilnlm: submitting a request failed: {exc!r}")
+            self._outbox.put(("refused", client, (f"kilnlm could not submit the request: {exc}", True)))
+            return
+        self._outbox.put(("submitted", request_id, _LiveRequest(client, ResponseShaper(request),
+                                                                RequestTiming(arrival_s))))
+        reader = threading.Thread(target=self._read_responses, args=(request_id,), daemon=True,
+                                  name=f"kilnlm-reader-{request_id}")
+        self._readers.add(reader)
+        reader.start()
+
+    def shutdown(self) -> None:
+        """Shut the executor down (unfinished requests end as "cancelled"), let the readers drain, stop
+        the dispatcher thread."""
+        self._executor.shutdown()
+        for reader in list(self._readers):
+            reader.join(timeout=JOIN_TIMEOUT_S)
+        self._outbox.put(("stop", None, None))
+        self._thread.join(timeout=JOIN_TIMEOUT_S)
+
+    # -- reader threads (one per request): executor -> outbox -----------------------------------------
+    def _read_responses(self, request_id: int) -> None:
+        try:
+            for response in self._executor.stream(request_id):
+                self._outbox.put(("response", request_id, response))
+        except Exception as exc:  # the executor lost this request: the dispatcher tells the client
+            self._outbox.put(("failed", request_id, exc))
+        finally:
+            self._readers.discard(threading.current_thread())
+
+    # -- the dispatcher thread: outbox -> clients -------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        """Send replies as responses arrive; every CANCEL_POLL_INTERVAL_S check live requests for client
+        cancellation; every STATS_INTERVAL_S refresh the gauges."""
+        live: dict[int, _LiveRequest] = {}
+        next_poll_s = next_stats_s = 0.0
+        while True:
+            try:
+                event = self._outbox.get(timeout=CANCEL_POLL_INTERVAL_S)
+            except queue.Empty:
+                event = None
+            if event is not None:
+                kind, key, payload = event
+                if kind == "stop":
+                    return
+                try:
+                    self._handle(live, kind, key, payload)
+                except Exception as exc:  # never let one request take the dispatcher down
+                    self._log.error(f"kilnlm: handling {kind} of request {key} failed: {exc!r}")
+            now_s = time.monotonic()
+            if now_s >= next_poll_s:
+                next_poll_s = now_s + CANCEL_POLL_INTERVAL_S
+                self._poll_cancellation(live)
+            if now_s >= next_stats_s:
+                next_stats_s = now_s + STATS_INTERVAL_S
+                try:
+                    self._metrics.update_stats(self._executor.stats())
+                except Exception as exc:
+                    self._log.warning(f"kilnlm: reading executor stats failed: {exc!r}")
+
+    def _handle(self, live: dict[int, _LiveRequest], kind: str, key, payload) -> None:
+        if kind == "refused":
+            message, internal = payload
+            key.send_error(message, internal)
+            return
+        if kind == "submitted":
+            live[key] = payload
+            return
+        state = live.get(key)
+        if state is None:
+            return
+        if kind == "failed":
+            del live[key]
+            self._metrics.count_finished("error")
+            if not state.cancelled:
+                state.client.send_error(f"kilnlm executor error: {payload}", internal=True)
+            return
+        response = payload  # kind == "response"
+        self._metrics.observe_new_tokens(state.timing, len(response.token_ids), time.monotonic())
+        if state.cancelled:  # closed already; wait for the executor's final ("cancelled") response
+            if response.finished:
+                del live[key]
+                self._metrics.count_finished("cancelled")
+            return
+        reply = state.shaper.add(response)
+        if response.finished:
+            del live[key]
+            self._metrics.count_finished(reply.finish_reason or "unknown")
+        if reply is None:
+            return
+        if reply.error is not None:
+            state.client.send_error(reply.error, internal=True)
+        else:
+            state.client.send(reply)
+
+    def _poll_cancellation(self, live: dict[int, _LiveRequest]) -> None:
+        for request_id, state in live.items():
+            if not state.cancelled and state.client.is_cancelled():
+                state.cancelled = True
+                self._executor.cancel(request_id)
+                try:
+                    state.client.close()
+                except Exception as exc:
+                    self._log.info(f"kilnlm: closing cancelled request {request_id}: {exc!r}")
