@@ -1,11 +1,11 @@
-// Packed INT4 weight kernels of kilnlm::int4_linear, written once and compiled three times by
-// int4_linear.cpp: portable scalar (KILN_ISA 0), AVX2+FMA (KILN_ISA 1) and AVX-512 (KILN_ISA 2), the
-// fastest the CPU has chosen at run time.
+// Packed INT4 weight kernels of kilnlm::int4_linear, compiled per ISA by isa_variants.h (see there for
+// the rules a kernel header follows): the float32 GEMV and tile dequantization as portable scalar,
+// AVX2+FMA and AVX-512 versions, the fastest the CPU has chosen at run time; AVX2's block floating point
+// int16 GEMV (gemv_int16_rows, int16_quantize.h); and the AVX512-BF16 GEMV (int4_bf16_gemv.h) with the
+// context phase's bfloat16 tiles (bf16_tile.h, fp8_bf16_gemm.h).
 //
-// This header is included *inside* a namespace, after every system / torch header: it must not include
-// anything itself and uses only raw pointers, so no inline function of another header is ever
-// instantiated with a wider target than the CPU has.
-//
+#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+
 // Layout (the schema's): weight row o is `in / 2` bytes, byte j holding column 2j in its low nibble and
 // column 2j+1 in its high nibble, each a two's-complement value q in [-8, 7]; the weight is
 // w[o, c] = (q[o, c] - zero[o, g]) * scale[o, g], g = c / group_size (q - zero exact, the product rounded
@@ -42,7 +42,7 @@ static inline float dot_group_tail(const uint8_t* row, float scale, int zero, co
   return s;
 }
 
-#if KILN_ISA == 2  // ---------------------------------------------------------------- AVX-512
+#if KILN_ISA == KILN_ISA_AVX512  // ---------------------------------------------------------------- AVX-512
 
 // Per row, one 16-entry float table ([0..7, -8..-1] - zero) * scale: VPERMPS looks a nibble up directly
 // (it reads only the low 4 bits of each index), so decoding 32 weights is one zero-extension, one shift and
@@ -119,7 +119,7 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int
   }
 }
 
-#elif KILN_ISA == 1  // ------------------------------------------------------------ AVX2 + FMA
+#elif KILN_ISA == KILN_ISA_AVX2  // ------------------------------------------------------------ AVX2 + FMA
 
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -479,7 +479,7 @@ static void gemv_int16_rows(const uint8_t* w, int64_t in, const Scale* scales, c
 
 #endif
 
-#if KILN_ISA == 0  // ---------------------------------------------------------------- portable scalar
+#if KILN_ISA == KILN_ISA_GENERIC  // ---------------------------------------------------------------- portable scalar
 
 // y[t, r] for rows [row_begin, row_end) and every token; natural-order x; any group size.
 static void gemv_rows(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros, int64_t group_size,
@@ -545,7 +545,7 @@ static void dequant_rows(const uint8_t* w, int64_t in, const float* scales, cons
       const int zero = zero_at(zeros, r * num_groups + g);
       const int64_t c0 = g * group_size;
       int64_t num_blocks = 0;
-#if KILN_ISA != 0
+#if KILN_ISA != KILN_ISA_GENERIC
       num_blocks = group_size % 2 == 0 ? group_size / 32 : 0;
       dequant_blocks(row, scale, zero, c0, num_blocks, out);
 #endif
@@ -554,3 +554,29 @@ static void dequant_rows(const uint8_t* w, int64_t in, const float* scales, cons
     }
   }
 }
+
+#endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+
+#if KILN_ISA == KILN_ISA_AVX2
+#include "int16_quantize.h"
+
+void widen_half(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_scales(src + i));
+  for (; i < n; ++i) dst[i] = scale_at(src, i);
+}
+#elif KILN_ISA == KILN_ISA_AVX512_BF16
+#include "fp8_bf16_gemm.h"
+#include "bf16_tile.h"
+#include "bf16_gemv.h"
+#include "int4_bf16_gemv.h"
+
+// Generation phase, bfloat16 x: y[t, o] (+ bias[o]) for rows [r0, r1) through int4_bf16_gemv.h; out's rows
+// are out_stride apart.
+void gemv_int4_rows(const Int4GemvArgs& args, int64_t num_tokens, const float* bias, uint16_t* out,
+                    int64_t out_stride, int64_t r0, int64_t r1) {
+  const GemvEpilogue epilogue(out, out_stride, bias);
+  if (args.zeros != nullptr) int4_gemv_rows<true>(args, num_tokens, r0, r1, epilogue);
+  else int4_gemv_rows<false>(args, num_tokens, r0, r1, epilogue);
+}
+#endif

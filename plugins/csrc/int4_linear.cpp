@@ -43,65 +43,9 @@
 #include "row_blocks.h"
 
 namespace kiln_int4 {
-namespace generic {
-namespace {
-#define KILN_ISA 0
-#include "int4_kernels.h"
-#undef KILN_ISA
-}  // namespace
-}  // namespace generic
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-namespace {
-#define KILN_ISA 1
-#include "int4_kernels.h"
-#undef KILN_ISA
-#include "int16_quantize.h"
-
-void widen_half(const uint16_t* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_scales(src + i));
-  for (; i < n; ++i) dst[i] = scale_at(src, i);
-}
-}  // namespace
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-namespace avx512 {
-namespace {
-#define KILN_ISA 2
-#include "int4_kernels.h"
-#undef KILN_ISA
-}  // namespace
-}  // namespace avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-namespace avx512bf16 {
-namespace {
-#include "fp8_bf16_gemm.h"
-#include "bf16_tile.h"
-#include "bf16_gemv.h"
-#include "int4_bf16_gemv.h"
-
-// Generation phase, bfloat16 x: y[t, o] (+ bias[o]) for rows [r0, r1) through int4_bf16_gemv.h; out's rows
-// are out_stride apart.
-void gemv_int4_rows(const Int4GemvArgs& args, int64_t num_tokens, const float* bias, uint16_t* out,
-                    int64_t out_stride, int64_t r0, int64_t r1) {
-  const GemvEpilogue epilogue(out, out_stride, bias);
-  if (args.zeros != nullptr) int4_gemv_rows<true>(args, num_tokens, r0, r1, epilogue);
-  else int4_gemv_rows<false>(args, num_tokens, r0, r1, epilogue);
-}
-}  // namespace
-}  // namespace avx512bf16
-#pragma GCC pop_options
-#endif
+#define KILN_ISA_KERNELS "int4_kernels.h"
+#include "isa_variants.h"
+#undef KILN_ISA_KERNELS
 
 namespace {
 

@@ -40,66 +40,9 @@
 #include "row_blocks.h"
 
 namespace kiln_int8 {
-namespace generic {
-namespace {
-#define KILN_ISA 0
-#include "int8_kernels.h"
-#undef KILN_ISA
-}  // namespace
-}  // namespace generic
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-namespace {
-#define KILN_ISA 1
-#include "int8_kernels.h"
-#undef KILN_ISA
-#include "int16_quantize.h"
-}  // namespace
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-namespace avx512 {
-namespace {
-#define KILN_ISA 2
-#include "int8_kernels.h"
-#undef KILN_ISA
-}  // namespace
-}  // namespace avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-namespace avx512bf16 {
-namespace {
-#include "fp8_bf16_gemm.h"
-#include "bf16_tile.h"
-#include "bf16_gemv.h"
-
-// int8_linear, generation phase, bfloat16 x: y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), the
-// products of x and q exact in VDPBF16PS and summed in float32 (as int8_linear_tiled_bf16).
-void gemv_int8_rows(const uint16_t* xb, int64_t num_tokens, const int8_t* w, int64_t out_features, int64_t in,
-                    const float* scale, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
-  gemv_any_rows(xb, num_tokens, in, PlainRows<Int8Weights>{w, in}, out_features, in, r0, r1,
-                GemvEpilogue(out, out_features, bias, scale));
-}
-}  // namespace
-}  // namespace avx512bf16
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
-namespace avx512vnni {
-namespace {
-#include "int8_vnni_gemm.h"
-}  // namespace
-}  // namespace avx512vnni
-#pragma GCC pop_options
-#endif
+#define KILN_ISA_KERNELS "int8_kernels.h"
+#include "isa_variants.h"
+#undef KILN_ISA_KERNELS
 
 namespace {
 
@@ -114,18 +57,6 @@ constexpr int64_t kMaxDirectTokensBf16Gemm = 4;
 // scripts/bench_plugins.py: ~6 vs ~10 ms per 30 layers).
 constexpr int64_t kMinVnniTokens = 4;
 constexpr int64_t kTileRows = 64;
-
-// AVX512-VNNI (VPDPBUSD): the int8_sq_linear context-phase GEMM (int8_vnni_gemm.h). KILNLM_CPU_ISA=avx512
-// turns it off (to test the VPMADDWD path on every token count).
-bool cpu_has_avx512_vnni() {
-#if defined(__x86_64__)
-  static const bool has = kiln::cpu_has_avx512() && !kiln::cpu_isa_capped_at("avx512") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return has;
-#else
-  return false;
-#endif
-}
 
 using GemvF32Fn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 using GemmI32Fn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int16_t*, int64_t, int64_t, int32_t*, int64_t);
@@ -334,7 +265,7 @@ template <typename scalar_t>
 void int8_sq_gemm(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
                   const float* row_scale, const float* bias, scalar_t* out, const float* token_scale) {
 #if defined(__x86_64__)
-  if (num_tokens >= kMinVnniTokens && cpu_has_avx512_vnni())
+  if (num_tokens >= kMinVnniTokens && kiln::cpu_has_avx512_vnni())
     return int8_sq_gemm_vnni<scalar_t>(w, in, out_features, xq, num_tokens, row_scale, bias, out, token_scale);
 #endif
   const GemmI32Fn gemm = gemm_i32_fn();

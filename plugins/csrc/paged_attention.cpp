@@ -88,39 +88,9 @@ inline void store_output(const AttnWork& w, int64_t qi, int64_t h, const float* 
   }
 }
 
-namespace generic {
-namespace {
-#define KILN_AVX512 0
-#define KILN_AVX2 0
-#include "attention_kernels.h"
-#undef KILN_AVX2
-}  // namespace
-}  // namespace generic
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-namespace {
-#define KILN_AVX2 1
-#include "attention_kernels.h"
-#undef KILN_AVX2
-}  // namespace
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-namespace avx512 {
-namespace {
-#undef KILN_AVX512
-#define KILN_AVX512 1
-#include "attention_kernels.h"
-}  // namespace
-}  // namespace avx512
-#pragma GCC pop_options
-#endif
-#undef KILN_AVX512
+#define KILN_ISA_KERNELS "attention_kernels.h"
+#include "isa_variants.h"
+#undef KILN_ISA_KERNELS
 
 namespace {
 
