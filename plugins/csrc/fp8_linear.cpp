@@ -14,7 +14,8 @@
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local
 //   buffer and multiplied: as exact bfloat16 with AVX512-BF16 dot products (fp8_bf16_gemm.h) where the
 //   CPU has them, else as float32 with at::mm.
-// Both parallelize over output rows with at::parallel_for.
+// The token-count dispatch, thread split and tiling are quant_linear.h's (the driver of every weight-only
+// quantized linear); this file supplies the FP8 row loaders (Fp8Format).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +36,7 @@
 #include "bf16_bits.h"
 #include "c_shim.h"
 #include "cpu_features.h"
+#include "quant_linear.h"
 #include "row_blocks.h"
 
 namespace kiln_fp8 {
@@ -58,12 +60,6 @@ const Fp8Lut& fp8_lut() {
 #undef KILN_ISA_KERNELS
 
 namespace {
-
-// Up to this many tokens the fused GEMV beats dequantize-then-GEMM (measured on SmolLM2's shapes,
-// scripts/bench_plugins.py): the bf16 GEMM is ~4x the float32 one, so it takes over sooner.
-constexpr int64_t kMaxDirectTokensF32Gemm = 16;
-constexpr int64_t kMaxDirectTokensBf16Gemm = 4;
-constexpr int64_t kTileRows = 64;
 
 using GemvFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t,
                         const float*);
@@ -133,21 +129,6 @@ void quantize_activations(const at::Tensor& x, float input_scale, float* xq) {
   });
 }
 
-// out[t, o] = acc[t, o] * scale[o] (+ bias[o]) in out's dtype (two roundings, as the reference).
-template <typename scalar_t>
-void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end,
-              const float* scale, const float* bias, scalar_t* out, int64_t out_stride) {
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int64_t o = col_begin; o < col_end; ++o) {
-      float y = acc[t * acc_stride + (o - col_begin)] * scale[o];
-      if (bias != nullptr) y = y + bias[o];
-      out[t * out_stride + o] = static_cast<scalar_t>(y);
-    }
-  }
-}
-
-bool use_bf16_gemm() { return kiln::cpu_has_avx512_bf16(); }
-
 // bfloat16 bits of floats holding E4M3 values (exact: such floats have at most 4 significant bits).
 void exact_bf16_row(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; ++i) {
@@ -170,92 +151,76 @@ void pairs64_order(uint16_t* x, int64_t n) {
   }
 }
 
-// Generation phase (few tokens): fused dequantize-and-multiply GEMV, each weight byte read once per call
-// -- with AVX512-BF16 (and in_features a multiple of 32) through bf16_gemv.h, else through the AVX2 /
-// scalar float32 GEMV.
-template <typename scalar_t>
-void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
-                const float* bias, scalar_t* out) {
-#if defined(__x86_64__)
-  if (kiln::cpu_has_avx512_bf16_vbmi() && in % avx512vbmi::Fp8Rows::kCols == 0) {
-    std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      exact_bf16_row(xq + t * in, in, xb.data() + t * in);
-      if (in % avx512vbmi::Fp8Rows64::kCols == 0) pairs64_order(xb.data() + t * in, in);
-    }
-    kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-      avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, scale, bias, out,
-                                std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
-    });
-    return;
-  }
-#endif
-  const float* lut = fp8_lut().value;
-  const GemvFn gemv = gemv_fn();
-  const float* x = xq;
-#if defined(__x86_64__)
-  std::vector<float> x_prepared;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact), in its block order
-  if (gemv == avx2::gemv_rows) {
-    x_prepared.resize(static_cast<size_t>(num_tokens * in));
-    avx2::prepare_x(xq, num_tokens, in, x_prepared.data());
-    x = x_prepared.data();
-  }
-#endif
-  float* acc_ptr = kiln::thread_scratch<0>(num_tokens * out_features);
-  // ~16 KiB of weights per task at least, so that small layers do not pay for threading.
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
-  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(w, in, r0, r1, x, num_tokens, in, acc_ptr, out_features, lut);
-    epilogue<scalar_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, scale, bias, out, out_features);
-  });
-}
+// FP8 E4M3 weight rows for the quantized-linear driver (quant_linear.h): x quantized to E4M3 once (xq,
+// exact floats), y = (xq @ q.T) * scale[o] (+ bias[o]).
+struct Fp8Format {
+  // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (measured on SmolLM2's shapes,
+  // scripts/bench_plugins.py): the bf16 GEMM is ~4x the float32 one, so it takes over sooner.
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/4};
 
-// Context phase (many tokens): dequantize kTileRows output rows at a time into a thread-local tile
-// (never a dequantized copy of the whole weight) and multiply: with AVX512-BF16, tiles and activations
-// as (exact) bfloat16 through bf16_gemm_nt; otherwise float32 tiles through at::mm.
-template <typename scalar_t>
-void run_tiled(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
-               const float* bias, scalar_t* out) {
-  const float* lut = fp8_lut().value;
-  const DequantFn dequant = dequant_fn();
-  const int64_t num_tiles = (out_features + kTileRows - 1) / kTileRows;
+  const uint8_t* w;  // [out, in] E4M3 bytes
+  kiln::LinearShape shape;
+  const float* xq;   // [T, in] float32 holding exact E4M3 values
+  kiln::Epilogue epilogue;           // * input_scale * weight_scale[o] (+ bias)
+  kiln::Epilogue f32_tile_epilogue;  // the same: the tiles hold q exactly
+
+  // E4M3 values are exact bfloat16, whatever x's dtype.
+  bool bf16_context_gemm() const { return kiln::cpu_has_avx512_bf16(); }
+
+  // Fused dequantize-and-multiply GEMV, each weight byte read once per call -- with AVX512-BF16 + VBMI
+  // (and in_features a multiple of 32) through bf16_gemv.h, else through the AVX2 / scalar float32 GEMV.
+  template <typename scalar_t>
+  void generation(scalar_t* out) const {
+    const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
 #if defined(__x86_64__)
-  if (use_bf16_gemm()) {
-    const int64_t k_pad = (in + 31) / 32 * 32, tokens_pad = (num_tokens + 3) / 4 * 4;
-    std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad]
-    at::parallel_for(0, num_tokens, 64, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) exact_bf16_row(xq + t * in, in, xb.data() + t * k_pad);
-    });
-    at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-      std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad]
-      std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));
-      for (int64_t tile = tile0; tile < tile1; ++tile) {
-        const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
-        const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
-        avx2::dequant_rows_bf16(w, in, r0, r1, wb.data(), k_pad, lut);  // padding columns stay 0
-        std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
-        avx512bf16::bf16_gemm_nt(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
-        epilogue<scalar_t>(acc.data(), kTileRows, num_tokens, r0, r1, scale, bias, out, out_features);
+    if (kiln::cpu_has_avx512_bf16_vbmi() && in % avx512vbmi::Fp8Rows::kCols == 0) {
+      std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        exact_bf16_row(xq + t * in, in, xb.data() + t * in);
+        if (in % avx512vbmi::Fp8Rows64::kCols == 0) pairs64_order(xb.data() + t * in, in);
       }
-    });
-    return;
-  }
-#endif
-  const at::Tensor x_q = at::from_blob(const_cast<float*>(xq), {num_tokens, in}, at::kFloat);
-  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-    std::vector<float> w_tile(static_cast<size_t>(kTileRows * in));
-    at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
-    for (int64_t tile = tile0; tile < tile1; ++tile) {
-      const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
-      dequant(w, in, r0, r1, w_tile.data(), lut);
-      at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, in}, at::kFloat);
-      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
-      at::mm_out(acc_view, x_q, w_f.t());  // [T, rows]
-      epilogue<scalar_t>(acc_view.data_ptr<float>(), acc_view.stride(0), num_tokens, r0, r1, scale, bias, out,
-                         out_features);
+      kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
+        avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, epilogue.row_scale, epilogue.bias, out,
+                                  std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
+      });
+      return;
     }
-  });
-}
+#endif
+    const float* lut = fp8_lut().value;
+    const GemvFn gemv = gemv_fn();
+    const float* x = xq;
+#if defined(__x86_64__)
+    std::vector<float> x_prepared;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact), in its block order
+    if (gemv == avx2::gemv_rows) {
+      x_prepared.resize(static_cast<size_t>(num_tokens * in));
+      avx2::prepare_x(xq, num_tokens, in, x_prepared.data());
+      x = x_prepared.data();
+    }
+#endif
+    kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
+      gemv(w, in, r0, r1, x, num_tokens, in, acc, out_features, lut);
+    }, epilogue, out);
+  }
+
+  const float* prepare_context_x() const { return xq; }
+
+  void tile_f32(int64_t r0, int64_t r1, float* tile) const { dequant_fn()(w, shape.in, r0, r1, tile, fp8_lut().value); }
+
+  void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const { exact_bf16_row(x, shape.in, dst); }
+
+  void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
+#if defined(__x86_64__)
+    avx2::dequant_rows_bf16(w, shape.in, r0, r1, dst, k_pad, fp8_lut().value);  // padding columns stay 0
+#endif
+  }
+
+  void bf16_gemm(const uint16_t* xb, int64_t tokens_pad, const uint16_t* wb, int64_t rows_pad, int64_t k_pad, float* acc,
+                 int64_t acc_stride) const {
+#if defined(__x86_64__)
+    avx512bf16::bf16_gemm_nt(xb, tokens_pad, wb, rows_pad, k_pad, acc, acc_stride);
+#endif
+  }
+};
 
 }  // namespace
 
@@ -279,21 +244,19 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(weight.data_ptr());
 
-  const int64_t max_direct = use_bf16_gemm() ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm;
   // x_q: [T, in] float32 holding exact E4M3 values.
   std::vector<float> xq_buf(static_cast<size_t>(num_tokens * in));
-  float* xq = xq_buf.data();
+  const kiln::Epilogue epilogue{scale, bias_ptr};
+  const Fp8Format format{w, kiln::LinearShape{num_tokens, in, out_features, /*row_bytes=*/in}, xq_buf.data(), epilogue,
+                         epilogue};
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::fp8_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        quantize_activations<float>(x, s_in, xq);
-        if (num_tokens <= max_direct) run_direct<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
-        else run_tiled<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
+        quantize_activations<float>(x, s_in, xq_buf.data());
+        kiln::run_quantized_linear(format, format.shape, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        quantize_activations<at::BFloat16>(x, s_in, xq);
-        at::BFloat16* y = out.data_ptr<at::BFloat16>();
-        if (num_tokens <= max_direct) run_direct<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
-        else run_tiled<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
+        quantize_activations<at::BFloat16>(x, s_in, xq_buf.data());
+        kiln::run_quantized_linear(format, format.shape, out.data_ptr<at::BFloat16>());
       }));
   return out;
 }
