@@ -251,41 +251,29 @@ void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int
   });
 }
 
-#if defined(__x86_64__)
-// With AVX512-VNNI: x_q + 128 as bytes, then VPDPBUSD dot products (int8_vnni_gemm.h), exact as well.
+// y = float(x_q @ q.T) * (token_scale[t] *) row_scale[o] (+ bias), the int32 sums over the driver's row
+// split (quant_linear.h, run_rows): from kMinVnniTokens tokens on AVX512-VNNI CPUs x_q + 128 as bytes
+// through VPDPBUSD (int8_vnni_gemm.h), else row tiles of kTileRows through VPMADDWD (int8_kernels.h), both
+// exact.
 template <typename scalar_t>
-void int8_sq_gemm_vnni(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
-                       const float* row_scale, const float* bias, scalar_t* out, const float* token_scale) {
-  std::vector<uint8_t> xu(static_cast<size_t>(num_tokens * in));  // [T, in] x_q + 128
-  for (int64_t i = 0; i < num_tokens * in; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+void int8_sq_gemm(const int8_t* w, const kiln::LinearShape& shape, const int16_t* xq, const kiln::Epilogue& epilogue,
+                  scalar_t* out) {
+  const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
   std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));  // [T, out]
-  int32_t* acc_ptr = acc.data();
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
-  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    avx512vnni::gemm_vnni_rows(w, in, r0, r1, xu.data(), num_tokens, in, acc_ptr, out_features);
-    kiln::Epilogue{row_scale, bias, token_scale}.store(acc_ptr + r0, out_features, num_tokens, r0, r1, out, out_features);
-  });
-}
-#endif
-
-template <typename scalar_t>
-void int8_sq_gemm(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
-                  const float* row_scale, const float* bias, scalar_t* out, const float* token_scale) {
 #if defined(__x86_64__)
-  if (num_tokens >= kMinVnniTokens && kiln::cpu_has_avx512_vnni())
-    return int8_sq_gemm_vnni<scalar_t>(w, in, out_features, xq, num_tokens, row_scale, bias, out, token_scale);
+  if (num_tokens >= kMinVnniTokens && kiln::cpu_has_avx512_vnni()) {
+    std::vector<uint8_t> xu(static_cast<size_t>(num_tokens * in));  // [T, in] x_q + 128
+    for (int64_t i = 0; i < num_tokens * in; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+    kiln::run_rows(shape, acc.data(), [&](int64_t r0, int64_t r1, int32_t* y) {
+      avx512vnni::gemm_vnni_rows(w, in, r0, r1, xu.data(), num_tokens, in, y, out_features);
+    }, epilogue, out);
+    return;
+  }
 #endif
   const GemmI32Fn gemm = gemm_i32_fn();
-  std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));
-  int32_t* acc_ptr = acc.data();
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
-  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) {
-      const int64_t t1 = std::min(r1, t0 + kTileRows);
-      gemm(w, in, t0, t1, xq, num_tokens, in, acc_ptr, out_features);
-      kiln::Epilogue{row_scale, bias, token_scale}.store(acc_ptr + t0, out_features, num_tokens, t0, t1, out, out_features);
-    }
-  });
+  kiln::run_rows(shape, acc.data(), [&](int64_t r0, int64_t r1, int32_t* y) {
+    for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) gemm(w, in, t0, std::min(r1, t0 + kTileRows), xq, num_tokens, in, y, out_features);
+  }, epilogue, out);
 }
 
 }  // namespace
@@ -344,16 +332,16 @@ at::Tensor int8_sq_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   std::vector<int16_t> xq(static_cast<size_t>(num_tokens * in));  // [T, in] int8 values as int16
+  const kiln::LinearShape shape{num_tokens, in, out_features, /*row_bytes=*/in};
+  const kiln::Epilogue epilogue{row_scale.data(), bias_ptr, ts};
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int8_sq_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         quantize_int8<float>(x, pqs_ptr, s_in, xq.data(), ts);
-        int8_sq_gemm<float>(weight.data_ptr<int8_t>(), in, out_features, xq.data(), num_tokens, row_scale.data(),
-                            bias_ptr, out.data_ptr<float>(), ts);
+        int8_sq_gemm<float>(weight.data_ptr<int8_t>(), shape, xq.data(), epilogue, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         quantize_int8<at::BFloat16>(x, pqs_ptr, s_in, xq.data(), ts);
-        int8_sq_gemm<at::BFloat16>(weight.data_ptr<int8_t>(), in, out_features, xq.data(), num_tokens, row_scale.data(),
-                                   bias_ptr, out.data_ptr<at::BFloat16>(), ts);
+        int8_sq_gemm<at::BFloat16>(weight.data_ptr<int8_t>(), shape, xq.data(), epilogue, out.data_ptr<at::BFloat16>());
       }));
   return out;
 }

@@ -1,6 +1,8 @@
-// The one driver of the weight-only quantized linears (fp8_linear, int4_linear, int8_linear): the
-// token-count dispatch, the thread split of the generation-phase GEMVs and the context phase's tiling, over
-// a per-format weight-row loader. Included at file scope with the torch headers, outside any ISA region.
+// The one driver of the quantized linears: for the weight-only ones (fp8_linear, int4_linear,
+// int8_linear) the token-count dispatch, the thread split of the generation-phase GEMVs and the context
+// phase's tiling, over a per-format weight-row loader; int8_sq_linear (W8A8, exact int32 sums of quantized
+// activations) runs its GEMMs over the same row split (run_rows) and epilogue. Included at file scope with
+// the torch headers, outside the per-ISA copies (isa_variants.h).
 //
 //   y [T, out] = x [T, in] @ dequantize(weight [out, *]).T (+ bias), accumulated in float32
 //
@@ -72,17 +74,22 @@ struct Epilogue {
   }
 };
 
-// Generation phase: gemv(r0, r1, acc) writes acc[t, r] (row stride out_features) for rows [r0, r1), which
+// rows(r0, r1, acc) writes acc[t, r] (row stride out_features, float32 or int32) for rows [r0, r1), which
 // at::parallel_for splits between threads with at least ~16 KiB of weights per task (so that small layers
-// do not pay for threading); acc is the calling thread's reused scratch.
-template <typename scalar_t, typename RowsFn>
-void run_gemv(const LinearShape& s, const RowsFn& gemv, const Epilogue& epilogue, scalar_t* out) {
-  float* acc = thread_scratch<0>(s.num_tokens * s.out_features);
+// do not pay for threading); each task then stores its rows through the epilogue.
+template <typename scalar_t, typename acc_t, typename RowsFn>
+void run_rows(const LinearShape& s, acc_t* acc, const RowsFn& rows, const Epilogue& epilogue, scalar_t* out) {
   const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(s.row_bytes, 1));
   at::parallel_for(0, s.out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(r0, r1, acc);
+    rows(r0, r1, acc);
     epilogue.store(acc + r0, s.out_features, s.num_tokens, r0, r1, out, s.out_features);
   });
+}
+
+// Generation phase: run_rows with a GEMV, its float32 sums [T, out] in the calling thread's reused scratch.
+template <typename scalar_t, typename RowsFn>
+void run_gemv(const LinearShape& s, const RowsFn& gemv, const Epilogue& epilogue, scalar_t* out) {
+  run_rows(s, thread_scratch<0>(s.num_tokens * s.out_features), gemv, epilogue, out);
 }
 
 // Context phase, float32: each thread dequantizes its tiles of kTileRows rows and multiplies them with all
