@@ -1,11 +1,9 @@
-// Raw attention kernels, written once and compiled three times by paged_attention.cpp: a portable scalar
-// version, an AVX2 version (`#pragma GCC target("avx2,fma,f16c")`) and an AVX-512 version
-// (`#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")`), chosen at run time.
-//
-// Included *inside* a namespace after every system / torch header: includes nothing, uses raw pointers
-// only (see fp8_kernels.h for why). KILN_AVX512 / KILN_AVX2 (0 or 1) select the code path; `AttnWork` is
-// defined by the including file, outside the ISA namespaces, with store_output (the output's dtype
-// conversion, shared with the split-KV merge).
+// Raw attention kernels of kilnlm::paged_attention, compiled per ISA by isa_variants.h (see there for the
+// rules a kernel header follows): portable scalar, AVX2 and AVX-512 versions, chosen at run time.
+// `AttnWork` is defined by the including file, outside the ISA namespaces, with store_output (the
+// output's dtype conversion, shared with the split-KV merge).
+
+#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
 
 // KV elements are float (float32 pool), uint16_t (bfloat16 bits), uint8_t (float8_e4m3fn bits) or int8_t
 // (int8 pool); kv_f32() reads one as float32 (exact: bf16 bits are a float's upper half).
@@ -41,7 +39,7 @@ static inline float kv_f32(uint8_t v) {  // 2^-8 * E4M3 value, exact
 // call at KV 192, one thread, cache-hot: 16.5 -> 10.2 us). Scratch holds that many heads' block scores.
 constexpr int64_t kGroupHeads = 3;
 
-#if KILN_AVX512
+#if KILN_ISA == KILN_ISA_AVX512
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {
@@ -186,7 +184,7 @@ static inline void to_f32(const kv_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = kv_f32(src[i]);
 }
 
-#elif KILN_AVX2
+#elif KILN_ISA == KILN_ISA_AVX2
 
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t* p) {
@@ -466,7 +464,7 @@ static inline void softmax_update(float* s, int64_t n, float m_new, float& m, fl
   l += block_exp(s, m_new, n);
 }
 
-#if KILN_AVX2
+#if KILN_ISA == KILN_ISA_AVX2
 // A block for G query heads of one GQA group (query vectors, running max / sum and outputs consecutive per
 // head): scores all G together, updates each head's softmax state, adds all G outputs together.
 // s: [G, tpb] scratch.
@@ -502,7 +500,7 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
     int64_t num_valid = q_pos - base_pos + 1;  // causal: KV positions <= q_pos
     if (num_valid <= 0) continue;
     if (num_valid > num_block_tokens) num_valid = num_block_tokens;
-#if KILN_AVX2
+#if KILN_ISA == KILN_ISA_AVX2
     if (D % 32 == 0) {
       static_assert(kGroupHeads == 3, "attend_group is instantiated for 1..3 heads");
       for (int64_t h0 = h_begin; h0 < h_end; h0 += kGroupHeads) {
@@ -647,3 +645,5 @@ static void attend(const AttnWork& w, float* scratch) {
     default: attend_typed<float>(w, scratch); break;
   }
 }
+
+#endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512

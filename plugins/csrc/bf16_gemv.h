@@ -1,9 +1,8 @@
 // Generation-phase GEMV / small GEMM on CPUs with AVX512-BF16, shared by gemm.cpp (bfloat16 weights),
 // fp8_linear.cpp (FP8 weights, its own row loader Fp8Rows) and int8_linear.cpp (int8 weights), the
 // quantized ones converted to bfloat16 in registers; int4_linear.cpp has its own loop (int4_bf16_gemv.h)
-// around this file's epilogue. Compiled under
-// `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")` (plus avx512vbmi for Fp8Rows) and included
-// inside a namespace after every system / torch header and bf16_bits.h, next to fp8_bf16_gemm.h (reduce16).
+// around this file's epilogue. Included by those ops' kernel headers in their KILN_ISA_AVX512_BF16 copy
+// (fp8: KILN_ISA_AVX512_VBMI) of isa_variants.h, after fp8_bf16_gemm.h (reduce16).
 //
 // y[t, r] = sum_k x[t, k] * w[r, k] for a few tokens t: each 16-row block of w is read from memory once
 // and multiplied with VDPBF16PS (pairwise bf16 products, exact in float32, accumulated in float32)

@@ -1,7 +1,6 @@
-// float32 -> bfloat16 conversion of the quantized GEMMs' context-phase operands, compiled by
-// int4_linear.cpp and int8_linear.cpp under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")`
-// next to fp8_bf16_gemm.h (whose bf16_gemm_nt multiplies them). Included inside a namespace after every
-// system / torch header (see int4_kernels.h for why).
+// float32 -> bfloat16 conversion of the quantized GEMMs' context-phase operands, included by int4_kernels.h
+// and int8_kernels.h in their KILN_ISA_AVX512_BF16 copy (isa_variants.h), next to fp8_bf16_gemm.h (whose
+// bf16_gemm_nt multiplies them).
 
 // dst[i] = bfloat16 bits of src[i] rounded to nearest even for i < n, and 0 for n <= i < n_pad.
 static void to_bf16_padded(const float* src, int64_t n, uint16_t* dst, int64_t n_pad) {

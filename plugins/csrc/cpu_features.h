@@ -8,7 +8,8 @@
 namespace kiln {
 
 // The environment variable KILNLM_CPU_ISA (read once per process) caps the paths used, e.g. to test the
-// portable ones on a machine that has more: "generic" (scalar only) or "avx2" (no AVX-512 paths).
+// portable ones on a machine that has more: "generic" (scalar only), "avx2" (no AVX-512 paths) or
+// "avx512" (no AVX512-VNNI path).
 inline bool cpu_isa_capped_at(const char* level) {
   const char* cap = std::getenv("KILNLM_CPU_ISA");
   return cap != nullptr && std::strcmp(cap, level) == 0;
@@ -54,6 +55,17 @@ inline bool cpu_has_avx512_bf16() {
 inline bool cpu_has_avx512_bf16_vbmi() {
 #if defined(__x86_64__)
   static const bool has = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vbmi");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// AVX-512 with VNNI (VPDPBUSD; Intel Cascade Lake+, AMD Zen 4+): the int8_sq_linear context-phase GEMM.
+// KILNLM_CPU_ISA=avx512 turns it off (to test the VPMADDWD path on every token count).
+inline bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__)
+  static const bool has = cpu_has_avx512() && !cpu_isa_capped_at("avx512") && __builtin_cpu_supports("avx512vnni");
   return has;
 #else
   return false;

@@ -1,7 +1,7 @@
-// Context-phase FP8 GEMM on CPUs with AVX512-BF16 (AMD Zen 4+, Intel Sapphire Rapids+), compiled by
-// fp8_linear.cpp under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")` and chosen at run
-// time; its reduce16 is also bf16_gemv.h's, so every AVX512-BF16 region that includes that includes this
-// first. Included inside a namespace after every system / torch header (see fp8_kernels.h for why).
+// Context-phase GEMM of bfloat16 tiles on CPUs with AVX512-BF16 (AMD Zen 4+, Intel Sapphire Rapids+), the
+// quantized linears' (quant_linear.h, run_tiled_bf16), included by their kernel headers in the
+// KILN_ISA_AVX512_BF16 / _VBMI copies of isa_variants.h; its reduce16 is also bf16_gemv.h's, so every
+// kernel header that includes that includes this first.
 //
 // Exactness: every E4M3 value (weights and quantized activations) is exactly a normal bfloat16, and a
 // product of two bfloat16 is exact in float32, so VDPBF16PS (pairwise products accumulated in float32)

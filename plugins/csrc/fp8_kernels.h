@@ -1,11 +1,7 @@
-// Raw FP8 (E4M3FN) weight kernels, written once and compiled twice by fp8_linear.cpp: as a portable
-// scalar version and, under `#pragma GCC target("avx2,fma,f16c")`, as an AVX2 version chosen at run time.
-//
-// This header is included *inside* a namespace, after every system / torch header: it must not include
-// anything itself, and it uses only raw pointers (no std containers, no torch types), so no inline
-// function of another header is ever instantiated with the AVX2 target.
-//
-// KILN_AVX2 (0 or 1) selects the code path.
+// Raw FP8 (E4M3FN) weight kernels of kilnlm::fp8_linear, compiled per ISA by isa_variants.h (see there
+// for the rules a kernel header follows): the float32 GEMV, tile dequantization and activation
+// quantization as a portable scalar version and an AVX2 version; the AVX512-BF16 context-phase GEMM
+// (fp8_bf16_gemm.h); and with AVX512-VBMI the bfloat16 generation-phase GEMV (fp8_bf16_gemv.h).
 //
 // FP8 -> float32 on AVX2, two ways:
 // - Shifts (the GEMV's default): byte `s eeee mmm` placed in the top byte of a 32-bit lane and shifted
@@ -20,6 +16,8 @@
 //   the result). Also the dequantization of the context phase's tiles.
 // The powers of two are multiplied back in exactly afterwards. E4M3FN's NaN encodings (0x7F / 0xFF) would
 // read as ±480: quantized weights never hold NaN.
+
+#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2
 
 // Activation quantization: out[i] = float(E4M3(clamp(x[i] / scale, -448, 448))), round to nearest even,
 // bit-exact with torch's `.clamp(-448, 448).to(torch.float8_e4m3fn)` but kept as the exact float value
@@ -51,7 +49,7 @@ static inline float quantize_e4m3_scalar(float x, float scale) {
 // dot(fp8 row, x) for `num_rows` consecutive rows starting at row `row`, against `NT` activation rows.
 // w: [rows, in] bytes (row-major); x: NT rows of `in` floats, `x_stride` apart; y: NT rows, `y_stride`
 // apart, written at column `row + r`. `lut` maps a byte to its exact float value (scalar tails).
-#if KILN_AVX2
+#if KILN_ISA == KILN_ISA_AVX2
 
 static inline __m256i fp8x16_to_half_bits(__m128i bytes) {
   // bytes: 16 x u8  ->  16 x u16 half bits holding 2^-8 * value
@@ -344,4 +342,14 @@ static void dequant_rows_bf16(const uint8_t* w, int64_t in, int64_t row_begin, i
     }
 }
 
+#endif  // KILN_ISA == KILN_ISA_AVX2
+
+#endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2
+
+#if KILN_ISA == KILN_ISA_AVX512_BF16
+#include "fp8_bf16_gemm.h"
+#elif KILN_ISA == KILN_ISA_AVX512_VBMI
+#include "fp8_bf16_gemm.h"
+#include "bf16_gemv.h"
+#include "fp8_bf16_gemv.h"
 #endif

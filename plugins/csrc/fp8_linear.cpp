@@ -14,7 +14,8 @@
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local
 //   buffer and multiplied: as exact bfloat16 with AVX512-BF16 dot products (fp8_bf16_gemm.h) where the
 //   CPU has them, else as float32 with at::mm.
-// Both parallelize over output rows with at::parallel_for.
+// The token-count dispatch, thread split and tiling are quant_linear.h's (the driver of every weight-only
+// quantized linear); this file supplies the FP8 row loaders (Fp8Format).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +36,7 @@
 #include "bf16_bits.h"
 #include "c_shim.h"
 #include "cpu_features.h"
+#include "quant_linear.h"
 #include "row_blocks.h"
 
 namespace kiln_fp8 {
@@ -53,139 +55,11 @@ const Fp8Lut& fp8_lut() {
 }
 }  // namespace
 
-namespace generic {
-namespace {
-#define KILN_AVX2 0
-#include "fp8_kernels.h"
-#undef KILN_AVX2
-}  // namespace
-}  // namespace generic
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-namespace {
-#define KILN_AVX2 1
-#include "fp8_kernels.h"
-#undef KILN_AVX2
-}  // namespace
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")
-namespace avx512bf16 {
-namespace {
-#include "fp8_bf16_gemm.h"
-}  // namespace
-}  // namespace avx512bf16
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")
-namespace avx512vbmi {
-namespace {
-#include "fp8_bf16_gemm.h"
-#include "bf16_gemv.h"
-
-// bfloat16 bits of every E4M3 magnitude 0..127, from fp8_lut (exact: at most 4 significant bits,
-// exponents 2^-9..2^8, all normal in bfloat16; 0x7F, NaN, stays a NaN), split into low and high bytes
-// for VPERMI2B.
-struct Fp8Bf16Table {
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t hi[128];
-  alignas(64) uint8_t pairs[64];  // byte 2j and 2j + 1 of a vector <- byte j of 32 loaded weights
-  Fp8Bf16Table() {
-    for (int b = 0; b < 128; ++b) {
-      uint32_t u;
-      std::memcpy(&u, &fp8_lut().value[b], sizeof(u));
-      const auto bits = static_cast<uint16_t>(u >> 16);  // the low 16 bits are zero
-      lo[b] = static_cast<uint8_t>(bits & 0xFF);
-      hi[b] = static_cast<uint8_t>(bits >> 8);
-    }
-    for (int j = 0; j < 64; ++j) pairs[j] = static_cast<uint8_t>(j / 2);
-  }
-};
-
-// FP8 E4M3 weight rows ([rows, k] bytes, row-major) as their exact bfloat16 values: each byte is copied
-// into both bytes of a 16-bit lane (VPERMB), VPERMI2B looks the magnitude (bits 0-6) up in the low-byte
-// table for the even bytes and in the high-byte table for the odd ones, and the sign bit is ORed back.
-// Four vector instructions per 32 weights (the F16C route, byte -> half -> float -> bfloat16, took about
-// twice as many and bound the GEMV by compute on Zen 5 at ~17 GB/s per core).
-// What both loaders below share: the rows, the byte tables in registers, and where a chunk is stored.
-struct Fp8TableRows {
-  Fp8TableRows(const uint8_t* w_, int64_t k_) : w(w_), k(k_) {
-    lo0 = _mm512_load_si512(table().lo);
-    lo1 = _mm512_load_si512(table().lo + 64);
-    hi0 = _mm512_load_si512(table().hi);
-    hi1 = _mm512_load_si512(table().hi + 64);
-  }
-  static const Fp8Bf16Table& table() {
-    static const Fp8Bf16Table t;
-    return t;
-  }
-  const uint8_t* w;
-  int64_t k;
-  __m512i lo0, lo1, hi0, hi1;
-  inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
-};
-
-struct Fp8Rows : Fp8TableRows {
-  Fp8Rows(const uint8_t* w_, int64_t k_) : Fp8TableRows(w_, k_), pairs(_mm512_load_si512(table().pairs)) {}
-  __m512i pairs;
-  static constexpr int64_t kCols = 32;
-  static constexpr int64_t kChunkBytes = 32;
-  inline void load(int64_t r, int64_t i, __m512bh* out) const {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * k + i));
-    const __m512i both = _mm512_permutexvar_epi8(pairs, _mm512_castsi256_si512(bytes));
-    __m512i v = _mm512_mask2_permutex2var_epi8(lo0, both, __mmask64{0x5555555555555555ull}, lo1);
-    v = _mm512_mask2_permutex2var_epi8(hi0, v, __mmask64{0xAAAAAAAAAAAAAAAAull}, hi1);
-    out[0] = (__m512bh)_mm512_ternarylogic_epi32(v, both, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);  // v | (both & sign)
-  }
-};
-
-// The same conversion 64 weights at a time with fewer permutes (rows of a multiple of 64 bytes): VPERMI2B
-// looks the 64 bytes' magnitudes up once in the low-byte table and once in the high-byte one, the sign
-// is ORed into the high bytes, and VPUNPCKLBW / VPUNPCKHBW interleave them into 16-bit lanes. Five vector
-// instructions per 64 weights instead of eight, in an interleaved column order: per 128-bit lane L,
-// out[0] holds columns 16 L + 0..7 and out[1] columns 16 L + 8..15 (pairs64_order gives x the same order).
-// On an Intel Xeon the 32-byte loader's permutes bound the GEMV, not DRAM.
-struct Fp8Rows64 : Fp8TableRows {
-  using Fp8TableRows::Fp8TableRows;
-  static constexpr int64_t kCols = 64;
-  static constexpr int64_t kChunkBytes = 64;
-  inline void load(int64_t r, int64_t i, __m512bh* out) const {
-    const __m512i bytes = _mm512_loadu_si512(w + r * k + i);
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, bytes, lo1);  // index bits 0-6: the magnitude
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes,
-                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | (bytes & sign)
-    out[0] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-    out[1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
-  }
-};
-
-// y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), bfloat16 or float32 out: the sums are those of
-// the reference's float32 accumulation (exact products, another order), and the epilogue rounds as the
-// reference does (see `epilogue` below). xb in Fp8Rows64's order when in is a multiple of 64, else natural.
-void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
-                   const float* scale, const float* bias, void* out, bool out_bf16, int64_t r0, int64_t r1) {
-  const GemvEpilogue epilogue(out, out_features, bias, scale, out_bf16);
-  if (in % Fp8Rows64::kCols == 0) return gemv_any_rows(xb, num_tokens, in, Fp8Rows64(w, in), out_features, in, r0, r1, epilogue);
-  gemv_any_rows(xb, num_tokens, in, Fp8Rows(w, in), out_features, in, r0, r1, epilogue);
-}
-}  // namespace
-}  // namespace avx512vbmi
-#pragma GCC pop_options
-#endif
+#define KILN_ISA_KERNELS "fp8_kernels.h"
+#include "isa_variants.h"
+#undef KILN_ISA_KERNELS
 
 namespace {
-
-// Up to this many tokens the fused GEMV beats dequantize-then-GEMM (measured on SmolLM2's shapes,
-// scripts/bench_plugins.py): the bf16 GEMM is ~4x the float32 one, so it takes over sooner.
-constexpr int64_t kMaxDirectTokensF32Gemm = 16;
-constexpr int64_t kMaxDirectTokensBf16Gemm = 4;
-constexpr int64_t kTileRows = 64;
 
 using GemvFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t,
                         const float*);
@@ -255,21 +129,6 @@ void quantize_activations(const at::Tensor& x, float input_scale, float* xq) {
   });
 }
 
-// out[t, o] = acc[t, o] * scale[o] (+ bias[o]) in out's dtype (two roundings, as the reference).
-template <typename scalar_t>
-void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end,
-              const float* scale, const float* bias, scalar_t* out, int64_t out_stride) {
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int64_t o = col_begin; o < col_end; ++o) {
-      float y = acc[t * acc_stride + (o - col_begin)] * scale[o];
-      if (bias != nullptr) y = y + bias[o];
-      out[t * out_stride + o] = static_cast<scalar_t>(y);
-    }
-  }
-}
-
-bool use_bf16_gemm() { return kiln::cpu_has_avx512_bf16(); }
-
 // bfloat16 bits of floats holding E4M3 values (exact: such floats have at most 4 significant bits).
 void exact_bf16_row(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; ++i) {
@@ -292,92 +151,76 @@ void pairs64_order(uint16_t* x, int64_t n) {
   }
 }
 
-// Generation phase (few tokens): fused dequantize-and-multiply GEMV, each weight byte read once per call
-// -- with AVX512-BF16 (and in_features a multiple of 32) through bf16_gemv.h, else through the AVX2 /
-// scalar float32 GEMV.
-template <typename scalar_t>
-void run_direct(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
-                const float* bias, scalar_t* out) {
-#if defined(__x86_64__)
-  if (kiln::cpu_has_avx512_bf16_vbmi() && in % avx512vbmi::Fp8Rows::kCols == 0) {
-    std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      exact_bf16_row(xq + t * in, in, xb.data() + t * in);
-      if (in % avx512vbmi::Fp8Rows64::kCols == 0) pairs64_order(xb.data() + t * in, in);
-    }
-    kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-      avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, scale, bias, out,
-                                std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
-    });
-    return;
-  }
-#endif
-  const float* lut = fp8_lut().value;
-  const GemvFn gemv = gemv_fn();
-  const float* x = xq;
-#if defined(__x86_64__)
-  std::vector<float> x_prepared;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact), in its block order
-  if (gemv == avx2::gemv_rows) {
-    x_prepared.resize(static_cast<size_t>(num_tokens * in));
-    avx2::prepare_x(xq, num_tokens, in, x_prepared.data());
-    x = x_prepared.data();
-  }
-#endif
-  float* acc_ptr = kiln::thread_scratch<0>(num_tokens * out_features);
-  // ~16 KiB of weights per task at least, so that small layers do not pay for threading.
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
-  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(w, in, r0, r1, x, num_tokens, in, acc_ptr, out_features, lut);
-    epilogue<scalar_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, scale, bias, out, out_features);
-  });
-}
+// FP8 E4M3 weight rows for the quantized-linear driver (quant_linear.h): x quantized to E4M3 once (xq,
+// exact floats), y = (xq @ q.T) * scale[o] (+ bias[o]).
+struct Fp8Format {
+  // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (measured on SmolLM2's shapes,
+  // scripts/bench_plugins.py): the bf16 GEMM is ~4x the float32 one, so it takes over sooner.
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/4};
 
-// Context phase (many tokens): dequantize kTileRows output rows at a time into a thread-local tile
-// (never a dequantized copy of the whole weight) and multiply: with AVX512-BF16, tiles and activations
-// as (exact) bfloat16 through bf16_gemm_nt; otherwise float32 tiles through at::mm.
-template <typename scalar_t>
-void run_tiled(const uint8_t* w, int64_t in, int64_t out_features, const float* xq, int64_t num_tokens, const float* scale,
-               const float* bias, scalar_t* out) {
-  const float* lut = fp8_lut().value;
-  const DequantFn dequant = dequant_fn();
-  const int64_t num_tiles = (out_features + kTileRows - 1) / kTileRows;
+  const uint8_t* w;  // [out, in] E4M3 bytes
+  kiln::LinearShape shape;
+  const float* xq;   // [T, in] float32 holding exact E4M3 values
+  kiln::Epilogue epilogue;           // * input_scale * weight_scale[o] (+ bias)
+  kiln::Epilogue f32_tile_epilogue;  // the same: the tiles hold q exactly
+
+  // E4M3 values are exact bfloat16, whatever x's dtype.
+  bool bf16_context_gemm() const { return kiln::cpu_has_avx512_bf16(); }
+
+  // Fused dequantize-and-multiply GEMV, each weight byte read once per call -- with AVX512-BF16 + VBMI
+  // (and in_features a multiple of 32) through bf16_gemv.h, else through the AVX2 / scalar float32 GEMV.
+  template <typename scalar_t>
+  void generation(scalar_t* out) const {
+    const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
 #if defined(__x86_64__)
-  if (use_bf16_gemm()) {
-    const int64_t k_pad = (in + 31) / 32 * 32, tokens_pad = (num_tokens + 3) / 4 * 4;
-    std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad]
-    at::parallel_for(0, num_tokens, 64, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) exact_bf16_row(xq + t * in, in, xb.data() + t * k_pad);
-    });
-    at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-      std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad]
-      std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));
-      for (int64_t tile = tile0; tile < tile1; ++tile) {
-        const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
-        const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
-        avx2::dequant_rows_bf16(w, in, r0, r1, wb.data(), k_pad, lut);  // padding columns stay 0
-        std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
-        avx512bf16::bf16_gemm_nt(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
-        epilogue<scalar_t>(acc.data(), kTileRows, num_tokens, r0, r1, scale, bias, out, out_features);
+    if (kiln::cpu_has_avx512_bf16_vbmi() && in % avx512vbmi::Fp8Rows::kCols == 0) {
+      std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        exact_bf16_row(xq + t * in, in, xb.data() + t * in);
+        if (in % avx512vbmi::Fp8Rows64::kCols == 0) pairs64_order(xb.data() + t * in, in);
       }
-    });
-    return;
-  }
-#endif
-  const at::Tensor x_q = at::from_blob(const_cast<float*>(xq), {num_tokens, in}, at::kFloat);
-  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-    std::vector<float> w_tile(static_cast<size_t>(kTileRows * in));
-    at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
-    for (int64_t tile = tile0; tile < tile1; ++tile) {
-      const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
-      dequant(w, in, r0, r1, w_tile.data(), lut);
-      at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, in}, at::kFloat);
-      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
-      at::mm_out(acc_view, x_q, w_f.t());  // [T, rows]
-      epilogue<scalar_t>(acc_view.data_ptr<float>(), acc_view.stride(0), num_tokens, r0, r1, scale, bias, out,
-                         out_features);
+      kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
+        avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, epilogue.row_scale, epilogue.bias, out,
+                                  std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
+      });
+      return;
     }
-  });
-}
+#endif
+    const float* lut = fp8_lut().value;
+    const GemvFn gemv = gemv_fn();
+    const float* x = xq;
+#if defined(__x86_64__)
+    std::vector<float> x_prepared;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact), in its block order
+    if (gemv == avx2::gemv_rows) {
+      x_prepared.resize(static_cast<size_t>(num_tokens * in));
+      avx2::prepare_x(xq, num_tokens, in, x_prepared.data());
+      x = x_prepared.data();
+    }
+#endif
+    kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
+      gemv(w, in, r0, r1, x, num_tokens, in, acc, out_features, lut);
+    }, epilogue, out);
+  }
+
+  const float* prepare_context_x() const { return xq; }
+
+  void tile_f32(int64_t r0, int64_t r1, float* tile) const { dequant_fn()(w, shape.in, r0, r1, tile, fp8_lut().value); }
+
+  void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const { exact_bf16_row(x, shape.in, dst); }
+
+  void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
+#if defined(__x86_64__)
+    avx2::dequant_rows_bf16(w, shape.in, r0, r1, dst, k_pad, fp8_lut().value);  // padding columns stay 0
+#endif
+  }
+
+  void bf16_gemm(const uint16_t* xb, int64_t tokens_pad, const uint16_t* wb, int64_t rows_pad, int64_t k_pad, float* acc,
+                 int64_t acc_stride) const {
+#if defined(__x86_64__)
+    avx512bf16::bf16_gemm_nt(xb, tokens_pad, wb, rows_pad, k_pad, acc, acc_stride);
+#endif
+  }
+};
 
 }  // namespace
 
@@ -401,21 +244,19 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, cons
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(weight.data_ptr());
 
-  const int64_t max_direct = use_bf16_gemm() ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm;
   // x_q: [T, in] float32 holding exact E4M3 values.
   std::vector<float> xq_buf(static_cast<size_t>(num_tokens * in));
-  float* xq = xq_buf.data();
+  const kiln::Epilogue epilogue{scale, bias_ptr};
+  const Fp8Format format{w, kiln::LinearShape{num_tokens, in, out_features, /*row_bytes=*/in}, xq_buf.data(), epilogue,
+                         epilogue};
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::fp8_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        quantize_activations<float>(x, s_in, xq);
-        if (num_tokens <= max_direct) run_direct<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
-        else run_tiled<float>(w, in, out_features, xq, num_tokens, scale, bias_ptr, out.data_ptr<float>());
+        quantize_activations<float>(x, s_in, xq_buf.data());
+        kiln::run_quantized_linear(format, format.shape, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        quantize_activations<at::BFloat16>(x, s_in, xq);
-        at::BFloat16* y = out.data_ptr<at::BFloat16>();
-        if (num_tokens <= max_direct) run_direct<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
-        else run_tiled<at::BFloat16>(w, in, out_features, xq, num_tokens, scale, bias_ptr, y);
+        quantize_activations<at::BFloat16>(x, s_in, xq_buf.data());
+        kiln::run_quantized_linear(format, format.shape, out.data_ptr<at::BFloat16>());
       }));
   return out;
 }

@@ -1,6 +1,5 @@
 // Block floating point int16 activations (AVX2), for the generation GEMVs of int4_linear and int8_linear.
-// Included *inside* an AVX2-target namespace after every system / torch header, like the kernel headers:
-// it includes nothing and uses raw pointers only.
+// Included by int4_kernels.h and int8_kernels.h in their KILN_ISA_AVX2 copy (isa_variants.h).
 //
 // Per token and block of `block` columns, x16 = round(x * 2^-e) (nearest even) with the power of two chosen
 // so that the block's max |x| maps into [2^14, 2^15): 15 significant bits for the block's largest values

@@ -1,6 +1,6 @@
-// Generation-phase GEMV of kilnlm::int4_linear for bfloat16 x on CPUs with AVX512-BF16, compiled by
-// int4_linear.cpp under `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")` and included inside a
-// namespace after fp8_bf16_gemm.h (reduce16) and bf16_gemv.h (GemvEpilogue, kGemvBlockRows).
+// Generation-phase GEMV of kilnlm::int4_linear for bfloat16 x on CPUs with AVX512-BF16, included by
+// int4_kernels.h in its KILN_ISA_AVX512_BF16 copy (isa_variants.h) after fp8_bf16_gemm.h (reduce16) and
+// bf16_gemv.h (GemvEpilogue, kGemvBlockRows).
 //
 // Decode reads each packed weight once, so the kernel must unpack faster than DRAM delivers: four
 // instructions per 32 weights here (one shift, one VPTERNLOG, one VDPBF16PS, plus a share of the load), no

@@ -1,11 +1,11 @@
-// Packed INT4 weight kernels of kilnlm::int4_linear, written once and compiled three times by
-// int4_linear.cpp: portable scalar (KILN_ISA 0), AVX2+FMA (KILN_ISA 1) and AVX-512 (KILN_ISA 2), the
-// fastest the CPU has chosen at run time.
+// Packed INT4 weight kernels of kilnlm::int4_linear, compiled per ISA by isa_variants.h (see there for
+// the rules a kernel header follows): the float32 GEMV and tile dequantization as portable scalar,
+// AVX2+FMA and AVX-512 versions, the fastest the CPU has chosen at run time; AVX2's block floating point
+// int16 GEMV (gemv_int16_rows, int16_quantize.h); and the AVX512-BF16 GEMV (int4_bf16_gemv.h) with the
+// context phase's bfloat16 tiles (bf16_tile.h, fp8_bf16_gemm.h).
 //
-// This header is included *inside* a namespace, after every system / torch header: it must not include
-// anything itself and uses only raw pointers, so no inline function of another header is ever
-// instantiated with a wider target than the CPU has.
-//
+#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+
 // Layout (the schema's): weight row o is `in / 2` bytes, byte j holding column 2j in its low nibble and
 // column 2j+1 in its high nibble, each a two's-complement value q in [-8, 7]; the weight is
 // w[o, c] = (q[o, c] - zero[o, g]) * scale[o, g], g = c / group_size (q - zero exact, the product rounded
@@ -42,7 +42,7 @@ static inline float dot_group_tail(const uint8_t* row, float scale, int zero, co
   return s;
 }
 
-#if KILN_ISA == 2  // ---------------------------------------------------------------- AVX-512
+#if KILN_ISA == KILN_ISA_AVX512  // ---------------------------------------------------------------- AVX-512
 
 // Per row, one 16-entry float table ([0..7, -8..-1] - zero) * scale: VPERMPS looks a nibble up directly
 // (it reads only the low 4 bits of each index), so decoding 32 weights is one zero-extension, one shift and
@@ -119,7 +119,7 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int
   }
 }
 
-#elif KILN_ISA == 1  // ------------------------------------------------------------ AVX2 + FMA
+#elif KILN_ISA == KILN_ISA_AVX2  // ------------------------------------------------------------ AVX2 + FMA
 
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -426,60 +426,77 @@ static inline void gemv_int16_row(const uint8_t* row, int64_t in, const Scale* s
   for (int t = 0; t < NT; ++t) y[t * y_stride] = hsum8(total[t]) + tail[t];
 }
 
-// Rows [row_begin, row_end) for NT tokens. Not inlined into its caller: compiled together, the three token
-// counts' loops made GCC keep the one-token loop's scale pointer on the stack, a store-to-load chain per
-// group (3072x576 through the op, one thread: 116.8 us against 106.2 once this was its own function).
+// Weight rows as the int16 GEMV reads them. Scale: float, or uint16_t float16 bits (read natively).
+template <typename Scale>
+struct Int4Weight {
+  const uint8_t* w;      // [out, in / 2] packed int4
+  const Scale* scales;   // [out, num_groups]
+  const int8_t* zeros;   // [out, num_groups] zero points, or null
+  int64_t in, group_size;
+};
+
+// Block floating point int16 activations of num_tokens tokens (int16_quantize.h, nibble_chunks order).
+struct Int16Tokens {
+  const int16_t* x16;    // [T, in], rows `stride` apart
+  int64_t stride;
+  const float* x_scale;  // [T, num_groups] 2^e
+  const float* x_sum;    // [T, num_groups] 2^e * sum of the group's x16
+  int64_t num_tokens;
+};
+
+// Rows [row_begin, row_end) for NT tokens (x: tokens' first token). Not inlined into its caller: compiled
+// together, the three token counts' loops made GCC keep the one-token loop's scale pointer on the stack, a
+// store-to-load chain per group (3072x576 through the op, one thread: 116.8 us against 106.2 once this was
+// its own function). The views are unpacked into locals first.
 template <int NT, bool kZeroPoint, int kSpan, typename Scale>
-__attribute__((noinline)) static void gemv_int16_rows_nt(const uint8_t* w, int64_t in, const Scale* scales,
-                                                         const int8_t* zeros, int64_t group_size, int64_t row_begin,
-                                                         int64_t row_end, const int16_t* x, int64_t x_stride,
-                                                         const float* x_scale, const float* x_sum,
-                                                         float* group_scale, float* y, int64_t y_stride) {
+__attribute__((noinline)) static void gemv_int16_rows_nt(const Int4Weight<Scale> weight, int64_t row_begin,
+                                                         int64_t row_end, const Int16Tokens x, float* group_scale,
+                                                         float* y, int64_t y_stride) {
+  const uint8_t* w = weight.w;
+  const Scale* scales = weight.scales;
+  const int8_t* zeros = weight.zeros;
+  const int64_t in = weight.in, group_size = weight.group_size;
+  const int16_t* x16 = x.x16;
+  const int64_t x_stride = x.stride;
+  const float *x_scale = x.x_scale, *x_sum = x.x_sum;
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
   for (int64_t r = row_begin; r < row_end; ++r)
     gemv_int16_row<NT, kZeroPoint, kSpan, Scale>(w + r * row_bytes, in, scales + r * num_groups,
-                                   kZeroPoint ? zeros + r * num_groups : nullptr, group_size, x, x_stride, x_scale,
+                                   kZeroPoint ? zeros + r * num_groups : nullptr, group_size, x16, x_stride, x_scale,
                                    x_sum, group_scale, y + r, y_stride);
 }
 
 template <bool kZeroPoint, typename Scale>
-static void gemv_int16_rows_zp(const uint8_t* w, int64_t in, const Scale* scales, const int8_t* zeros,
-                               int64_t group_size, int64_t row_begin, int64_t row_end, const int16_t* x,
-                               int64_t num_tokens, int64_t x_stride, const float* x_scale, const float* x_sum,
-                               float* group_scale, float* y, int64_t y_stride) {
-  const int64_t num_groups = in / group_size;
+static void gemv_int16_rows_zp(const Int4Weight<Scale>& weight, int64_t row_begin, int64_t row_end,
+                               const Int16Tokens& x, float* group_scale, float* y, int64_t y_stride) {
+  const int64_t num_groups = weight.in / weight.group_size, group_size = weight.group_size;
   int64_t t = 0;
   const auto run = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
     const auto rows = group_size == kChunkCols       ? gemv_int16_rows_nt<NT, kZeroPoint, 1, Scale>
                       : group_size == 2 * kChunkCols ? gemv_int16_rows_nt<NT, kZeroPoint, 2, Scale>
                                                      : gemv_int16_rows_nt<NT, kZeroPoint, 0, Scale>;
-    rows(w, in, scales, zeros, group_size, row_begin, row_end, x + t * x_stride, x_stride, x_scale + t * num_groups,
-         x_sum + t * num_groups, group_scale, y + t * y_stride, y_stride);
+    const Int16Tokens tokens{x.x16 + t * x.stride, x.stride, x.x_scale + t * num_groups, x.x_sum + t * num_groups, NT};
+    rows(weight, row_begin, row_end, tokens, group_scale, y + t * y_stride, y_stride);
     t += NT;
   };
-  while (t + 4 <= num_tokens) run(std::integral_constant<int, 4>{});
-  if (num_tokens - t >= 2) run(std::integral_constant<int, 2>{});
-  if (t < num_tokens) run(std::integral_constant<int, 1>{});
+  while (t + 4 <= x.num_tokens) run(std::integral_constant<int, 4>{});
+  if (x.num_tokens - t >= 2) run(std::integral_constant<int, 2>{});
+  if (t < x.num_tokens) run(std::integral_constant<int, 1>{});
 }
 
-// y[t, r] for rows [row_begin, row_end) and every token; int16 x as above (int16_kernel_applies); Scale:
-// float, or uint16_t float16 bits. group_scale: the calling thread's scratch of 4 * num_groups floats.
+// y[t, r] for rows [row_begin, row_end) and every token of x (int16_kernel_applies); y's rows y_stride
+// apart. group_scale: the calling thread's scratch of 4 * num_groups floats.
 template <typename Scale>
-static void gemv_int16_rows(const uint8_t* w, int64_t in, const Scale* scales, const int8_t* zeros, int64_t group_size,
-                            int64_t row_begin, int64_t row_end, const int16_t* x, int64_t num_tokens, int64_t x_stride,
-                            const float* x_scale, const float* x_sum, float* group_scale, float* y, int64_t y_stride) {
-  if (zeros != nullptr)
-    gemv_int16_rows_zp<true, Scale>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride,
-                                    x_scale, x_sum, group_scale, y, y_stride);
-  else
-    gemv_int16_rows_zp<false, Scale>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride,
-                                     x_scale, x_sum, group_scale, y, y_stride);
+static void gemv_int16_rows(const Int4Weight<Scale>& weight, int64_t row_begin, int64_t row_end, const Int16Tokens& x,
+                            float* group_scale, float* y, int64_t y_stride) {
+  if (weight.zeros != nullptr) gemv_int16_rows_zp<true, Scale>(weight, row_begin, row_end, x, group_scale, y, y_stride);
+  else gemv_int16_rows_zp<false, Scale>(weight, row_begin, row_end, x, group_scale, y, y_stride);
 }
 
 #endif
 
-#if KILN_ISA == 0  // ---------------------------------------------------------------- portable scalar
+#if KILN_ISA == KILN_ISA_GENERIC  // ---------------------------------------------------------------- portable scalar
 
 // y[t, r] for rows [row_begin, row_end) and every token; natural-order x; any group size.
 static void gemv_rows(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros, int64_t group_size,
@@ -545,7 +562,7 @@ static void dequant_rows(const uint8_t* w, int64_t in, const float* scales, cons
       const int zero = zero_at(zeros, r * num_groups + g);
       const int64_t c0 = g * group_size;
       int64_t num_blocks = 0;
-#if KILN_ISA != 0
+#if KILN_ISA != KILN_ISA_GENERIC
       num_blocks = group_size % 2 == 0 ? group_size / 32 : 0;
       dequant_blocks(row, scale, zero, c0, num_blocks, out);
 #endif
@@ -554,3 +571,29 @@ static void dequant_rows(const uint8_t* w, int64_t in, const float* scales, cons
     }
   }
 }
+
+#endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+
+#if KILN_ISA == KILN_ISA_AVX2
+#include "int16_quantize.h"
+
+void widen_half(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_scales(src + i));
+  for (; i < n; ++i) dst[i] = scale_at(src, i);
+}
+#elif KILN_ISA == KILN_ISA_AVX512_BF16
+#include "fp8_bf16_gemm.h"
+#include "bf16_tile.h"
+#include "bf16_gemv.h"
+#include "int4_bf16_gemv.h"
+
+// Generation phase, bfloat16 x: y[t, o] (+ bias[o]) for rows [r0, r1) through int4_bf16_gemv.h; out's rows
+// are out_stride apart.
+void gemv_int4_rows(const Int4GemvArgs& args, int64_t num_tokens, const float* bias, uint16_t* out,
+                    int64_t out_stride, int64_t r0, int64_t r1) {
+  const GemvEpilogue epilogue(out, out_stride, bias);
+  if (args.zeros != nullptr) int4_gemv_rows<true>(args, num_tokens, r0, r1, epilogue);
+  else int4_gemv_rows<false>(args, num_tokens, r0, r1, epilogue);
+}
+#endif

@@ -15,7 +15,8 @@
 //   and multiplied with all T rows: float32 x -> float32 tiles (exactly the reference's q * scale) through
 //   at::mm; bfloat16 x on CPUs with AVX512-BF16 -> bfloat16 tiles (q * scale rounded once to bfloat16, as
 //   a bf16 checkpoint's weights are) through VDPBF16PS (fp8_bf16_gemm.h), float32 accumulation.
-// Both parallelize over output rows with at::parallel_for.
+// The token-count dispatch, thread split and tiling are quant_linear.h's (the driver of every weight-only
+// quantized linear); this file supplies the int4 row loaders (Int4Format).
 //
 // float16 weight scales (what the builder stores: a decode step streams the scales with the weights, and
 // float32 ones were 11% of an int4 layer's bytes at group size 64) are read natively by AVX2's int16 GEMV;
@@ -40,79 +41,18 @@
 #include "c_shim.h"
 #include "cpu_features.h"
 #include "int16_activations.h"
+#include "quant_linear.h"
 #include "row_blocks.h"
 
 namespace kiln_int4 {
-namespace generic {
-namespace {
-#define KILN_ISA 0
-#include "int4_kernels.h"
-#undef KILN_ISA
-}  // namespace
-}  // namespace generic
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-namespace {
-#define KILN_ISA 1
-#include "int4_kernels.h"
-#undef KILN_ISA
-#include "int16_quantize.h"
-
-void widen_half(const uint16_t* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_scales(src + i));
-  for (; i < n; ++i) dst[i] = scale_at(src, i);
-}
-}  // namespace
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-namespace avx512 {
-namespace {
-#define KILN_ISA 2
-#include "int4_kernels.h"
-#undef KILN_ISA
-}  // namespace
-}  // namespace avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-namespace avx512bf16 {
-namespace {
-#include "fp8_bf16_gemm.h"
-#include "bf16_tile.h"
-#include "bf16_gemv.h"
-#include "int4_bf16_gemv.h"
-
-// Generation phase, bfloat16 x: y[t, o] (+ bias[o]) for rows [r0, r1) through int4_bf16_gemv.h; out's rows
-// are out_stride apart.
-void gemv_int4_rows(const Int4GemvArgs& args, int64_t num_tokens, const float* bias, uint16_t* out,
-                    int64_t out_stride, int64_t r0, int64_t r1) {
-  const GemvEpilogue epilogue(out, out_stride, bias);
-  if (args.zeros != nullptr) int4_gemv_rows<true>(args, num_tokens, r0, r1, epilogue);
-  else int4_gemv_rows<false>(args, num_tokens, r0, r1, epilogue);
-}
-}  // namespace
-}  // namespace avx512bf16
-#pragma GCC pop_options
-#endif
+#define KILN_ISA_KERNELS "int4_kernels.h"
+#include "isa_variants.h"
+#undef KILN_ISA_KERNELS
 
 namespace {
 
-// Up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py, SmolLM2's
-// shapes); kTileRows output rows are dequantized at a time in the context phase.
-// The bf16 GEMM is ~3x the float32 one, so it takes over sooner (its fixed cost, converting the weight
-// to bf16 tiles, is paid back from ~9 tokens).
-constexpr int64_t kMaxDirectTokensF32Gemm = 16;
-constexpr int64_t kMaxDirectTokensBf16Gemm = 8;
+// AVX2's int16 GEMV also serves bfloat16 x on AVX512-BF16 CPUs up to this many tokens (see generation()).
 constexpr int64_t kMaxInt16TokensBf16Gemm = 3;
-constexpr int64_t kTileRows = 64;
 
 using GemvFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, int64_t, int64_t, const float*,
                         int64_t, int64_t, float*, int64_t);
@@ -231,19 +171,6 @@ void prepare_activations(const at::Tensor& x, const float* pqs, int64_t group_si
   });
 }
 
-// out[t, o] = acc[t, o - col_begin] (+ bias[o]) in out's dtype.
-template <typename scalar_t>
-void epilogue(const float* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end,
-              const float* bias, scalar_t* out, int64_t out_stride) {
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int64_t o = col_begin; o < col_end; ++o) {
-      float y = acc[t * acc_stride + (o - col_begin)];
-      if (bias != nullptr) y = y + bias[o];
-      out[t * out_stride + o] = static_cast<scalar_t>(y);
-    }
-  }
-}
-
 // The bf16 GEMV's per-call buffers (int4_bf16_gemv.h), kept per thread and only ever grown.
 // Sizes: a row of x in the kernel's order holds num_loads * kInt4LoadCols bf16 values, and num_lanes =
 // num_loads * kInt4LoadLanes lane sums.
@@ -319,29 +246,6 @@ void for_row_spans(const Problem& p, int64_t r0, int64_t r1, const F& fn) {
   }
 }
 
-// Generation phase (few tokens): fused unpack-and-multiply GEMV, each weight byte read once per call.
-// gemv(r0, r1, acc) writes acc[t, r] (row stride out_features) for rows [r0, r1).
-template <typename scalar_t, typename RowsFn>
-void run_direct(const Problem& p, const RowsFn& gemv, scalar_t* out) {
-  float* acc_ptr = kiln::thread_scratch<0>(p.num_tokens * p.out_features);
-  // ~16 KiB of packed weights per task at least, so that small layers do not pay for threading.
-  const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(p.in, 1));
-  at::parallel_for(0, p.out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(r0, r1, acc_ptr);
-    epilogue<scalar_t>(acc_ptr + r0, p.out_features, p.num_tokens, r0, r1, p.bias, out, p.out_features);
-  });
-}
-
-template <typename scalar_t>
-void run_direct(const Problem& p, GemvFn gemv, scalar_t* out) {
-  run_direct<scalar_t>(p, [&](int64_t r0, int64_t r1, float* acc) {
-    for_row_spans(p, r0, r1, [&](const RowSpan& s) {
-      gemv(s.w, p.in, s.scales, s.zeros, p.group_size, 0, s.b1 - s.b0, p.xs, p.num_tokens, p.in, acc + s.b0,
-           p.out_features);
-    });
-  }, out);
-}
-
 // Rows [r0, r1) (at most kTileRows) dequantized into tile [r1 - r0, in].
 void dequant_tile(const Problem& p, DequantFn dequant, int64_t r0, int64_t r1, float* tile) {
   for_row_spans(p, r0, r1, [&](const RowSpan& s) {
@@ -349,57 +253,171 @@ void dequant_tile(const Problem& p, DequantFn dequant, int64_t r0, int64_t r1, f
   });
 }
 
-// Context phase (many tokens): dequantize kTileRows rows at a time into a thread-local float32 tile
-// (never the whole weight) and multiply it with all T rows through at::mm.
-template <typename scalar_t>
-void run_tiled(const Problem& p, Isa isa, scalar_t* out) {
-  const DequantFn dequant = dequant_fn(isa);
-  const int64_t num_tiles = (p.out_features + kTileRows - 1) / kTileRows;
-  const at::Tensor xs = at::from_blob(const_cast<float*>(p.xs), {p.num_tokens, p.in}, at::kFloat);
-  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-    std::vector<float> w_tile(static_cast<size_t>(kTileRows * p.in));  // [kTileRows, in]
-    at::Tensor acc = at::empty({p.num_tokens, kTileRows}, at::kFloat);
-    for (int64_t tile = tile0; tile < tile1; ++tile) {
-      const int64_t r0 = tile * kTileRows, r1 = std::min(p.out_features, r0 + kTileRows);
-      dequant_tile(p, dequant, r0, r1, w_tile.data());
-      const at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, p.in}, at::kFloat);
-      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
-      at::mm_out(acc_view, xs, w_f.t());  // [T, rows]
-      epilogue<scalar_t>(acc_view.data_ptr<float>(), acc_view.stride(0), p.num_tokens, r0, r1, p.bias, out,
-                         p.out_features);
+// Packed int4 weight rows (group-wise scales, optional zero points) for the quantized-linear driver
+// (quant_linear.h): xs = x * pre_quant_scale in float32, y = xs @ ((q - zero) * scale).T (+ bias).
+struct Int4Format {
+  // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py, SmolLM2's
+  // shapes). The bf16 GEMM is ~3x the float32 one, so it takes over sooner (its fixed cost, converting the
+  // weight to bf16 tiles, is paid back from ~9 tokens).
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/8};
+
+  const at::Tensor& x;  // [T, in] float32 / bfloat16, contiguous
+  const float* pqs;     // [in] pre_quant_scale or null
+  float* xs;            // [T, in] float32 x * pre_quant_scale, in the order of the kernel that reads it
+  Problem problem;      // the weight (problem.xs == xs)
+  bool half_scales;     // weight_scale is float16
+  kiln::LinearShape shape;
+  kiln::Epilogue epilogue;           // + bias (the scales are inside the sums)
+  kiln::Epilogue f32_tile_epilogue;  // the same
+
+  bool x_bf16() const { return x.scalar_type() == at::kBFloat16; }
+
+  bool bf16_context_gemm() const { return x_bf16() && kiln::cpu_has_avx512_bf16(); }
+
+  // xs in `order`.
+  void prepare_xs(XOrder order) const {
+    if (x_bf16()) prepare_activations<at::BFloat16>(x, pqs, problem.group_size, order, xs);
+    else prepare_activations<float>(x, pqs, problem.group_size, order, xs);
+  }
+
+  // Fused unpack-and-multiply GEMV, each weight byte read once per call: bfloat16 x through AVX2's int16
+  // GEMV or the AVX512-BF16 one (int4_bf16_gemv.h) where they apply, else the float32 GEMV of the CPU's ISA
+  // (AVX2's shuffle-free chunk kernel where it applies).
+  template <typename scalar_t>
+  void generation(scalar_t* out) const {
+    const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
+    const int64_t group_size = problem.group_size;
+    const Isa isa = pick_isa(group_size);
+    XOrder order = isa != Isa::kGeneric ? XOrder::kBlocks32 : XOrder::kNatural;
+    GemvFn gemv = gemv_fn(isa);
+#if defined(__x86_64__)
+    if (isa == Isa::kAvx2 && avx2::chunk_kernel_applies(in, group_size)) {
+      order = XOrder::kChunks64;
+      gemv = avx2::gemv_chunk_rows;
     }
-  });
-}
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      const bool bf16_gemv = bf16_context_gemm() && group_size % 32 == 0;  // int4_bf16_gemv.h, its own buffers
+      // AVX2's int16 GEMV (block floating point x, VPMADDWD) also on AVX512-BF16 CPUs for up to
+      // kMaxInt16TokensBf16Gemm tokens: there the bf16 GEMV below is bound by its instructions (an Intel
+      // Xeon, 30 cold SmolLM2 gate_up + down pairs: 49 against 66 us per pair at one token, 86 against 92
+      // at two, 176 against 165 at four).
+      if ((isa == Isa::kAvx2 || (bf16_gemv && num_tokens <= kMaxInt16TokensBf16Gemm)) &&
+          kiln::cpu_has_avx2_fma_f16c() && avx2::int16_kernel_applies(in, group_size) && run_int16_gemv(out))
+        return;
+      if (bf16_gemv && run_bf16_gemv(out)) return;
+    }
+#endif
+    prepare_xs(order);
+    kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
+      for_row_spans(problem, r0, r1, [&](const RowSpan& s) {
+        gemv(s.w, in, s.scales, s.zeros, group_size, 0, s.b1 - s.b0, xs, num_tokens, in, acc + s.b0,
+             out_features);
+      });
+    }, epilogue, out);
+  }
 
 #if defined(__x86_64__)
-// Context phase, bfloat16 x with AVX512-BF16: tiles of q * scale rounded to bfloat16 and VDPBF16PS
-// (twice the multiply rate of float32 FMAs); x * pre_quant_scale is rounded to bfloat16 once.
-template <typename scalar_t>
-void run_tiled_bf16(const Problem& p, Isa isa, scalar_t* out) {
-  const DequantFn dequant = dequant_fn(isa);
-  const int64_t k_pad = (p.in + 31) / 32 * 32, tokens_pad = (p.num_tokens + 3) / 4 * 4;
-  std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad] bf16 bits
-  at::parallel_for(0, p.num_tokens, 64, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) avx512bf16::to_bf16_padded(p.xs + t * p.in, p.in, xb.data() + t * k_pad, k_pad);
-  });
-  const int64_t num_tiles = (p.out_features + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-    std::vector<float> w_tile(static_cast<size_t>(kTileRows * p.in));             // [kTileRows, in] float32
-    std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);          // [kTileRows, k_pad] bf16
-    std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));          // [tokens_pad, kTileRows]
-    for (int64_t tile = tile0; tile < tile1; ++tile) {
-      const int64_t r0 = tile * kTileRows, r1 = std::min(p.out_features, r0 + kTileRows);
-      const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
-      dequant_tile(p, dequant, r0, r1, w_tile.data());
-      for (int64_t r = 0; r < r1 - r0; ++r)
-        avx512bf16::to_bf16_padded(w_tile.data() + r * p.in, p.in, wb.data() + r * k_pad, k_pad);
-      std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
-      avx512bf16::bf16_gemm_nt(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
-      epilogue<scalar_t>(acc.data(), kTileRows, p.num_tokens, r0, r1, p.bias, out, p.out_features);
-    }
-  });
-}
+  // AVX2's int16 GEMV; returns false, having written nothing, for an x holding inf / NaN.
+  bool run_int16_gemv(at::BFloat16* out) const {
+    const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
+    const int64_t group_size = problem.group_size;
+    thread_local kiln::Int16Activations xq;
+    xq.resize(num_tokens, in, in / group_size);
+    if (!avx2::int16_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), pqs, num_tokens, in,
+                              group_size, /*nibble_chunks=*/true, xq.row.data(), xq.x16.data(), xq.x_scale.data(),
+                              xq.x_sum.data()))
+      return false;
+    // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
+    const avx2::Int16Tokens tokens{xq.x16.data(), in, xq.x_scale.data(), xq.x_sum.data(), num_tokens};
+    kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
+      float* group_scale = kiln::thread_scratch<3>(4 * (in / group_size));  // this thread's
+      const auto gemv = [&](const auto* scales) {  // float32 or float16 bits, read as they are
+        const avx2::Int4Weight<std::remove_cv_t<std::remove_pointer_t<decltype(scales)>>> weight{
+            problem.w, scales, problem.zeros, in, group_size};
+        avx2::gemv_int16_rows(weight, r0, r1, tokens, group_scale, acc, out_features);
+      };
+      if (half_scales) gemv(problem.scales_f16);
+      else gemv(problem.scales);
+    }, epilogue, out);
+    return true;
+  }
+
+  // The AVX512-BF16 GEMV (int4_bf16_gemv.h); returns false, having written nothing, for an x the kernel
+  // cannot take (see below).
+  bool run_bf16_gemv(at::BFloat16* out) const {
+    const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
+    const int64_t group_size = problem.group_size;
+    // Per-thread buffers, reused: a decode step makes ~120 calls of a few microseconds each.
+    thread_local Int4GemvScratch scratch;
+    const int64_t num_loads = avx512bf16::int4_gemv_num_loads(in);
+    const int64_t xb_row = num_loads * avx512bf16::kInt4LoadCols, sums_row = num_loads * avx512bf16::kInt4LoadLanes;
+    const int64_t num_groups = in / group_size;
+    scratch.resize(num_tokens, in, num_groups, num_loads, xb_row, sums_row);
+    avx512bf16::Int4GemvPlan plan{in, num_loads, scratch.first_group.data(), scratch.lane_group.data(),
+                                  scratch.group_mask.data(), 0};
+    avx512bf16::int4_gemv_plan(group_size, plan);
+    // x * pre_quant_scale in float32, then rounded to bf16 once, in the kernel's order, with its lane sums
+    prepare_activations<at::BFloat16>(x, pqs, group_size, XOrder::kNatural, scratch.xs.data());
+    for (int64_t t = 0; t < num_tokens; ++t)
+      avx512bf16::int4_gemv_prepare_x(scratch.xs.data() + t * in, plan, scratch.xb.data() + t * xb_row,
+                                     scratch.neg_sums.data() + t * sums_row);
+    // An inf or NaN in x makes its lane sums non-finite. The kernel's offsets, (136 + q) x - 136 x, would
+    // turn an inf into NaN, so such calls go to the float32 kernel, which propagates them as the reference
+    // does.
+    if (!all_finite(scratch.neg_sums.data(), num_tokens * sums_row)) return false;
+    for (int64_t t = 0; t < num_tokens; ++t)
+      avx512bf16::int4_gemv_group_sums(plan, scratch.neg_sums.data() + t * sums_row, num_groups,
+                                       scratch.neg_group_sums.data() + t * num_groups);
+    auto* yb = reinterpret_cast<uint16_t*>(out);
+    // the pointers, not scratch: a worker thread naming scratch would get its own (empty) thread_local
+    const uint16_t* xb = scratch.xb.data();
+    const float* neg_group_sums = scratch.neg_group_sums.data();
+    kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
+      for_row_spans(problem, r0, r1, [&](const RowSpan& s) {
+        // rows from s.b0 on; num_rows bounds the prefetches, which may run past the span
+        const avx512bf16::Int4GemvArgs args{s.w, s.scales, s.zeros, in / 2, num_groups, out_features - s.b0,
+                                            &plan, xb, neg_group_sums};
+        avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias != nullptr ? problem.bias + s.b0 : nullptr,
+                                   yb + s.b0, out_features, 0, s.b1 - s.b0);
+      });
+    });
+    return true;
+  }
 #endif
+
+  const float* prepare_context_x() const {
+    prepare_xs(XOrder::kNatural);
+    return xs;
+  }
+
+  // float32 tiles: exactly the reference's q * scale.
+  void tile_f32(int64_t r0, int64_t r1, float* tile) const {
+    dequant_tile(problem, dequant_fn(pick_isa(problem.group_size)), r0, r1, tile);
+  }
+
+  // bfloat16: x * pre_quant_scale and the tiles' q * scale each rounded to bfloat16 once (as a bf16
+  // checkpoint's weights are).
+  void x_row_bf16(const float* xs_row, uint16_t* dst, int64_t k_pad) const {
+#if defined(__x86_64__)
+    avx512bf16::to_bf16_padded(xs_row, shape.in, dst, k_pad);
+#endif
+  }
+
+  void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
+#if defined(__x86_64__)
+    float* tile = kiln::thread_scratch<4>(kiln::kTileRows * shape.in);  // [kTileRows, in] float32, this thread's
+    tile_f32(r0, r1, tile);
+    for (int64_t r = 0; r < r1 - r0; ++r) avx512bf16::to_bf16_padded(tile + r * shape.in, shape.in, dst + r * k_pad, k_pad);
+#endif
+  }
+
+  void bf16_gemm(const uint16_t* xb, int64_t tokens_pad, const uint16_t* wb, int64_t rows_pad, int64_t k_pad, float* acc,
+                 int64_t acc_stride) const {
+#if defined(__x86_64__)
+    avx512bf16::bf16_gemm_nt(xb, tokens_pad, wb, rows_pad, k_pad, acc, acc_stride);
+#endif
+  }
+};
 
 }  // namespace
 
@@ -422,109 +440,21 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   if (zero_point_in.has_value()) zero_point = zero_point_in->contiguous();
   if (pre_quant_scale_in.has_value()) pqs = as_float(*pre_quant_scale_in);
 
-  const Isa isa = pick_isa(group_size);
-  const bool bf16_gemm = x.scalar_type() == at::kBFloat16 && kiln::cpu_has_avx512_bf16();
-  const bool direct = num_tokens <= (bf16_gemm ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm);
-  XOrder order = direct && isa != Isa::kGeneric ? XOrder::kBlocks32 : XOrder::kNatural;
-  GemvFn gemv = gemv_fn(isa);
-#if defined(__x86_64__)
-  const bool bf16_gemv = direct && bf16_gemm && group_size % 32 == 0;  // int4_bf16_gemv.h, its own buffers
-  if (direct && isa == Isa::kAvx2 && avx2::chunk_kernel_applies(in, group_size)) {
-    order = XOrder::kChunks64;
-    gemv = avx2::gemv_chunk_rows;
-  }
-#else
-  const bool bf16_gemv = false;
-#endif
   float* xs = kiln::thread_scratch<1>(num_tokens * in);  // [T, in] x * pre_quant_scale
   const bool half_scales = weight_scale.scalar_type() == at::kHalf;
+  const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const Problem problem{reinterpret_cast<const uint8_t*>(weight.data_ptr()),
                         half_scales ? nullptr : weight_scale.data_ptr<float>(),
                         half_scales ? reinterpret_cast<const uint16_t*>(weight_scale.data_ptr<at::Half>()) : nullptr,
                         zero_point.defined() ? zero_point.data_ptr<int8_t>() : nullptr, in, out_features, group_size,
-                        num_tokens, xs,
-                        bias.defined() ? bias.data_ptr<float>() : nullptr};
-  const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
+                        num_tokens, xs, bias_ptr};
+  const kiln::Epilogue epilogue{/*row_scale=*/nullptr, bias_ptr};
+  const Int4Format format{x, pqs.defined() ? pqs.data_ptr<float>() : nullptr, xs, problem, half_scales,
+                          kiln::LinearShape{num_tokens, in, out_features, /*row_bytes=*/in / 2}, epilogue, epilogue};
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int4_linear",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        prepare_activations<float>(x, pqs_ptr, group_size, order, xs);
-        if (direct) run_direct<float>(problem, gemv, out.data_ptr<float>());
-        else run_tiled<float>(problem, isa, out.data_ptr<float>());
-      })
+      AT_DISPATCH_CASE(at::kFloat, [&] { kiln::run_quantized_linear(format, format.shape, out.data_ptr<float>()); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-#if defined(__x86_64__)
-        // AVX2's int16 GEMV (block floating point x, VPMADDWD) also on AVX512-BF16 CPUs for up to
-        // kMaxInt16TokensBf16Gemm tokens: there the bf16 GEMV below is bound by its instructions (an Intel
-        // Xeon, 30 cold SmolLM2 gate_up + down pairs: 49 against 66 us per pair at one token, 86 against 92
-        // at two, 176 against 165 at four).
-        if (direct && (isa == Isa::kAvx2 || (bf16_gemv && num_tokens <= kMaxInt16TokensBf16Gemm)) &&
-            kiln::cpu_has_avx2_fma_f16c() && avx2::int16_kernel_applies(in, group_size)) {
-          thread_local kiln::Int16Activations xq;
-          xq.resize(num_tokens, in, in / group_size);
-          if (avx2::int16_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), pqs_ptr, num_tokens, in,
-                                   group_size, /*nibble_chunks=*/true, xq.row.data(), xq.x16.data(), xq.x_scale.data(),
-                                   xq.x_sum.data())) {
-            // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
-            const int16_t* x16 = xq.x16.data();
-            const float *x_scale = xq.x_scale.data(), *x_sum = xq.x_sum.data();
-            run_direct<at::BFloat16>(problem, [&](int64_t r0, int64_t r1, float* acc) {
-              float* group_scale = kiln::thread_scratch<3>(4 * (in / group_size));  // this thread's
-              const auto gemv = [&](const auto* scales) {  // float32 or float16 bits, read as they are
-                avx2::gemv_int16_rows(problem.w, in, scales, problem.zeros, group_size, r0, r1, x16, num_tokens, in,
-                                      x_scale, x_sum, group_scale, acc, out_features);
-              };
-              if (half_scales) gemv(problem.scales_f16);
-              else gemv(problem.scales);
-            }, out.data_ptr<at::BFloat16>());
-            return;
-          }
-        }
-        // Returns false, having written nothing, for an x the kernel cannot take (see below).
-        const auto run_bf16_gemv = [&]() -> bool {
-          // Per-thread buffers, reused: a decode step makes ~120 calls of a few microseconds each.
-          thread_local Int4GemvScratch scratch;
-          const int64_t num_loads = avx512bf16::int4_gemv_num_loads(in);
-          const int64_t xb_row = num_loads * avx512bf16::kInt4LoadCols, sums_row = num_loads * avx512bf16::kInt4LoadLanes;
-          const int64_t num_groups = in / group_size;
-          scratch.resize(num_tokens, in, num_groups, num_loads, xb_row, sums_row);
-          avx512bf16::Int4GemvPlan plan{in, num_loads, scratch.first_group.data(), scratch.lane_group.data(),
-                                        scratch.group_mask.data(), 0};
-          avx512bf16::int4_gemv_plan(group_size, plan);
-          // x * pre_quant_scale in float32, then rounded to bf16 once, in the kernel's order, with its lane sums
-          prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, XOrder::kNatural, scratch.xs.data());
-          for (int64_t t = 0; t < num_tokens; ++t)
-            avx512bf16::int4_gemv_prepare_x(scratch.xs.data() + t * in, plan, scratch.xb.data() + t * xb_row,
-                                           scratch.neg_sums.data() + t * sums_row);
-          // An inf or NaN in x makes its lane sums non-finite. The kernel's offsets, (136 + q) x - 136 x,
-          // would turn an inf into NaN, so such calls go to the float32 kernel below, which propagates them
-          // as the reference does.
-          if (!all_finite(scratch.neg_sums.data(), num_tokens * sums_row)) return false;
-          for (int64_t t = 0; t < num_tokens; ++t)
-            avx512bf16::int4_gemv_group_sums(plan, scratch.neg_sums.data() + t * sums_row, num_groups,
-                                             scratch.neg_group_sums.data() + t * num_groups);
-          auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-          // the pointers, not scratch: a worker thread naming scratch would get its own (empty) thread_local
-          const uint16_t* xb = scratch.xb.data();
-          const float* neg_group_sums = scratch.neg_group_sums.data();
-          kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-            for_row_spans(problem, r0, r1, [&](const RowSpan& s) {
-              // rows from s.b0 on; num_rows bounds the prefetches, which may run past the span
-              const avx512bf16::Int4GemvArgs args{s.w, s.scales, s.zeros, in / 2, num_groups, out_features - s.b0,
-                                                  &plan, xb, neg_group_sums};
-              avx512bf16::gemv_int4_rows(args, num_tokens, problem.bias != nullptr ? problem.bias + s.b0 : nullptr,
-                                         yb + s.b0, out_features, 0, s.b1 - s.b0);
-            });
-          });
-          return true;
-        };
-        if (bf16_gemv && run_bf16_gemv()) return;
-#endif
-        prepare_activations<at::BFloat16>(x, pqs_ptr, group_size, order, xs);
-        if (direct) run_direct<at::BFloat16>(problem, gemv, out.data_ptr<at::BFloat16>());
-#if defined(__x86_64__)
-        else if (bf16_gemm) run_tiled_bf16<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
-#endif
-        else run_tiled<at::BFloat16>(problem, isa, out.data_ptr<at::BFloat16>());
+        kiln::run_quantized_linear(format, format.shape, out.data_ptr<at::BFloat16>());
       }));
   return out;
 }

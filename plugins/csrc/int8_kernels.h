@@ -1,10 +1,11 @@
-// INT8 weight kernels of kilnlm::int8_linear (W8A16) and kilnlm::int8_sq_linear (W8A8), written once and
-// compiled three times by int8_linear.cpp: portable scalar (KILN_ISA 0), AVX2+FMA (KILN_ISA 1) and
-// AVX-512 (KILN_ISA 2), chosen at run time.
+// INT8 weight kernels of kilnlm::int8_linear (W8A16) and kilnlm::int8_sq_linear (W8A8), compiled per ISA
+// by isa_variants.h (see there for the rules a kernel header follows): the float32 GEMV and the exact int32
+// W8A8 GEMM as portable scalar, AVX2+FMA and AVX-512 versions, chosen at run time; AVX2's block floating
+// point int16 GEMV (int16_quantize.h); the AVX512-BF16 GEMV and context-phase tiles; the AVX512-VNNI W8A8
+// GEMM (int8_vnni_gemm.h).
 //
-// Included *inside* a namespace, after every system / torch header: it must not include anything itself
-// and uses only raw pointers (see int4_kernels.h for why).
-//
+#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+
 // Arguments shared by the functions below:
 //   w     [out, in] int8, row-major (rows `in` bytes apart)
 //   x     [num_tokens, in] float32 (W8A16) or int16 holding int8 values (W8A8), rows `x_stride` apart
@@ -35,7 +36,7 @@ static inline int16_t quantize_int8_scalar(float x, float scale) {
   return static_cast<int16_t>(__builtin_nearbyintf(v));  // default rounding mode: nearest, ties to even
 }
 
-#if KILN_ISA == 2  // ---------------------------------------------------------------- AVX-512
+#if KILN_ISA == KILN_ISA_AVX512  // ---------------------------------------------------------------- AVX-512
 
 // out[i] = quantize_int8_scalar(x[i], scale) for i < n.
 static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* out) {
@@ -111,7 +112,7 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
 template <int NT>
 struct RowsPerBlock { static constexpr int value = NT == 4 ? 2 : 4; };
 
-#elif KILN_ISA == 1  // ------------------------------------------------------------ AVX2 + FMA
+#elif KILN_ISA == KILN_ISA_AVX2  // ------------------------------------------------------------ AVX2 + FMA
 
 static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* out) {
   const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
@@ -335,3 +336,23 @@ static void gemm_i32_rows(const int8_t* w, int64_t in, int64_t row_begin, int64_
                           int64_t num_tokens, int64_t x_stride, int32_t* y, int64_t y_stride) {
   rows_times_tokens<I32Gemm>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride);
 }
+
+#endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+
+#if KILN_ISA == KILN_ISA_AVX2
+#include "int16_quantize.h"
+#elif KILN_ISA == KILN_ISA_AVX512_BF16
+#include "fp8_bf16_gemm.h"
+#include "bf16_tile.h"
+#include "bf16_gemv.h"
+
+// int8_linear, generation phase, bfloat16 x: y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), the
+// products of x and q exact in VDPBF16PS and summed in float32 (as int8_linear_tiled_bf16).
+void gemv_int8_rows(const uint16_t* xb, int64_t num_tokens, const int8_t* w, int64_t out_features, int64_t in,
+                    const float* scale, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
+  gemv_any_rows(xb, num_tokens, in, PlainRows<Int8Weights>{w, in}, out_features, in, r0, r1,
+                GemvEpilogue(out, out_features, bias, scale));
+}
+#elif KILN_ISA == KILN_ISA_AVX512_VNNI
+#include "int8_vnni_gemm.h"
+#endif

@@ -18,7 +18,9 @@
 //   extension to int16 + VPMADDWD), over tiles of rows so a tile stays in cache while every token block
 //   passes over it.
 //   Bit-exact with the reference.
-// All parallelize over output rows with at::parallel_for.
+// All parallelize over output rows with at::parallel_for. int8_linear's token-count dispatch, thread split
+// and tiling are quant_linear.h's (the driver of every weight-only quantized linear; Int8Format here);
+// int8_sq_linear keeps its own (W8A8: quantized activations, exact int32 sums) and shares its epilogue.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,95 +39,21 @@
 #include "c_shim.h"
 #include "cpu_features.h"
 #include "int16_activations.h"
+#include "quant_linear.h"
 #include "row_blocks.h"
 
 namespace kiln_int8 {
-namespace generic {
-namespace {
-#define KILN_ISA 0
-#include "int8_kernels.h"
-#undef KILN_ISA
-}  // namespace
-}  // namespace generic
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-namespace {
-#define KILN_ISA 1
-#include "int8_kernels.h"
-#undef KILN_ISA
-#include "int16_quantize.h"
-}  // namespace
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-namespace avx512 {
-namespace {
-#define KILN_ISA 2
-#include "int8_kernels.h"
-#undef KILN_ISA
-}  // namespace
-}  // namespace avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-namespace avx512bf16 {
-namespace {
-#include "fp8_bf16_gemm.h"
-#include "bf16_tile.h"
-#include "bf16_gemv.h"
-
-// int8_linear, generation phase, bfloat16 x: y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), the
-// products of x and q exact in VDPBF16PS and summed in float32 (as int8_linear_tiled_bf16).
-void gemv_int8_rows(const uint16_t* xb, int64_t num_tokens, const int8_t* w, int64_t out_features, int64_t in,
-                    const float* scale, const float* bias, uint16_t* out, int64_t r0, int64_t r1) {
-  gemv_any_rows(xb, num_tokens, in, PlainRows<Int8Weights>{w, in}, out_features, in, r0, r1,
-                GemvEpilogue(out, out_features, bias, scale));
-}
-}  // namespace
-}  // namespace avx512bf16
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
-namespace avx512vnni {
-namespace {
-#include "int8_vnni_gemm.h"
-}  // namespace
-}  // namespace avx512vnni
-#pragma GCC pop_options
-#endif
+#define KILN_ISA_KERNELS "int8_kernels.h"
+#include "isa_variants.h"
+#undef KILN_ISA_KERNELS
 
 namespace {
 
-// int8_linear: up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py,
-// SmolLM2's shapes); the bf16 GEMM is ~3x the float32 one, so it takes over sooner (its fixed cost,
-// converting the weight to bf16 tiles, is paid back from ~5 tokens). Both ops work on tiles of kTileRows
-// output rows.
-constexpr int64_t kMaxDirectTokensF32Gemm = 16;
-constexpr int64_t kMaxDirectTokensBf16Gemm = 4;
 // int8_sq_linear: below this many tokens the VPMADDWD GEMV, which reads each weight byte once, beats the
 // VNNI kernel, which sums every row tile once more for its offset correction (cold-weight decode sweep of
 // scripts/bench_plugins.py: ~6 vs ~10 ms per 30 layers).
 constexpr int64_t kMinVnniTokens = 4;
-constexpr int64_t kTileRows = 64;
-
-// AVX512-VNNI (VPDPBUSD): the int8_sq_linear context-phase GEMM (int8_vnni_gemm.h). KILNLM_CPU_ISA=avx512
-// turns it off (to test the VPMADDWD path on every token count).
-bool cpu_has_avx512_vnni() {
-#if defined(__x86_64__)
-  static const bool has = kiln::cpu_has_avx512() && !kiln::cpu_isa_capped_at("avx512") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return has;
-#else
-  return false;
-#endif
-}
+using kiln::kTileRows;
 
 using GemvF32Fn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 using GemmI32Fn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int16_t*, int64_t, int64_t, int32_t*, int64_t);
@@ -168,24 +96,6 @@ void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-// out[t, o] = acc[t, o - col_begin] * row_scale[o] (or 1) (+ bias[o]) in out's dtype; with token_scale,
-// acc * (token_scale[t] * row_scale[o]) (per-token dynamic activation scales, one float32 product as the
-// reference).
-template <typename scalar_t, typename acc_t>
-void epilogue(const acc_t* acc, int64_t acc_stride, int64_t num_tokens, int64_t col_begin, int64_t col_end,
-              const float* row_scale, const float* bias, scalar_t* out, int64_t out_stride,
-              const float* token_scale = nullptr) {
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int64_t o = col_begin; o < col_end; ++o) {
-      float y = static_cast<float>(acc[t * acc_stride + (o - col_begin)]);
-      if (token_scale != nullptr) y = y * (token_scale[t] * row_scale[o]);
-      else if (row_scale != nullptr) y = y * row_scale[o];
-      if (bias != nullptr) y = y + bias[o];
-      out[t * out_stride + o] = static_cast<scalar_t>(y);
-    }
-  }
-}
-
 // x [T, in] (f32 / bf16) -> float32 copy, times pre_quant_scale when given.
 template <typename scalar_t>
 void to_float(const at::Tensor& x, const float* pqs, float* dst) {
@@ -209,74 +119,103 @@ at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
 
 // ---------------------------------------------------------------------------------------------- W8A16
 
-// gemv(r0, r1, acc) writes acc[t, r] (row stride out_features) for rows [r0, r1).
-template <typename scalar_t, typename RowsFn>
-void int8_linear_direct(const RowsFn& gemv, int64_t in, int64_t out_features, int64_t num_tokens, const float* scale,
-                        const float* bias, scalar_t* out) {
-  float* acc_ptr = kiln::thread_scratch<0>(num_tokens * out_features);
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));  // >= ~16 KiB of weights per task
-  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    gemv(r0, r1, acc_ptr);
-    epilogue<scalar_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, scale, bias, out, out_features);
-  });
-}
+// int8 weight rows with per-row scales (W8A16) for the quantized-linear driver (quant_linear.h):
+// y = (x @ q.T) * scale[o] (+ bias[o]).
+struct Int8Format {
+  // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py, SmolLM2's
+  // shapes); the bf16 GEMM is ~3x the float32 one, so it takes over sooner (its fixed cost, converting the
+  // weight to bf16 tiles, is paid back from ~5 tokens).
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/4};
 
-template <typename scalar_t>
-void int8_linear_direct(const int8_t* w, int64_t in, int64_t out_features, const float* xs, int64_t num_tokens,
-                        const float* scale, const float* bias, scalar_t* out) {
-  const GemvF32Fn gemv = gemv_f32_fn();
-  int8_linear_direct<scalar_t>([&](int64_t r0, int64_t r1, float* acc) {
-    gemv(w, in, r0, r1, xs, num_tokens, in, acc, out_features);
-  }, in, out_features, num_tokens, scale, bias, out);
-}
+  const at::Tensor& x;  // [T, in] float32 / bfloat16, contiguous
+  const int8_t* w;      // [out, in]
+  float* xs;            // [T, in] float32 copy of x (this thread's scratch)
+  kiln::LinearShape shape;
+  kiln::Epilogue epilogue;           // * scale[o] (+ bias)
+  kiln::Epilogue f32_tile_epilogue;  // + bias: the float32 tiles hold q * scale
 
-template <typename scalar_t>
-void int8_linear_tiled(const int8_t* w, int64_t in, int64_t out_features, const float* xs, int64_t num_tokens,
-                       const float* scale, const float* bias, scalar_t* out) {
-  const int64_t num_tiles = (out_features + kTileRows - 1) / kTileRows;
-  const at::Tensor x = at::from_blob(const_cast<float*>(xs), {num_tokens, in}, at::kFloat);
-  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-    std::vector<float> w_tile(static_cast<size_t>(kTileRows * in));  // [kTileRows, in] float32
-    at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
-    for (int64_t tile = tile0; tile < tile1; ++tile) {
-      const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < in; ++c) w_tile[(r - r0) * in + c] = static_cast<float>(w[r * in + c]) * scale[r];
-      const at::Tensor w_f = at::from_blob(w_tile.data(), {r1 - r0, in}, at::kFloat);
-      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
-      at::mm_out(acc_view, x, w_f.t());  // [T, rows]
-      epilogue<scalar_t, float>(acc_view.data_ptr<float>(), acc_view.stride(0), num_tokens, r0, r1, nullptr, bias,
-                                out, out_features);
-    }
-  });
-}
+  bool x_bf16() const { return x.scalar_type() == at::kBFloat16; }
 
+  bool bf16_context_gemm() const { return x_bf16() && kiln::cpu_has_avx512_bf16(); }
+
+  template <typename scalar_t>
+  void generation(scalar_t* out) const {
+    const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
 #if defined(__x86_64__)
-// Context phase, bfloat16 x with AVX512-BF16: q is exact in bfloat16 (8 significant bits), so VDPBF16PS
-// forms exact products of x and q, summed in float32; the per-row scale is applied after the sum.
-template <typename scalar_t>
-void int8_linear_tiled_bf16(const int8_t* w, int64_t in, int64_t out_features, const float* xs, int64_t num_tokens,
-                            const float* scale, const float* bias, scalar_t* out) {
-  const int64_t k_pad = (in + 31) / 32 * 32, tokens_pad = (num_tokens + 3) / 4 * 4;
-  std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad] bf16 bits
-  at::parallel_for(0, num_tokens, 64, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) avx512bf16::to_bf16_padded(xs + t * in, in, xb.data() + t * k_pad, k_pad);
-  });
-  const int64_t num_tiles = (out_features + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-    std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad] bf16 q
-    std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));  // [tokens_pad, kTileRows]
-    for (int64_t tile = tile0; tile < tile1; ++tile) {
-      const int64_t r0 = tile * kTileRows, r1 = std::min(out_features, r0 + kTileRows);
-      const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
-      for (int64_t r = r0; r < r1; ++r) avx512bf16::int8_to_bf16_padded(w + r * in, in, wb.data() + (r - r0) * k_pad, k_pad);
-      std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
-      avx512bf16::bf16_gemm_nt(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
-      epilogue<scalar_t, float>(acc.data(), kTileRows, num_tokens, r0, r1, scale, bias, out, out_features);
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      const bool bf16_gemm = bf16_context_gemm();
+      // Block floating point int16 x through AVX2's VPMADDWD (int8_kernels.h, gemv_int16_rows): on AVX2
+      // CPUs, and on AVX512-BF16 CPUs too, where the bf16 GEMV below is bound by its instructions (an
+      // Intel Xeon, 30 cold SmolLM2 gate_up + down pairs: 62-66 against 97 us per pair at one token, 140
+      // against 165 at four; a cold decode sweep 34.7 against 25.0 GB/s).
+      if ((bf16_gemm || !kiln::cpu_has_avx512()) && kiln::cpu_has_avx2_fma_f16c() && in % avx2::kInt16BlockCols == 0) {
+        thread_local kiln::Int16Activations xq;
+        xq.resize(num_tokens, in, in / avx2::kInt16BlockCols);
+        if (avx2::int16_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nullptr, num_tokens, in,
+                                 avx2::kInt16BlockCols, /*nibble_chunks=*/false, xq.row.data(), xq.x16.data(),
+                                 xq.x_scale.data(), xq.x_sum.data())) {
+          // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
+          const int16_t* x16 = xq.x16.data();
+          const float* x_scale = xq.x_scale.data();
+          kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
+            avx2::gemv_int16_rows(w, in, r0, r1, x16, num_tokens, in, x_scale, acc, out_features);
+          }, epilogue, out);
+          return;
+        }
+      }
+      // bf16_gemv.h (cold SmolLM2 decode sweep: 37-48 GB/s on an AMD Zen 4; an x the int16 path refuses)
+      if (bf16_gemm && in % avx512bf16::PlainRows<avx512bf16::Int8Weights>::kCols == 0) {
+        const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+        auto* yb = reinterpret_cast<uint16_t*>(out);
+        kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
+          avx512bf16::gemv_int8_rows(xb, num_tokens, w, out_features, in, epilogue.row_scale, epilogue.bias, yb, r0, r1);
+        });
+        return;
+      }
     }
-  });
-}
 #endif
+    prepare_context_x();
+    const GemvF32Fn gemv = gemv_f32_fn();
+    kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
+      gemv(w, in, r0, r1, xs, num_tokens, in, acc, out_features);
+    }, epilogue, out);
+  }
+
+  const float* prepare_context_x() const {
+    if (x_bf16()) to_float<at::BFloat16>(x, nullptr, xs);
+    else to_float<float>(x, nullptr, xs);
+    return xs;
+  }
+
+  // float32 tiles: q * scale[r] rounded once (the epilogue then only adds the bias).
+  void tile_f32(int64_t r0, int64_t r1, float* tile) const {
+    const int64_t in = shape.in;
+    const float* scale = epilogue.row_scale;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < in; ++c) tile[(r - r0) * in + c] = static_cast<float>(w[r * in + c]) * scale[r];
+  }
+
+  // bfloat16: q is exact in bfloat16 (8 significant bits), so VDPBF16PS forms exact products of x and q,
+  // summed in float32; the per-row scale is applied after the sum.
+  void x_row_bf16(const float* xs_row, uint16_t* dst, int64_t k_pad) const {
+#if defined(__x86_64__)
+    avx512bf16::to_bf16_padded(xs_row, shape.in, dst, k_pad);
+#endif
+  }
+
+  void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
+#if defined(__x86_64__)
+    for (int64_t r = r0; r < r1; ++r) avx512bf16::int8_to_bf16_padded(w + r * shape.in, shape.in, dst + (r - r0) * k_pad, k_pad);
+#endif
+  }
+
+  void bf16_gemm(const uint16_t* xb, int64_t tokens_pad, const uint16_t* wb, int64_t rows_pad, int64_t k_pad, float* acc,
+                 int64_t acc_stride) const {
+#if defined(__x86_64__)
+    avx512bf16::bf16_gemm_nt(xb, tokens_pad, wb, rows_pad, k_pad, acc, acc_stride);
+#endif
+  }
+};
 
 // ----------------------------------------------------------------------------------------------- W8A8
 
@@ -312,43 +251,29 @@ void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int
   });
 }
 
-#if defined(__x86_64__)
-// With AVX512-VNNI: x_q + 128 as bytes, then VPDPBUSD dot products (int8_vnni_gemm.h), exact as well.
+// y = float(x_q @ q.T) * (token_scale[t] *) row_scale[o] (+ bias), the int32 sums over the driver's row
+// split (quant_linear.h, run_rows): from kMinVnniTokens tokens on AVX512-VNNI CPUs x_q + 128 as bytes
+// through VPDPBUSD (int8_vnni_gemm.h), else row tiles of kTileRows through VPMADDWD (int8_kernels.h), both
+// exact.
 template <typename scalar_t>
-void int8_sq_gemm_vnni(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
-                       const float* row_scale, const float* bias, scalar_t* out, const float* token_scale) {
-  std::vector<uint8_t> xu(static_cast<size_t>(num_tokens * in));  // [T, in] x_q + 128
-  for (int64_t i = 0; i < num_tokens * in; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+void int8_sq_gemm(const int8_t* w, const kiln::LinearShape& shape, const int16_t* xq, const kiln::Epilogue& epilogue,
+                  scalar_t* out) {
+  const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
   std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));  // [T, out]
-  int32_t* acc_ptr = acc.data();
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
-  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    avx512vnni::gemm_vnni_rows(w, in, r0, r1, xu.data(), num_tokens, in, acc_ptr, out_features);
-    epilogue<scalar_t, int32_t>(acc_ptr + r0, out_features, num_tokens, r0, r1, row_scale, bias, out, out_features,
-                                token_scale);
-  });
-}
-#endif
-
-template <typename scalar_t>
-void int8_sq_gemm(const int8_t* w, int64_t in, int64_t out_features, const int16_t* xq, int64_t num_tokens,
-                  const float* row_scale, const float* bias, scalar_t* out, const float* token_scale) {
 #if defined(__x86_64__)
-  if (num_tokens >= kMinVnniTokens && cpu_has_avx512_vnni())
-    return int8_sq_gemm_vnni<scalar_t>(w, in, out_features, xq, num_tokens, row_scale, bias, out, token_scale);
+  if (num_tokens >= kMinVnniTokens && kiln::cpu_has_avx512_vnni()) {
+    std::vector<uint8_t> xu(static_cast<size_t>(num_tokens * in));  // [T, in] x_q + 128
+    for (int64_t i = 0; i < num_tokens * in; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+    kiln::run_rows(shape, acc.data(), [&](int64_t r0, int64_t r1, int32_t* y) {
+      avx512vnni::gemm_vnni_rows(w, in, r0, r1, xu.data(), num_tokens, in, y, out_features);
+    }, epilogue, out);
+    return;
+  }
 #endif
   const GemmI32Fn gemm = gemm_i32_fn();
-  std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));
-  int32_t* acc_ptr = acc.data();
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(in, 1));
-  at::parallel_for(0, out_features, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) {
-      const int64_t t1 = std::min(r1, t0 + kTileRows);
-      gemm(w, in, t0, t1, xq, num_tokens, in, acc_ptr, out_features);
-      epilogue<scalar_t, int32_t>(acc_ptr + t0, out_features, num_tokens, t0, t1, row_scale, bias, out, out_features,
-                                  token_scale);
-    }
-  });
+  kiln::run_rows(shape, acc.data(), [&](int64_t r0, int64_t r1, int32_t* y) {
+    for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) gemm(w, in, t0, std::min(r1, t0 + kTileRows), xq, num_tokens, in, y, out_features);
+  }, epilogue, out);
 }
 
 }  // namespace
@@ -365,53 +290,12 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int8_t* w = weight.data_ptr<int8_t>();
   float* xs = kiln::thread_scratch<1>(num_tokens * in);  // [T, in] float32
-  const bool bf16_gemm = x.scalar_type() == at::kBFloat16 && kiln::cpu_has_avx512_bf16();
-  const bool direct = num_tokens <= (bf16_gemm ? kMaxDirectTokensBf16Gemm : kMaxDirectTokensF32Gemm);
+  const Int8Format format{x, w, xs, kiln::LinearShape{num_tokens, in, out_features, /*row_bytes=*/in},
+                          kiln::Epilogue{scale, bias_ptr}, kiln::Epilogue{/*row_scale=*/nullptr, bias_ptr}};
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int8_linear",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        to_float<float>(x, nullptr, xs);
-        if (direct) int8_linear_direct<float>(w, in, out_features, xs, num_tokens, scale, bias_ptr, out.data_ptr<float>());
-        else int8_linear_tiled<float>(w, in, out_features, xs, num_tokens, scale, bias_ptr, out.data_ptr<float>());
-      })
+      AT_DISPATCH_CASE(at::kFloat, [&] { kiln::run_quantized_linear(format, format.shape, out.data_ptr<float>()); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-#if defined(__x86_64__)
-        // Block floating point int16 x through AVX2's VPMADDWD (int8_kernels.h, gemv_int16_rows): on AVX2
-        // CPUs, and on AVX512-BF16 CPUs too, where the bf16 GEMV below is bound by its instructions (an
-        // Intel Xeon, 30 cold SmolLM2 gate_up + down pairs: 62-66 against 97 us per pair at one token, 140
-        // against 165 at four; a cold decode sweep 34.7 against 25.0 GB/s).
-        if (direct && (bf16_gemm || !kiln::cpu_has_avx512()) && kiln::cpu_has_avx2_fma_f16c() &&
-            in % avx2::kInt16BlockCols == 0) {
-          thread_local kiln::Int16Activations xq;
-          xq.resize(num_tokens, in, in / avx2::kInt16BlockCols);
-          if (avx2::int16_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nullptr, num_tokens, in,
-                                   avx2::kInt16BlockCols, /*nibble_chunks=*/false, xq.row.data(), xq.x16.data(),
-                                   xq.x_scale.data(), xq.x_sum.data())) {
-            // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
-            const int16_t* x16 = xq.x16.data();
-            const float* x_scale = xq.x_scale.data();
-            int8_linear_direct<at::BFloat16>([&](int64_t r0, int64_t r1, float* acc) {
-              avx2::gemv_int16_rows(w, in, r0, r1, x16, num_tokens, in, x_scale, acc, out_features);
-            }, in, out_features, num_tokens, scale, bias_ptr, out.data_ptr<at::BFloat16>());
-            return;
-          }
-        }
-        // bf16_gemv.h (cold SmolLM2 decode sweep: 37-48 GB/s on an AMD Zen 4; an x the int16 path refuses)
-        if (direct && bf16_gemm && in % avx512bf16::PlainRows<avx512bf16::Int8Weights>::kCols == 0) {
-          const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-          auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-          kiln::parallel_row_blocks(out_features, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-            avx512bf16::gemv_int8_rows(xb, num_tokens, w, out_features, in, scale, bias_ptr, yb, r0, r1);
-          });
-          return;
-        }
-#endif
-        to_float<at::BFloat16>(x, nullptr, xs);
-        at::BFloat16* y = out.data_ptr<at::BFloat16>();
-        if (direct) int8_linear_direct<at::BFloat16>(w, in, out_features, xs, num_tokens, scale, bias_ptr, y);
-#if defined(__x86_64__)
-        else if (bf16_gemm) int8_linear_tiled_bf16<at::BFloat16>(w, in, out_features, xs, num_tokens, scale, bias_ptr, y);
-#endif
-        else int8_linear_tiled<at::BFloat16>(w, in, out_features, xs, num_tokens, scale, bias_ptr, y);
+        kiln::run_quantized_linear(format, format.shape, out.data_ptr<at::BFloat16>());
       }));
   return out;
 }
@@ -448,16 +332,16 @@ at::Tensor int8_sq_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, 
   const float* pqs_ptr = pqs.defined() ? pqs.data_ptr<float>() : nullptr;
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   std::vector<int16_t> xq(static_cast<size_t>(num_tokens * in));  // [T, in] int8 values as int16
+  const kiln::LinearShape shape{num_tokens, in, out_features, /*row_bytes=*/in};
+  const kiln::Epilogue epilogue{row_scale.data(), bias_ptr, ts};
   AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::int8_sq_linear",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         quantize_int8<float>(x, pqs_ptr, s_in, xq.data(), ts);
-        int8_sq_gemm<float>(weight.data_ptr<int8_t>(), in, out_features, xq.data(), num_tokens, row_scale.data(),
-                            bias_ptr, out.data_ptr<float>(), ts);
+        int8_sq_gemm<float>(weight.data_ptr<int8_t>(), shape, xq.data(), epilogue, out.data_ptr<float>());
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         quantize_int8<at::BFloat16>(x, pqs_ptr, s_in, xq.data(), ts);
-        int8_sq_gemm<at::BFloat16>(weight.data_ptr<int8_t>(), in, out_features, xq.data(), num_tokens, row_scale.data(),
-                                   bias_ptr, out.data_ptr<at::BFloat16>(), ts);
+        int8_sq_gemm<at::BFloat16>(weight.data_ptr<int8_t>(), shape, xq.data(), epilogue, out.data_ptr<at::BFloat16>());
       }));
   return out;
 }

@@ -1,6 +1,5 @@
 // W8A8 GEMM of kilnlm::int8_sq_linear on CPUs with AVX512-VNNI (Intel Cascade Lake+, AMD Zen 4+),
-// compiled once by int8_linear.cpp under `#pragma GCC target("...,avx512vnni")` and chosen at run time.
-// Included inside a namespace after every system / torch header (see int4_kernels.h for why).
+// included by int8_kernels.h in its KILN_ISA_AVX512_VNNI copy (isa_variants.h) and chosen at run time.
 //
 // VPDPBUSD multiplies 64 unsigned by 64 signed bytes, four products summed into each int32 lane: one
 // instruction per 64 multiply-adds (VPMADDWD needs a sign extension, a multiply and an add per 32). The

@@ -88,39 +88,9 @@ inline void store_output(const AttnWork& w, int64_t qi, int64_t h, const float* 
   }
 }
 
-namespace generic {
-namespace {
-#define KILN_AVX512 0
-#define KILN_AVX2 0
-#include "attention_kernels.h"
-#undef KILN_AVX2
-}  // namespace
-}  // namespace generic
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-namespace {
-#define KILN_AVX2 1
-#include "attention_kernels.h"
-#undef KILN_AVX2
-}  // namespace
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-namespace avx512 {
-namespace {
-#undef KILN_AVX512
-#define KILN_AVX512 1
-#include "attention_kernels.h"
-}  // namespace
-}  // namespace avx512
-#pragma GCC pop_options
-#endif
-#undef KILN_AVX512
+#define KILN_ISA_KERNELS "attention_kernels.h"
+#include "isa_variants.h"
+#undef KILN_ISA_KERNELS
 
 namespace {
 
@@ -146,6 +116,28 @@ constexpr int64_t kQueryChunkTokens = 16;  // query tokens per work item in the 
 struct Dims {
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_seqs, max_blocks_per_seq;
   int64_t num_layers, num_blocks, tokens_per_block;
+};
+
+// The packed batch's metadata (kilnlm.runtime.abi), raw pointers into contiguous CPU tensors; T tokens of B
+// sequences, sequence b's new tokens at [cu_seqlens_q[b], cu_seqlens_q[b + 1]).
+struct BatchView {
+  const int64_t* positions;     // [T] each token's position in its sequence
+  const int32_t* cu_seqlens_q;  // [B + 1]
+  const int32_t* seq_lens_kv;   // [B] cached + new tokens after this step
+  const int32_t* block_tables;  // [B, max_blocks_per_seq]
+  const int64_t* slot_mapping;  // [T] slot = block_id * tokens_per_block + offset
+};
+
+// One layer's KV pool and its scales. An 8-bit pool is written as quantize(x / k_scale | v_scale) and read
+// with the scales folded in: into the rotated queries (q_scale) and the outputs (out_scale).
+struct PoolView {
+  void* k;           // kv_cache[layer, 0]: [num_blocks, tokens_per_block, num_kv_heads, head_dim], pool dtype
+  void* v;           // kv_cache[layer, 1]
+  KvType kv_type;
+  float k_scale;     // 8-bit pools' per-tensor scales; 1 for a pool in the activation dtype
+  float v_scale;
+  float q_scale;     // multiplies the rotated queries: the softmax scale (times the folded k_scale)
+  float out_scale;   // multiplies the outputs: 1, or the folded v_scale
 };
 
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
@@ -222,8 +214,9 @@ Dims check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // Value checks (bounds of every index the kernel will follow), O(T + B * max_blocks_per_seq).
-void check_indices(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables, const int64_t* slots,
-                   const int64_t* positions) {
+void check_indices(const Dims& d, const BatchView& batch) {
+  const int32_t *cu = batch.cu_seqlens_q, *kv_lens = batch.seq_lens_kv, *tables = batch.block_tables;
+  const int64_t *slots = batch.slot_mapping, *positions = batch.positions;
   TORCH_CHECK(cu[0] == 0 && cu[d.num_seqs] == d.num_tokens, "kilnlm::paged_attention: cu_seqlens_q must start at 0 "
               "and end at T=", d.num_tokens, ", got ", cu[0], " .. ", cu[d.num_seqs]);
   for (int64_t b = 0; b < d.num_seqs; ++b) {
@@ -296,13 +289,16 @@ class RopeTable {
   std::vector<float> inv_freq_, cos_sin_;
 };
 
-// Step 1: RoPE on q (into q_rot, float32, times scale) and k; write rotated k and v into the pool
-// (8-bit pools: quantized with k_scale / v_scale).
+// Step 1: RoPE on q (into q_rot [T, num_heads, head_dim], float32, times pool.q_scale) and k; write
+// rotated k and v into the pool at slot_mapping (8-bit pools: quantized with k_scale / v_scale).
 template <typename scalar_t, typename cache_t>
 void rope_and_write_kv(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       cache_t* k_pool, cache_t* v_pool, const int64_t* positions, const float* inv_freq,
-                       const int64_t* slots, float scale, float k_scale, float v_scale, float* q_rot) {
+                       const PoolView& pool, const BatchView& batch, const float* inv_freq, float* q_rot) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, half = D / 2;
+  cache_t* k_pool = static_cast<cache_t*>(pool.k);
+  cache_t* v_pool = static_cast<cache_t*>(pool.v);
+  const int64_t *positions = batch.positions, *slots = batch.slot_mapping;
+  const float scale = pool.q_scale, k_scale = pool.k_scale, v_scale = pool.v_scale;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kp = k.data_ptr<scalar_t>();
   const scalar_t* vp = v.data_ptr<scalar_t>();
@@ -441,10 +437,10 @@ void merge_parts(const SplitParts& parts, int64_t head_dim) {
 // when there are fewer of those than threads, per query head (re-reading KV rows, from cache); then
 // split_kv. Split parts write their states into `parts`, for merge_parts after run_work. Fills `work`
 // (cleared first; the caller keeps its capacity across calls).
-void make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const int32_t* tables, const float* q_rot,
-               void* out, bool out_bf16, const void* k_layer, const void* v_layer, KvType kv_type, float out_scale,
+void make_work(const Dims& d, const BatchView& batch, const PoolView& pool, const float* q_rot, void* out, bool out_bf16,
                SplitParts& parts, std::vector<AttnWork>& work) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
+  const int32_t *cu = batch.cu_seqlens_q, *kv_lens = batch.seq_lens_kv, *tables = batch.block_tables;
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < d.num_seqs; ++b) num_chunks += (cu[b + 1] - cu[b] + kQueryChunkTokens - 1) / kQueryChunkTokens;
   const int64_t num_threads = at::get_num_threads();
@@ -466,11 +462,11 @@ void make_work(const Dims& d, const int32_t* cu, const int32_t* kv_lens, const i
         w.out = static_cast<char*>(out) + (tok * H + h0) * D * (out_bf16 ? 2 : 4);
         w.out_bf16 = out_bf16;
         w.out_tok_stride = H * D;
-        w.k_base = k_layer;
-        w.v_base = v_layer;
+        w.k_base = pool.k;
+        w.v_base = pool.v;
         w.kv_row_stride = Hkv * D;
-        w.kv_type = kv_type;
-        w.out_scale = out_scale;
+        w.kv_type = pool.kv_type;
+        w.out_scale = pool.out_scale;
         w.block_table = tables + b * d.max_blocks_per_seq;
         w.tokens_per_block = d.tokens_per_block;
         w.head_dim = D;
@@ -512,25 +508,16 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
   });
 }
 
-// Steps 1 and 2 for activations scalar_t and a cache_t pool. q_scale multiplies the rotated queries
-// (softmax scale, times the folded k_scale for 8-bit pools); out_scale the outputs.
+// Steps 1 and 2 for activations scalar_t and a cache_t pool; out: [T, num_heads, head_dim] in scalar_t.
 template <typename scalar_t, typename cache_t>
 void rope_write_attend(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& kv_cache, int64_t layer_idx, const int64_t* pos, const float* inv_freq,
-                       const int32_t* cu, const int32_t* kv_lens, const int32_t* tables, const int64_t* slots,
-                       float q_scale, float k_scale, float v_scale, float out_scale, KvType kv_type, float* q_rot,
-                       void* out) {
-  const int64_t layer_elems = 2 * d.num_blocks * d.tokens_per_block * d.num_kv_heads * d.head_dim;
-  const int64_t kv_elems = layer_elems / 2;
-  cache_t* k_pool = static_cast<cache_t*>(kv_cache.data_ptr()) + layer_idx * layer_elems;
-  rope_and_write_kv<scalar_t, cache_t>(d, q, k, v, k_pool, k_pool + kv_elems, pos, inv_freq, slots, q_scale, k_scale,
-                                       v_scale, q_rot);
+                       const PoolView& pool, const BatchView& batch, const float* inv_freq, float* q_rot, void* out) {
+  rope_and_write_kv<scalar_t, cache_t>(d, q, k, v, pool, batch, inv_freq, q_rot);
   // this thread's, reused by its later calls (a decode step makes one per layer)
   thread_local SplitParts parts;
   thread_local std::vector<AttnWork> work;
   parts.clear();
-  make_work(d, cu, kv_lens, tables, q_rot, out, std::is_same_v<scalar_t, at::BFloat16>, k_pool, k_pool + kv_elems,
-            kv_type, out_scale, parts, work);
+  make_work(d, batch, pool, q_rot, out, std::is_same_v<scalar_t, at::BFloat16>, parts, work);
   run_work(work, d);
   merge_parts(parts, d.head_dim);
 }
@@ -553,12 +540,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
   const at::Tensor positions = positions_in.contiguous(), inv_freq = inv_freq_in.contiguous();
   const at::Tensor cu_seqlens_q = cu_seqlens_q_in.contiguous(), seq_lens_kv = seq_lens_kv_in.contiguous();
   const at::Tensor block_tables = block_tables_in.contiguous(), slot_mapping = slot_mapping_in.contiguous();
-  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
-  const int32_t* kv_lens = seq_lens_kv.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  check_indices(d, cu, kv_lens, tables, slots, pos);
+  const BatchView batch{positions.data_ptr<int64_t>(), cu_seqlens_q.data_ptr<int32_t>(), seq_lens_kv.data_ptr<int32_t>(),
+                        block_tables.data_ptr<int32_t>(), slot_mapping.data_ptr<int64_t>()};
+  check_indices(d, batch);
 
   at::Tensor out = at::empty_like(q_in, q_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (d.num_tokens == 0) return out;
@@ -583,13 +567,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, c
   }
   const float q_scale = static_cast<float>(scale) * (kv_scale.has_value() ? fold * k_scale : 1.0f);
   const float out_scale = kv_scale.has_value() ? fold * v_scale : 1.0f;
+  // kv_cache[layer_idx, 0] and [layer_idx, 1], each [num_blocks, tokens_per_block, num_kv_heads, head_dim]
+  const int64_t kv_elems = d.num_blocks * d.tokens_per_block * d.num_kv_heads * d.head_dim;
+  char* layer = static_cast<char*>(kv_cache.data_ptr()) + layer_idx * 2 * kv_elems * kv_cache.element_size();
+  const PoolView pool{layer, layer + kv_elems * kv_cache.element_size(), kv_type, k_scale, v_scale, q_scale, out_scale};
   void* out_p = out.data_ptr();
   const float* inv_freq_p = inv_freq.data_ptr<float>();
   auto run = [&](auto activation_tag, auto cache_tag) {
     using scalar_t = decltype(activation_tag);
     using cache_t = decltype(cache_tag);
-    rope_write_attend<scalar_t, cache_t>(d, q, k, v, kv_cache, layer_idx, pos, inv_freq_p, cu, kv_lens, tables, slots,
-                                         q_scale, k_scale, v_scale, out_scale, kv_type, q_rot_p, out_p);
+    rope_write_attend<scalar_t, cache_t>(d, q, k, v, pool, batch, inv_freq_p, q_rot_p, out_p);
   };
   switch (kv_type) {
     case KvType::kFloat32: run(float{}, float{}); break;

@@ -1,6 +1,6 @@
 // The generation-phase GEMVs' parallel loop (bf16_gemv.h works on whole 16-row blocks) and per-call
-// scratch, shared by the ops' CPU files. Included with the torch headers, outside any `#pragma GCC target`
-// region.
+// scratch, shared by the ops' CPU files. Included with the torch headers, outside the per-ISA copies
+// (isa_variants.h).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,0 +1,101 @@
+// The one per-ISA scaffold of the ops' CPU kernels: compiles an op's kernel header once per instruction
+// set, each copy in its own namespace under its own `#pragma GCC target`, so that one build (plain -O3,
+// never -march=native) carries every vector path and the op picks one at run time (cpu_features.h).
+//
+//   namespace kiln_fp8 {
+//   #define KILN_ISA_KERNELS "fp8_kernels.h"
+//   #include "isa_variants.h"   // kiln_fp8::generic::, avx2::, avx512::, avx512bf16::, avx512vbmi::, avx512vnni::
+//   #undef KILN_ISA_KERNELS
+//
+// Inside the kernel header, KILN_ISA is the instruction set of the copy being compiled (one of the
+// KILN_ISA_* levels below) and `#if KILN_ISA == KILN_ISA_AVX2` etc. choose what each copy holds; a header
+// leaves the namespaces of the ISAs it has no kernel for empty. Kernel headers are included *inside* a
+// namespace, after every system / torch header: they include nothing but other kernel headers and use raw
+// pointers only (no std containers, no torch types), so that no inline function of another header is ever
+// instantiated with a wider target than the CPU running it has.
+//
+//   level                  namespace    target                                           chosen when
+//   KILN_ISA_GENERIC       generic      (none: portable scalar)                          always available
+//   KILN_ISA_AVX2          avx2         avx2, fma, f16c                                  cpu_has_avx2_fma_f16c
+//   KILN_ISA_AVX512        avx512       avx512 f/bw/vl/dq + avx2, fma, f16c              cpu_has_avx512
+//   KILN_ISA_AVX512_BF16   avx512bf16   avx512 f/bw/vl/bf16, f16c                        cpu_has_avx512_bf16
+//   KILN_ISA_AVX512_VBMI   avx512vbmi   avx512 f/bw/vl/bf16/vbmi, f16c                   cpu_has_avx512_bf16_vbmi
+//   KILN_ISA_AVX512_VNNI   avx512vnni   avx512 f/bw/vl/dq/vnni + avx2, fma, f16c         cpu_has_avx512_vnni
+//
+// No include guard: an op file includes it once per kernel header.
+
+#define KILN_ISA_GENERIC 0
+#define KILN_ISA_AVX2 1
+#define KILN_ISA_AVX512 2
+#define KILN_ISA_AVX512_BF16 3
+#define KILN_ISA_AVX512_VBMI 4
+#define KILN_ISA_AVX512_VNNI 5
+
+#ifndef KILN_ISA_KERNELS
+#error "define KILN_ISA_KERNELS as the kernel header to compile per ISA before including isa_variants.h"
+#endif
+
+#define KILN_ISA KILN_ISA_GENERIC
+namespace generic {
+namespace {
+#include KILN_ISA_KERNELS
+}  // namespace
+}  // namespace generic
+#undef KILN_ISA
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define KILN_ISA KILN_ISA_AVX2
+namespace avx2 {
+namespace {
+#include KILN_ISA_KERNELS
+}  // namespace
+}  // namespace avx2
+#undef KILN_ISA
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#define KILN_ISA KILN_ISA_AVX512
+namespace avx512 {
+namespace {
+#include KILN_ISA_KERNELS
+}  // namespace
+}  // namespace avx512
+#undef KILN_ISA
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")
+#define KILN_ISA KILN_ISA_AVX512_BF16
+namespace avx512bf16 {
+namespace {
+#include KILN_ISA_KERNELS
+}  // namespace
+}  // namespace avx512bf16
+#undef KILN_ISA
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,f16c")
+#define KILN_ISA KILN_ISA_AVX512_VBMI
+namespace avx512vbmi {
+namespace {
+#include KILN_ISA_KERNELS
+}  // namespace
+}  // namespace avx512vbmi
+#undef KILN_ISA
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#define KILN_ISA KILN_ISA_AVX512_VNNI
+namespace avx512vnni {
+namespace {
+#include KILN_ISA_KERNELS
+}  // namespace
+}  // namespace avx512vnni
+#undef KILN_ISA
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,151 @@
+// The one driver of the quantized linears: for the weight-only ones (fp8_linear, int4_linear,
+// int8_linear) the token-count dispatch, the thread split of the generation-phase GEMVs and the context
+// phase's tiling, over a per-format weight-row loader; int8_sq_linear (W8A8, exact int32 sums of quantized
+// activations) runs its GEMMs over the same row split (run_rows) and epilogue. Included at file scope with
+// the torch headers, outside the per-ISA copies (isa_variants.h).
+//
+//   y [T, out] = x [T, in] @ dequantize(weight [out, *]).T (+ bias), accumulated in float32
+//
+//   T <= the format's GEMV token limit  -> generation phase: format.generation(out), a fused
+//                                          dequantize-and-multiply GEMV (each weight byte read once per
+//                                          call; memory bound), usually through run_gemv below
+//   more tokens, bf16 context GEMM      -> tiles of kTileRows output rows as exact bfloat16, VDPBF16PS
+//   more tokens, otherwise              -> tiles of kTileRows output rows as float32, at::mm
+//
+// A format (Fp8Format, Int4Format, Int8Format in the ops' files) provides:
+//   kGemvTokens                  GemvTokenLimits: its tuned limits (scripts/bench_plugins.py)
+//   bf16_context_gemm()          whether the context phase multiplies bfloat16 tiles (AVX512-BF16)
+//   generation(out)              the generation phase, whole (it picks its GEMV per ISA)
+//   prepare_context_x()          x as the tiles meet it, [T, in] float32 in natural column order (called
+//                                once per call)
+//   tile_f32(r0, r1, tile)       rows [r0, r1) dequantized into tile [r1 - r0, in] float32
+//   x_row_bf16(x, dst, k_pad)    one row of that x as bfloat16 bits into dst [k_pad] (zero-filled)
+//   tile_bf16(r0, r1, dst, k_pad) rows [r0, r1) as bfloat16 bits into dst [r1 - r0, k_pad] (zero-filled)
+//   bf16_gemm(...)               the AVX512-BF16 GEMM of its ISA namespace (fp8_bf16_gemm.h, bf16_gemm_nt)
+//   epilogue, f32_tile_epilogue  Epilogue: what the float32 sums are scaled by (the float32 tiles may carry
+//                                the row scale already)
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "row_blocks.h"
+
+namespace kiln {
+
+// Output rows per context-phase tile: dequantized into a per-thread buffer, never the whole weight.
+constexpr int64_t kTileRows = 64;
+
+// Up to how many tokens a format's fused GEMV beats dequantize-then-GEMM, depending on the context GEMM it
+// would otherwise take (the bf16 GEMM is ~3-4x the float32 one, so it takes over sooner).
+struct GemvTokenLimits {
+  int64_t with_f32_gemm;
+  int64_t with_bf16_gemm;
+};
+
+// The shape of one call: x [num_tokens, in], weight rows of row_bytes bytes, out [num_tokens, out_features].
+struct LinearShape {
+  int64_t num_tokens, in, out_features, row_bytes;
+};
+
+// out[t, o] = acc[t, o - r0] * (token_scale[t] * row_scale[o], or row_scale[o], or 1) (+ bias[o]) in out's
+// dtype: one float32 product of the scales as the references, then two roundings.
+struct Epilogue {
+  const float* row_scale = nullptr;    // [out] or null
+  const float* bias = nullptr;         // [out] float32 or null
+  const float* token_scale = nullptr;  // [T] per-token dynamic activation scales (int8_sq_linear) or null
+
+  template <typename scalar_t, typename acc_t>
+  void store(const acc_t* acc, int64_t acc_stride, int64_t num_tokens, int64_t r0, int64_t r1, scalar_t* out,
+             int64_t out_stride) const {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      for (int64_t o = r0; o < r1; ++o) {
+        float y = static_cast<float>(acc[t * acc_stride + (o - r0)]);
+        if (token_scale != nullptr) y = y * (token_scale[t] * row_scale[o]);
+        else if (row_scale != nullptr) y = y * row_scale[o];
+        if (bias != nullptr) y = y + bias[o];
+        out[t * out_stride + o] = static_cast<scalar_t>(y);
+      }
+    }
+  }
+};
+
+// rows(r0, r1, acc) writes acc[t, r] (row stride out_features, float32 or int32) for rows [r0, r1), which
+// at::parallel_for splits between threads with at least ~16 KiB of weights per task (so that small layers
+// do not pay for threading); each task then stores its rows through the epilogue.
+template <typename scalar_t, typename acc_t, typename RowsFn>
+void run_rows(const LinearShape& s, acc_t* acc, const RowsFn& rows, const Epilogue& epilogue, scalar_t* out) {
+  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(s.row_bytes, 1));
+  at::parallel_for(0, s.out_features, grain, [&](int64_t r0, int64_t r1) {
+    rows(r0, r1, acc);
+    epilogue.store(acc + r0, s.out_features, s.num_tokens, r0, r1, out, s.out_features);
+  });
+}
+
+// Generation phase: run_rows with a GEMV, its float32 sums [T, out] in the calling thread's reused scratch.
+template <typename scalar_t, typename RowsFn>
+void run_gemv(const LinearShape& s, const RowsFn& gemv, const Epilogue& epilogue, scalar_t* out) {
+  run_rows(s, thread_scratch<0>(s.num_tokens * s.out_features), gemv, epilogue, out);
+}
+
+// Context phase, float32: each thread dequantizes its tiles of kTileRows rows and multiplies them with all
+// T rows of x through at::mm (float32 SGEMM).
+template <typename scalar_t, typename Format>
+void run_tiled_f32(const Format& format, const LinearShape& s, scalar_t* out) {
+  const at::Tensor x = at::from_blob(const_cast<float*>(format.prepare_context_x()), {s.num_tokens, s.in}, at::kFloat);
+  const int64_t num_tiles = (s.out_features + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+    std::vector<float> w_tile(static_cast<size_t>(kTileRows * s.in));  // [kTileRows, in]
+    at::Tensor acc = at::empty({s.num_tokens, kTileRows}, at::kFloat);
+    for (int64_t tile = tile0; tile < tile1; ++tile) {
+      const int64_t r0 = tile * kTileRows, r1 = std::min(s.out_features, r0 + kTileRows);
+      format.tile_f32(r0, r1, w_tile.data());
+      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
+      at::mm_out(acc_view, x, at::from_blob(w_tile.data(), {r1 - r0, s.in}, at::kFloat).t());  // [T, rows]
+      format.f32_tile_epilogue.store(acc_view.data_ptr<float>(), acc_view.stride(0), s.num_tokens, r0, r1, out,
+                                     s.out_features);
+    }
+  });
+}
+
+// Context phase, bfloat16 (AVX512-BF16): x rounded (or exactly converted) to bfloat16 once, tiles of
+// kTileRows rows as bfloat16, VDPBF16PS products accumulated in float32; tokens padded to 4, rows to 4,
+// columns to 32 with zeros.
+template <typename scalar_t, typename Format>
+void run_tiled_bf16(const Format& format, const LinearShape& s, scalar_t* out) {
+  const int64_t k_pad = (s.in + 31) / 32 * 32, tokens_pad = (s.num_tokens + 3) / 4 * 4;
+  const float* x = format.prepare_context_x();
+  std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad] bf16 bits
+  at::parallel_for(0, s.num_tokens, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) format.x_row_bf16(x + t * s.in, xb.data() + t * k_pad, k_pad);
+  });
+  const int64_t num_tiles = (s.out_features + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+    std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad] bf16 bits
+    std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));  // [tokens_pad, kTileRows]
+    for (int64_t tile = tile0; tile < tile1; ++tile) {
+      const int64_t r0 = tile * kTileRows, r1 = std::min(s.out_features, r0 + kTileRows);
+      const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
+      format.tile_bf16(r0, r1, wb.data(), k_pad);
+      std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
+      format.bf16_gemm(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
+      format.epilogue.store(acc.data(), kTileRows, s.num_tokens, r0, r1, out, s.out_features);
+    }
+  });
+}
+
+// The token-count dispatch of every weight-only quantized linear (see the top of this file).
+template <typename scalar_t, typename Format>
+void run_quantized_linear(const Format& format, const LinearShape& s, scalar_t* out) {
+  const bool bf16_gemm = format.bf16_context_gemm();
+  const int64_t max_gemv_tokens = bf16_gemm ? Format::kGemvTokens.with_bf16_gemm : Format::kGemvTokens.with_f32_gemm;
+  if (s.num_tokens <= max_gemv_tokens) return format.generation(out);
+  if (bf16_gemm) return run_tiled_bf16(format, s, out);
+  run_tiled_f32(format, s, out);
+}
+
+}  // namespace kiln
