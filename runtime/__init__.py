@@ -11,6 +11,10 @@ the pool's size), ``inputs`` (packing a batch into engine tensors), ``sampler``,
 (detokenizing, stop strings, hold-back, responses), ``tokenizer`` / ``detokenizer`` (text in, streamed
 text out), ``request`` (what crosses the client boundary).
 
+Two subpackages sit beside the loop: ``serving`` (what every serving front shares: request parsing into
+``SamplingParams``, response shaping, metrics, the tritonserver launcher) and ``distribution`` (the engine
+cache, references, deploys into a Triton repository, the served model's engine source).
+
 The data that crosses each boundary, in the order of one executor iteration (``Executor.step``)::
 
     schedule -> prepare inputs -> engine forward -> sample -> update requests -> emit responses
