@@ -28,6 +28,24 @@ TINY_ENGINE_LIMITS = dict(max_batch_size=8, max_seq_len=256, max_num_tokens=256,
 
 
 @pytest.fixture(scope="session")
+def launcher():
+    """The tritonserver launcher module (what scripts/launch_triton.py runs)."""
+    from kilnlm.runtime.serving import launcher
+
+    return launcher
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server (moto) on loopback for the session, the AWS environment pointing at it
+    (``servers.running_s3_server``): the engine cache's and the deploy tests' object store."""
+    from servers import running_s3_server
+
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     from kilnlm.builder.bundled import smollm2_gguf_path as locate
     from kilnlm.builder.errors import BuildError

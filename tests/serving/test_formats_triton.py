@@ -12,17 +12,14 @@ load, fails the test (only a machine without tritonserver skips).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
-import subprocess
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import running_tritonserver
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -38,8 +35,7 @@ FORMATS = {
 }
 KV_CACHE_BYTES = 64 << 20  # per model: ~2,000 tokens of SmolLM2 bf16 KV, plenty for one question
 QUESTION = "What is the capital of France?"
-START_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 600.0  # seven models, one engine each, load one after another
 _ENGINE_DIR_RE = re.compile(r'(key:\s*"engine_dir"\s*value:\s*\{\s*string_value:\s*)"[^"]*"', re.S)
 
 
@@ -56,56 +52,8 @@ def write_model(template: Path, repository: Path, name: str, engine_dir: Path) -
     (dest / "config.pbtxt").write_text(text)
 
 
-def _ready(http_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
-
-
-@contextlib.contextmanager
-def running_server(launcher, engines: dict[str, Path], work_dir: Path):
-    """Start one tritonserver serving ``engines`` (model name -> engine dir); yields its HTTP URL."""
-    http_port, grpc_port, metrics_port = launcher.free_ports(3)
-    config = launcher.ServerConfig(engine_dir=next(iter(engines.values())), work_dir=work_dir, address="127.0.0.1",
-                                   http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
-    try:
-        prepared = launcher.prepare_server(config)
-    except launcher.LaunchError as exc:
-        pytest.skip(f"tritonserver cannot be started here: {exc}")
-    shutil.rmtree(prepared.model_repository)  # replaced by one model per format
-    prepared.model_repository.mkdir()
-    for name, engine_dir in engines.items():
-        write_model(config.model_repository, prepared.model_repository, name, engine_dir)
-    log_path = work_dir / "tritonserver.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(launcher.server_command(config, prepared), env=launcher.server_environment(prepared),
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    http_url = f"http://127.0.0.1:{http_port}"
-    try:
-        deadline_s = time.monotonic() + START_TIMEOUT_S
-        while not _ready(http_url):
-            tail = log_path.read_text(errors="replace")[-20_000:]
-            if process.poll() is not None:
-                pytest.fail(f"tritonserver exited with status {process.returncode} while starting; its log:\n{tail}")
-            if time.monotonic() > deadline_s:
-                pytest.fail(f"tritonserver was not ready after {START_TIMEOUT_S:.0f} s; its log:\n{tail}")
-            time.sleep(0.5)
-        yield http_url
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        launcher.kill_leftovers(process.pid)
-
-
 @pytest.fixture(scope="module")
-def formats_server(smollm2_format_engine, launcher, tmp_path_factory):
+def formats_server(smollm2_format_engine, tmp_path_factory):
     """The HTTP URL of the server with every format of FORMATS. A format whose engine is not built (the
     builder does not offer it) fails here: a missing format is a failure, not a skip."""
     engines = {}
@@ -114,8 +62,15 @@ def formats_server(smollm2_format_engine, launcher, tmp_path_factory):
             engines[name] = smollm2_format_engine(qformat, kv_cache_dtype)
         except pytest.skip.Exception as exc:
             pytest.fail(f"{name} (--qformat {qformat}, --kv-cache-dtype {kv_cache_dtype}) was not built: {exc}")
-    with running_server(launcher, engines, tmp_path_factory.mktemp("triton_formats")) as http_url:
-        yield http_url
+    def one_model_per_format(template: Path, repository: Path) -> None:
+        shutil.rmtree(repository)
+        repository.mkdir()
+        for name, engine_dir in engines.items():
+            write_model(template, repository, name, engine_dir)
+
+    with running_tritonserver(tmp_path_factory.mktemp("triton_formats"), engine_dir=next(iter(engines.values())),
+                              edit_repository=one_model_per_format, start_timeout_s=START_TIMEOUT_S) as server:
+        yield server.http_url
 
 
 # Engines that answer wrongly today (greedy). Strict: a correct answer fails here until the marker is
