@@ -18,3 +18,7 @@ class CacheError(KilnError):
     """An engine cache that cannot be used: an unparsable cache URL or reference, a name or key that is not
     in the cache, an unreachable endpoint or refused credentials, or a cached object whose size or SHA-256
     does not match its manifest (the message names the object)."""
+
+
+class QueueFullError(RequestError):
+    """The executor's queue holds ``max_queue_size`` requests already: retry later (HTTP 503 / 429)."""

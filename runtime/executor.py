@@ -47,26 +47,49 @@ class ExecutorConfig:
     ``kv_cache_bytes``: size of the paged KV pool; default: enough for ``max_batch_size`` sequences of
     ``max_seq_len`` tokens each, capped at ``DEFAULT_MAX_KV_CACHE_BYTES`` but never below one full
     ``max_seq_len`` sequence (:func:`kilnlm.runtime.kv_cache.num_kv_cache_blocks`).
+    ``max_tokens_in_paged_kv_cache`` (TensorRT-LLM's name): the pool's size in tokens instead of bytes.
+
+    The rest carry TensorRT-LLM's names: ``batch_scheduler_policy`` ("max_utilization": admit greedily,
+    preempt and recompute when blocks run out; "guaranteed_no_evict": admit a request only when its
+    whole prompt + ``max_tokens`` fits, never preempt), ``max_queue_size`` (requests waiting for
+    admission beyond which ``submit`` raises :class:`~kilnlm.runtime.errors.QueueFullError`; None =
+    unbounded), ``enable_kv_cache_reuse`` (prefix reuse), ``enable_chunked_context`` (a prompt longer
+    than the step's token budget is computed over several iterations; off: it waits for a step with
+    room for all of it).
     """
 
     kv_cache_bytes: int | None = None
-    enable_prefix_caching: bool = True
+    max_tokens_in_paged_kv_cache: int | None = None
+    enable_kv_cache_reuse: bool = True
+    enable_chunked_context: bool = True
+    batch_scheduler_policy: str = "max_utilization"
+    max_queue_size: int | None = None
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
 
 
 @dataclass(frozen=True)
 class IterationStats:
+    """A snapshot of the loop's counters (what TensorRT-LLM's ``nv_trt_llm_*`` metrics report)."""
+
     num_active_requests: int = 0  # admitted (holding KV blocks)
+    max_num_active_requests: int = 0  # the executor's max_batch_size
     num_queued: int = 0  # submitted, waiting for admission
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_cached_blocks: int = 0  # free or used blocks reusable by prefix hash
+    tokens_per_block: int = 0
     num_iterations: int = 0
     last_num_tokens: int = 0  # packed tokens of the last iteration
-    last_num_seqs: int = 0
+    last_num_seqs: int = 0  # = num_context_requests + num_generation_requests of the last iteration
+    last_num_context_requests: int = 0  # sequences of the last iteration in the context phase
+    last_num_context_tokens: int = 0  # their packed tokens
+    last_num_generation_requests: int = 0  # sequences of the last iteration in the generation phase
+    last_num_paused_requests: int = 0  # preempted in the last iteration
     last_iteration_s: float = 0.0  # wall time of the last iteration (prepare + forward + sample + update)
     num_preemptions: int = 0
+    num_reused_blocks: int = 0  # since start: blocks admissions took from the prefix cache
+    num_needed_blocks: int = 0  # since start: blocks admissions needed (reused + newly allocated)
 
 
 class Executor:
@@ -86,7 +109,7 @@ class Executor:
         num_blocks = num_kv_cache_blocks(config.kv_cache_bytes, engine.kv_cache_bytes_per_block(), max_batch_size,
                                          build.max_seq_len, build.tokens_per_block)
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
-        self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_prefix_caching))
+        self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_kv_cache_reuse))
         self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens), self.kv_manager)
         self.sampler = Sampler()
         self.input_builder = InputBuilder(InputLimits(max_num_tokens, max_batch_size, max_blocks_per_seq, build.tokens_per_block))

@@ -38,7 +38,7 @@ DEFAULT_MAX_KV_CACHE_BYTES = 2 << 30  # cap of the default KV pool (2 GiB)
 class KVCacheConfig:
     num_blocks: int
     tokens_per_block: int
-    enable_prefix_caching: bool = True
+    enable_kv_cache_reuse: bool = True
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -147,7 +147,7 @@ class KVCacheManager:
     def cache_computed_blocks(self, request_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's full blocks of computed tokens (``token_ids[:num_computed_tokens]``) for
         prefix reuse. Call after each step; a no-op without prefix caching."""
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_kv_cache_reuse:
             return
         hashes = self._hashes[request_id]
         table = self._tables[request_id]
@@ -196,7 +196,7 @@ class KVCacheManager:
 
     def _lookup_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
         """Cached blocks of the longest prefix of full blocks of ``token_ids[:-1]``, and their hashes."""
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_kv_cache_reuse:
             return [], []
         hits: list[int] = []
         hashes: list[bytes] = []

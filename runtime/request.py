@@ -34,6 +34,32 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Structured output: every generated token keeps the output a prefix of the grammar's language.
+
+    ``guide_type`` (TensorRT-LLM's ``guided_decoding_guide_type`` values): "json" (any JSON value),
+    "json_schema" (``guide`` is a JSON schema, as text), "regex" (``guide`` is a regular expression),
+    "ebnf_grammar" (``guide`` is a grammar in xgrammar's EBNF). Compiled and enforced with xgrammar.
+    """
+
+    guide_type: str
+    guide: str | None = None
+
+    GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+
+    def validate(self) -> None:
+        if self.guide_type not in self.GUIDE_TYPES:
+            raise RequestError(f"guided_decoding_guide_type is {self.guide_type!r}: it must be one of "
+                               f"{', '.join(self.GUIDE_TYPES)}")
+        if self.guide_type != "json" and not self.guide:
+            raise RequestError(f"guided_decoding_guide_type {self.guide_type!r} needs a guide (the schema, "
+                               "regular expression or grammar text)")
+
+
+MAX_LOGPROBS = 20  # most top alternatives a request may ask log-probabilities for (OpenAI's limit)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
@@ -44,6 +70,14 @@ class SamplingParams:
     stop sequences (the output is truncated before the first one, finish reason "stop");
     ``bad_words`` holds token-id sequences that are never generated (the last token of a sequence is
     banned whenever the output ends with the rest of it).
+
+    ``repetition_penalty`` (1.0 = off), ``presence_penalty`` and ``frequency_penalty`` (0.0 = off) adjust
+    the logits of tokens already seen (see :mod:`kilnlm.runtime.sampler` for each definition and source);
+    ``min_tokens`` suppresses the end ids until that many tokens are generated; ``n`` samples that many
+    sequences of the prompt (TensorRT-LLM's ``num_return_sequences``); ``logprobs`` ``None`` returns no
+    log-probabilities, ``k`` in ``[0, MAX_LOGPROBS]`` returns each generated token's log-probability and
+    its ``k`` most likely alternatives (from the model's distribution, before temperature and penalties);
+    ``guided_decoding`` constrains the output to a grammar (structured output).
     """
 
     max_tokens: int = 64
@@ -55,6 +89,13 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    n: int = 1
+    logprobs: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON, Triton tensors) but keep the object hashable and immutable.
@@ -84,6 +125,19 @@ class SamplingParams:
         for word in self.bad_words:
             if not word or any(not (0 <= t < vocab_size) for t in word):
                 raise RequestError(f"bad_words entry {list(word)} must be a non-empty list of token ids in [0, {vocab_size})")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise RequestError(f"repetition_penalty is {self.repetition_penalty!r}: it must be > 0 (1.0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise RequestError(f"{name} is {getattr(self, name)!r}: it must be a finite number (0.0 disables it)")
+        if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise RequestError(f"min_tokens is {self.min_tokens!r}: it must be an integer in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n (num_return_sequences) is {self.n!r}: it must be an integer >= 1")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs is {self.logprobs!r}: it must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.guided_decoding is not None:
+            self.guided_decoding.validate()
 
 
 class RequestStatus(enum.Enum):
@@ -154,6 +208,12 @@ class Response:
     ``token_ids`` and ``text`` are what is new since the previous response of this request; end ids are
     not part of either, and text held back (an incomplete UTF-8 character, a possible start of a stop
     string) arrives with a later response. ``error`` is set when ``finish_reason`` is "error".
+
+    ``sequence_index``: which of the request's ``n`` sequences this response belongs to (``finished``
+    is per sequence; the request's stream ends after every sequence's final response). When the request
+    asked for ``logprobs``: ``log_probs[i]`` is the natural-log probability of ``token_ids[i]`` and
+    ``top_logprobs[i]`` its ``logprobs`` most likely alternatives ``{token_id: log-prob}``;
+    ``cum_log_prob`` is the sum over every token generated so far in this sequence.
     """
 
     request_id: int
@@ -164,3 +224,7 @@ class Response:
     num_prompt_tokens: int
     num_generated_tokens: int
     error: str | None = None
+    sequence_index: int = 0
+    log_probs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cum_log_prob: float | None = None

@@ -62,14 +62,14 @@ def make_request(request_id: int, token_ids: list[int] | None = None, *, num_pro
                    max_num_tokens=len(prompt) + max_tokens)
 
 
-def make_kv_cache_manager(num_blocks: int = 16, tokens_per_block: int = 4, enable_prefix_caching: bool = False) -> KVCacheManager:
-    return KVCacheManager(KVCacheConfig(num_blocks, tokens_per_block, enable_prefix_caching))
+def make_kv_cache_manager(num_blocks: int = 16, tokens_per_block: int = 4, enable_kv_cache_reuse: bool = False) -> KVCacheManager:
+    return KVCacheManager(KVCacheConfig(num_blocks, tokens_per_block, enable_kv_cache_reuse))
 
 
 def make_scheduler(num_blocks: int = 16, tokens_per_block: int = 4, max_batch_size: int = 4, max_num_tokens: int = 8,
-                   enable_prefix_caching: bool = False) -> Scheduler:
+                   enable_kv_cache_reuse: bool = False) -> Scheduler:
     """A scheduler over its own :func:`make_kv_cache_manager` (``scheduler.kv_cache``)."""
-    kv_cache = make_kv_cache_manager(num_blocks, tokens_per_block, enable_prefix_caching)
+    kv_cache = make_kv_cache_manager(num_blocks, tokens_per_block, enable_kv_cache_reuse)
     return Scheduler(SchedulerConfig(max_batch_size, max_num_tokens), kv_cache)
 
 

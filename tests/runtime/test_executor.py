@@ -245,13 +245,13 @@ def test_failure_in_one_request_fails_only_that_request(tokenizer, make_build_co
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_prefix_caching_skips_computing_cached_prompt_blocks(make_executor, enable_prefix_caching):
-    executor, engine = make_executor(ExecutorConfig(enable_prefix_caching=enable_prefix_caching), tokens_per_block=4)
+@pytest.mark.parametrize("enable_kv_cache_reuse", [True, False])
+def test_prefix_caching_skips_computing_cached_prompt_blocks(make_executor, enable_kv_cache_reuse):
+    executor, engine = make_executor(ExecutorConfig(enable_kv_cache_reuse=enable_kv_cache_reuse), tokens_per_block=4)
     prompt = list(range(1000, 1042))  # 42 tokens: 10 full blocks of 4
     executor.generate(prompt, SamplingParams(max_tokens=3))
     assert engine.num_computed_tokens == 42 + 2  # the context, then 2 generation steps
     second = executor.generate(prompt[:40] + [7, 8, 9], SamplingParams(max_tokens=3))
     assert second.token_ids == [10, 11, 12]
     # With caching only the tokens after the 10 shared blocks are computed (43 - 40 = 3).
-    assert engine.num_computed_tokens - 44 == (3 if enable_prefix_caching else 43) + 2
+    assert engine.num_computed_tokens - 44 == (3 if enable_kv_cache_reuse else 43) + 2

@@ -35,12 +35,12 @@ def tokenizer(rt_tokenizer_dir) -> Tokenizer:
     return Tokenizer.from_dir(rt_tokenizer_dir)
 
 
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_in_flight_greedy_equals_transformers(make_eager_engine, tiny_hf_model, tokenizer, enable_prefix_caching):
+@pytest.mark.parametrize("enable_kv_cache_reuse", [True, False])
+def test_in_flight_greedy_equals_transformers(make_eager_engine, tiny_hf_model, tokenizer, enable_kv_cache_reuse):
     engine = make_eager_engine(max_batch_size=4, max_num_tokens=24, max_seq_len=96, tokens_per_block=4)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     expected = [hf_greedy(tiny_hf_model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
-    with Executor(engine, tokenizer, ExecutorConfig(enable_prefix_caching=enable_prefix_caching)) as executor:
+    with Executor(engine, tokenizer, ExecutorConfig(enable_kv_cache_reuse=enable_kv_cache_reuse)) as executor:
         outputs = run_in_flight(executor, prompts, MAX_TOKENS)
         # Again with shared prefixes (the same prompts): cached blocks are reused, outputs unchanged.
         again = run_in_flight(executor, prompts, MAX_TOKENS)
@@ -48,7 +48,7 @@ def test_in_flight_greedy_equals_transformers(make_eager_engine, tiny_hf_model, 
     assert outputs == expected
     assert again == expected
     assert stats.num_free_blocks == stats.num_total_blocks
-    assert (stats.num_cached_blocks > 0) == enable_prefix_caching
+    assert (stats.num_cached_blocks > 0) == enable_kv_cache_reuse
 
 
 def test_text_and_chat_prompt(make_eager_engine, tiny_hf_model, tokenizer, hf_tokenizer):
@@ -102,7 +102,7 @@ def test_prefix_reuse_skips_cached_tokens_and_gives_identical_logits(make_eager_
 
     def make(num_blocks: int) -> Scheduler:
         return make_scheduler(num_blocks, build.tokens_per_block, build.max_batch_size, build.max_num_tokens,
-                              enable_prefix_caching=True)
+                              enable_kv_cache_reuse=True)
 
     scheduler = make(64)
     pool = engine.allocate_kv_cache(64)

@@ -142,7 +142,7 @@ def test_update_finishes_at_max_tokens_and_at_max_num_tokens():
 
 
 def test_update_registers_full_computed_blocks_for_prefix_reuse():
-    scheduler = make_scheduler(max_num_tokens=6, enable_prefix_caching=True)
+    scheduler = make_scheduler(max_num_tokens=6, enable_kv_cache_reuse=True)
     first = make_request(1, num_prompt_tokens=10)
     scheduler.add(first)
     run_step(scheduler, scheduler.schedule())  # 6 of 10 prompt tokens: one full block
