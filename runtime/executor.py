@@ -31,7 +31,7 @@ from kilnlm.runtime.kv_cache import DEFAULT_MAX_KV_CACHE_BYTES, KVCacheConfig, K
 from kilnlm.runtime.openmp import release_calling_thread_workers
 from kilnlm.runtime.output_processor import OutputProcessor
 from kilnlm.runtime.request import FinishReason, Request, Response, SamplingParams
-from kilnlm.runtime.sampler import Sampler
+from kilnlm.runtime.sampler import Sampler, SamplerOutput
 from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kilnlm.runtime.tokenizer import Tokenizer
 
@@ -274,8 +274,8 @@ class Executor:
         logits = self._forward(batch)
         if logits is None:
             return
-        sampled_token_ids = self._sample(batch, logits)
-        updated = self.scheduler.update(batch, sampled_token_ids)
+        sampled = self._sample(batch, logits)
+        updated = self.scheduler.update(batch, sampled.token_ids)
         self._respond(updated)
         self._record_iteration(batch, time.perf_counter() - start_s)
 
@@ -291,20 +291,24 @@ class Executor:
                 self._finish(seq.request, FinishReason.ERROR, f"engine forward failed: {exc!r}")
             return None
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> SamplerOutput:
         """One token per sequence whose pending tokens were all computed, in batch order (a non-final
-        context chunk's logits are dropped); empty after failing those requests if sampling fails."""
+        context chunk's logits are dropped), each request's ``last_logprobs`` set; empty after failing
+        those requests if sampling fails."""
         rows = [b for b, seq in enumerate(batch.seqs) if seq.completes_sequence]
         if not rows:
-            return []
+            return SamplerOutput([], [])
         requests = [batch.seqs[b].request for b in rows]
         try:
-            return self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests)
+            sampled = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests)
         except Exception as exc:
             logger.exception("sampling failed")
             for request in requests:
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {exc!r}")
-            return []
+            return SamplerOutput([], [])
+        for request, entry in zip(requests, sampled.logprobs):
+            request.last_logprobs = entry
+        return sampled
 
     def _respond(self, requests: list[Request]) -> None:
         """Make the responses of the requests that got a token (the output processor), finish those a stop
