@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from factories import hf_greedy, make_engine_inputs, run_in_flight
+from factories import hf_greedy, make_engine_inputs, reference_penalised, run_in_flight
 
 from kilnlm.builder.targets.cpu import example_inputs
 from kilnlm.runtime.abi import EngineInputs
@@ -110,6 +110,42 @@ def test_tiny_engine_log_probs_are_log_softmax_of_its_logits(tiny_engine_dir):
         num_cached += len(new_ids)
         new_ids = [token]
     assert response.cum_log_prob == pytest.approx(sum(response.log_probs), abs=1e-4)
+
+
+def test_tiny_engine_penalties_and_min_tokens_equal_a_plain_torch_loop(tiny_engine_dir):
+    """Greedy decoding with the three penalties and min_tokens through the executor equals decoding the
+    engine's logits here with the penalties written as loops and the end id banned below min_tokens."""
+    engine = Engine.load(tiny_engine_dir)
+    build = engine.manifest.build
+
+    def reference(prompt: list[int], params: SamplingParams) -> list[int]:
+        kv_cache = engine.allocate_kv_cache(build.max_blocks_per_seq)
+        tokens, new_ids = list(prompt), list(prompt)
+        for _ in range(params.max_tokens):
+            inputs = make_engine_inputs([(new_ids, len(tokens) - len(new_ids))], build.tokens_per_block, build.max_blocks_per_seq)
+            logits = reference_penalised(engine.forward(inputs, kv_cache), [tokens], [len(prompt)], [params])[0]
+            if params.end_id is not None and len(tokens) - len(prompt) < params.min_tokens:
+                logits[params.end_id] = float("-inf")
+            token = int(logits.argmax())
+            if token == params.end_id:
+                break
+            tokens.append(token)
+            new_ids = [token]
+        return tokens[len(prompt):]
+
+    with Executor.from_engine_dir(tiny_engine_dir, ExecutorConfig(max_batch_size=4)) as executor:
+        prompt = executor.tokenizer.encode("the the the cat sat on the mat and the")
+        plain = executor.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids
+        cases = [SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.8),
+                 SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.7),
+                 SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=0.7, frequency_penalty=-0.5),
+                 # the first plain token as the end id: without min_tokens the output would be empty
+                 SamplingParams(max_tokens=12, end_id=plain[0], min_tokens=6)]
+        outputs = [executor.generate(prompt, params).token_ids for params in cases]
+    for params, got in zip(cases, outputs):
+        assert got == reference(prompt, params), params
+    assert all(output != plain for output in outputs[:3])  # each penalty changed the output
+    assert len(outputs[3]) >= 6 and plain[0] not in outputs[3][:6]
 
 
 def test_generate_cli_on_the_tiny_engine(tiny_engine_dir, tiny_llama_dir, capsys):

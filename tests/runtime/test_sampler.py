@@ -103,18 +103,8 @@ def test_invalid_params_are_request_errors(bad):
 
 # ------------------------------------------------------------------- penalties, min_tokens, log-probs
 def reference_penalised(logits: torch.Tensor, requests) -> torch.Tensor:
-    """A plain loop over tokens: CTRL's repetition penalty over prompt + generated tokens (positive logits
-    divided, negative multiplied), then OpenAI's presence / frequency penalties over generated tokens."""
-    out = logits.clone()
-    for row, request in enumerate(requests):
-        p = request.params
-        for token in set(request.token_ids):
-            x = float(out[row, token])
-            out[row, token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
-        generated = request.token_ids[request.num_prompt_tokens:]
-        for token in set(generated):
-            out[row, token] -= p.presence_penalty + p.frequency_penalty * generated.count(token)
-    return out
+    return factories.reference_penalised(logits, [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests],
+                                         [r.params for r in requests])
 
 
 def with_generated(request: Request, generated) -> Request:
