@@ -86,8 +86,9 @@ class Sampler:
         token_ids = next_tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
-            for row, entry in zip(logprob_rows, self._gather_logprobs(raw_logprobs, [token_ids[i] for i in logprob_rows],
-                                                                      [requests[i].params.logprobs for i in logprob_rows])):
+            entries = self._gather_logprobs(raw_logprobs, [token_ids[i] for i in logprob_rows],
+                                            [requests[i].params.logprobs for i in logprob_rows])
+            for row, entry in zip(logprob_rows, entries):
                 logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
 
@@ -99,7 +100,9 @@ class Sampler:
         allowed-token mask is applied here, after the penalties and with the banned tokens.
         """
         logits = self._apply_penalties(logits, requests)
-        return self._apply_banned_tokens(logits, requests)
+        logits = self._apply_banned_tokens(logits, requests)
+        # Guided decoding: each row's allowed-token mask (its grammar's bitmask) is applied here.
+        return logits
 
     @staticmethod
     def sampling_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -182,7 +185,6 @@ class Sampler:
             if request.num_generated_tokens < params.min_tokens:
                 banned_rows += [row] * len(request.end_ids)
                 banned_tokens += request.end_ids
-        # (guided decoding: a per-row allowed-token mask joins the banned tokens here)
         if not banned_rows:
             return logits
         logits = logits.clone()
