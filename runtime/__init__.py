@@ -24,10 +24,14 @@ boundary dataclass            made by                what it carries
 ============================  =====================  ==================================================
 ``SamplingParams`` + prompt   the client             how to sample and when to stop; validated by
 (request.py)                                         ``Executor.submit`` (``RequestError``)
-``Request`` (request.py)      ``Executor.submit``    one sequence in the loop thread: token ids (prompt
-                                                     + generated), ``num_computed_tokens`` (K/V in the
+``Request`` (request.py)      ``Executor.submit``    one sequence in the loop thread (``n`` of them per
+                                                     client request: ``parent_request_id``,
+                                                     ``sequence_index``): token ids (prompt +
+                                                     generated), ``num_computed_tokens`` (K/V in the
                                                      pool), status, finish reason, streamed text state,
-                                                     its own ``torch.Generator``; lives until finished
+                                                     its own ``torch.Generator``, the latest token's
+                                                     log-probs and ``cum_log_prob``; lives until
+                                                     finished
 ``ScheduledBatch``            ``Scheduler.schedule`` ``ScheduledSeq``\\ s: which requests run and how
 (scheduler.py)                                       many new tokens each (1 in the generation phase, a
                                                      chunk in the context phase), and the requests
@@ -38,16 +42,25 @@ boundary dataclass            made by                what it carries
                                                      indices) in reused buffers, valid until the next
                                                      build; ``Engine.forward`` returns ``logits [B,
                                                      vocab] float32`` (``perplexity``: N rows)
-sampled token ids             ``Sampler.sample``     one per sequence that completed its pending tokens,
-(``list[int]``)                                      in batch order
+``SamplerOutput``             ``Sampler.sample``     one token id per sequence that completed its pending
+(sampler.py)                                         tokens, in batch order (after penalties, bad words
+                                                     / ``min_tokens`` masks, greedy or temperature /
+                                                     top-k / top-p), and for the rows that asked, its
+                                                     ``TokenLogprobs`` (raw-logit log-prob, top
+                                                     alternatives), which the executor sets as each
+                                                     ``Request.last_logprobs``
 updated ``Request``\\ s        ``Scheduler.update``   computed tokens advanced, full blocks registered
                                                      for prefix reuse, the token appended -- or the
                                                      request finished ("end_id" / "length", blocks freed)
 ``Response`` (request.py)     ``OutputProcessor``    new token ids and new text (held back while a UTF-8
                                                      character or a stop string may be incomplete),
-                                                     ``finished``, ``finish_reason`` ("end_id" | "stop" |
-                                                     "length" | "cancelled" | "error"); streamed through
-                                                     ``Executor.stream``
+                                                     ``finished`` (per sequence), ``finish_reason``
+                                                     ("end_id" | "stop" | "length" | "cancelled" |
+                                                     "error"), ``sequence_index``, the new tokens'
+                                                     ``log_probs`` / ``top_logprobs`` and
+                                                     ``cum_log_prob``; streamed through
+                                                     ``Executor.stream`` (ends after every sequence's
+                                                     final response)
 ``IterationStats``            the loop thread        a snapshot of the loop's counters for
 (executor.py)                                        ``Executor.stats()``
 ============================  =====================  ==================================================

@@ -7,7 +7,16 @@ every request once submitted and runs, per iteration (:meth:`Executor.step`)::
     Scheduler   InputBuilder     Engine            Sampler   Scheduler.update   OutputProcessor
 
 Submissions and cancellations cross threads through an inbox guarded by one lock; responses go back
-through one queue per request. The loop never dies on a request's error: the failing request (or, if the
+through one queue per request.
+
+A request with ``SamplingParams.n = k`` runs as k sequences (:mod:`kilnlm.runtime.request`) under one
+request id: one response stream, each ``Response`` tagged with its ``sequence_index``, ended after every
+sequence's final response; ``cancel`` ends all k. With ``enable_kv_cache_reuse`` the prompt is computed
+once: sequence 0 is scheduled alone and sequences 1..k-1 join the scheduler's waiting queue once it has
+sampled its first token (its prompt's full blocks are then in the prefix cache, so their admission reuses
+them and computes only the prompt's last partial block, at least one token); without reuse all k are
+queued at once and compute the prompt independently (as they do when the prompt has no full block to
+share). The loop never dies on a request's error: the failing request (or, if the
 engine forward itself fails, every request of that batch) finishes with reason "error" and its KV blocks
 return to the pool.
 """
@@ -21,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,7 +40,7 @@ from kilnlm.runtime.kv_cache import DEFAULT_MAX_KV_CACHE_BYTES, KVCacheConfig, K
 from kilnlm.runtime.openmp import release_calling_thread_workers
 from kilnlm.runtime.output_processor import OutputProcessor
 from kilnlm.runtime.request import FinishReason, Request, Response, SamplingParams
-from kilnlm.runtime.sampler import Sampler
+from kilnlm.runtime.sampler import Sampler, SamplerOutput
 from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kilnlm.runtime.tokenizer import Tokenizer
 
@@ -92,6 +101,14 @@ class IterationStats:
     num_needed_blocks: int = 0  # since start: blocks admissions needed (reused + newly allocated)
 
 
+@dataclass
+class _ResponseStream:
+    """A client request's responses (all its sequences) and how many sequences have not finished yet."""
+
+    num_open_sequences: int
+    responses: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+
 class Executor:
     def __init__(self, engine, tokenizer: Tokenizer, config: ExecutorConfig | None = None) -> None:
         """``engine``: a loaded :class:`kilnlm.runtime.engine.Engine` (or anything with its ``manifest``,
@@ -118,12 +135,13 @@ class Executor:
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._cancels: set[int] = set()
-        self._streams: dict[int, queue.SimpleQueue[Response]] = {}
+        self._streams: dict[int, _ResponseStream] = {}  # client request id -> its responses
         self._next_id = itertools.count(1)
         self._stopping = False
         self._stats = IterationStats(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
         # Loop-thread state.
-        self._requests: dict[int, Request] = {}  # submitted, final response not yet sent
+        self._requests: dict[int, Request] = {}  # sequence's request id -> submitted, final response not yet sent
+        self._held_sequences: dict[int, list[Request]] = {}  # n > 1: sequence 0's id -> sequences 1..n-1
         self._last_batch: tuple[int, int, float] = (0, 0, 0.0)  # num_tokens, num_seqs, iteration_s
         self._num_iterations = 0
         self._num_preemptions = 0
@@ -143,9 +161,13 @@ class Executor:
 
     # ------------------------------------------------------------------------------- client API
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Thread-safe. Raises :class:`RequestError` for an empty prompt,
-        a prompt of ``max_seq_len`` tokens or more, token ids outside the vocabulary, bad sampling params,
-        or a sequence that cannot fit the KV cache even alone."""
+        """Queue a request (``params.n`` sequences of it); returns its id. Thread-safe. Raises
+        :class:`RequestError` for an empty prompt, a prompt of ``max_seq_len`` tokens or more, token ids
+        outside the vocabulary, bad sampling params, or a sequence that cannot fit the KV cache even alone.
+
+        The KV-capacity check is per sequence, not for ``n`` at once: the sequences are separate requests
+        to the scheduler, which admits what fits and queues (or preempts) the rest, so a request whose one
+        sequence fits the pool alone always completes."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         prompt = [int(t) for t in prompt_token_ids]
@@ -170,44 +192,56 @@ class Executor:
             if self._stopping:
                 raise RequestError("the executor is shut down: create a new one")
             request_id = next(self._next_id)
-            request = Request(request_id, prompt, params, end_ids=end_ids, max_num_tokens=max_num_tokens)
-            self._streams[request_id] = queue.SimpleQueue()
-            self._inbox.append(request)
+            sequence_ids = [request_id] + [next(self._next_id) for _ in range(params.n - 1)]
+            self._streams[request_id] = _ResponseStream(params.n)
+            self._inbox += [Request(sequence_id, prompt, params, end_ids=end_ids, max_num_tokens=max_num_tokens,
+                                    parent_request_id=request_id, sequence_index=i)
+                            for i, sequence_id in enumerate(sequence_ids)]
             self._lock.notify()
         return request_id
 
     def stream(self, request_id: int, timeout_s: float | None = None) -> Iterator[Response]:
-        """Yield the request's responses until the finished one. Raises :class:`RequestError` for an unknown
+        """Yield the request's responses (of all its ``n`` sequences, interleaved; ``Response.sequence_index``
+        tells them apart) until every sequence's finished one. Raises :class:`RequestError` for an unknown
         (or already fully streamed) id and ``TimeoutError`` if no response arrives within ``timeout_s``."""
         with self._lock:
-            responses = self._streams.get(request_id)
-        if responses is None:
+            stream = self._streams.get(request_id)
+        if stream is None:
             raise RequestError(f"request {request_id} is unknown or its responses were already consumed")
         while True:
             try:
-                response = responses.get(timeout=timeout_s)
+                response = stream.responses.get(timeout=timeout_s)
             except queue.Empty:
                 raise TimeoutError(f"no response for request {request_id} within {timeout_s} s") from None
             if response.finished:
-                with self._lock:
-                    self._streams.pop(request_id, None)
+                stream.num_open_sequences -= 1
+                if stream.num_open_sequences == 0:
+                    with self._lock:
+                        self._streams.pop(request_id, None)
             yield response
-            if response.finished:
+            if stream.num_open_sequences == 0:
                 return
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None, timeout_s: float | None = None) -> Response:
-        """Submit and wait; the returned response holds all output token ids and the full text."""
+        """Submit and wait; the returned response holds all output token ids, the full text and (when
+        asked) all log-probs. Raises :class:`RequestError` for ``n > 1``: use :meth:`generate_all`."""
+        if params is not None and params.n > 1:
+            raise RequestError(f"n is {params.n}: generate returns one sequence; use generate_all for n > 1")
+        return self.generate_all(prompt_token_ids, params, timeout_s)[0]
+
+    def generate_all(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                     timeout_s: float | None = None) -> list[Response]:
+        """Submit and wait for all ``params.n`` sequences: one whole-result response per sequence (as
+        :meth:`generate` returns), in ``sequence_index`` order."""
         request_id = self.submit(prompt_token_ids, params)
-        token_ids: list[int] = []
-        text: list[str] = []
+        per_sequence: dict[int, list[Response]] = {}
         for response in self.stream(request_id, timeout_s):
-            token_ids += response.token_ids
-            text.append(response.text)
-        return replace(response, token_ids=token_ids, text="".join(text))
+            per_sequence.setdefault(response.sequence_index, []).append(response)
+        return [_merge(per_sequence[i]) for i in sorted(per_sequence)]
 
     def cancel(self, request_id: int) -> None:
-        """Finish the request with reason "cancelled"; its blocks return to the pool before the next
-        iteration. Thread-safe; a no-op for finished or unknown ids."""
+        """Finish the request (every one of its ``n`` sequences) with reason "cancelled"; its blocks return
+        to the pool before the next iteration. Thread-safe; a no-op for finished or unknown ids."""
         with self._lock:
             self._cancels.add(request_id)
             self._lock.notify()
@@ -260,10 +294,25 @@ class Executor:
         for request in new_requests:
             self._requests[request.request_id] = request
             self.output_processor.add_request(request)
-            self.scheduler.add(request)
-        for request_id in cancels:
-            if (request := self._requests.get(request_id)) is not None:
+            if request.sequence_index == 0 or not self._shares_prompt_blocks(request):
+                self.scheduler.add(request)
+            else:  # waits for sequence 0's prompt blocks (_release_held_sequences)
+                self._held_sequences.setdefault(request.parent_request_id, []).append(request)
+        if cancels:
+            for request in [r for r in self._requests.values() if r.parent_request_id in cancels]:
                 self._finish(request, FinishReason.CANCELLED)
+
+    def _shares_prompt_blocks(self, request: Request) -> bool:
+        """Whether sequences 1..n-1 of ``request``'s client request can reuse sequence 0's prompt blocks:
+        prefix reuse is on and the prompt has a full block before its last token (the one always computed)."""
+        return self.config.enable_kv_cache_reuse and request.num_prompt_tokens - 1 >= self.kv_manager.tokens_per_block
+
+    def _release_held_sequences(self, request: Request) -> None:
+        """Queue the sequences held back for ``request`` (sequence 0 of an ``n > 1`` request), now that
+        its prompt was computed -- or that it finished, after which they compute what they need."""
+        for sequence in self._held_sequences.pop(request.request_id, ()):
+            if not sequence.finished:
+                self.scheduler.add(sequence)
 
     def step(self) -> None:
         """One iteration. Runs on the loop thread."""
@@ -274,8 +323,8 @@ class Executor:
         logits = self._forward(batch)
         if logits is None:
             return
-        sampled_token_ids = self._sample(batch, logits)
-        updated = self.scheduler.update(batch, sampled_token_ids)
+        sampled = self._sample(batch, logits)
+        updated = self.scheduler.update(batch, sampled.token_ids)
         self._respond(updated)
         self._record_iteration(batch, time.perf_counter() - start_s)
 
@@ -291,20 +340,24 @@ class Executor:
                 self._finish(seq.request, FinishReason.ERROR, f"engine forward failed: {exc!r}")
             return None
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> SamplerOutput:
         """One token per sequence whose pending tokens were all computed, in batch order (a non-final
-        context chunk's logits are dropped); empty after failing those requests if sampling fails."""
+        context chunk's logits are dropped), each request's ``last_logprobs`` set; empty after failing
+        those requests if sampling fails."""
         rows = [b for b, seq in enumerate(batch.seqs) if seq.completes_sequence]
         if not rows:
-            return []
+            return SamplerOutput([], [])
         requests = [batch.seqs[b].request for b in rows]
         try:
-            return self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests)
+            sampled = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests)
         except Exception as exc:
             logger.exception("sampling failed")
             for request in requests:
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {exc!r}")
-            return []
+            return SamplerOutput([], [])
+        for request, entry in zip(requests, sampled.logprobs):
+            request.last_logprobs = entry
+        return sampled
 
     def _respond(self, requests: list[Request]) -> None:
         """Make the responses of the requests that got a token (the output processor), finish those a stop
@@ -312,6 +365,8 @@ class Executor:
         responses: list[Response] = []
         any_finished = False
         for request in requests:
+            if request.request_id in self._held_sequences:
+                self._release_held_sequences(request)
             try:
                 response = self.output_processor.process(request)
             except Exception as exc:
@@ -338,6 +393,7 @@ class Executor:
         send its final response (all text still held back). A no-op once its final response was sent."""
         if self._requests.pop(request.request_id, None) is None:
             return
+        self._release_held_sequences(request)
         self.scheduler.finish(request, reason, error)
         response = self.output_processor.final_response(request)
         self._publish_stats()  # a client that saw its final response sees the blocks back in stats()
@@ -348,7 +404,7 @@ class Executor:
             for response in responses:
                 stream = self._streams.get(response.request_id)
                 if stream is not None:
-                    stream.put(response)
+                    stream.responses.put(response)
 
     def _publish_stats(self) -> None:
         last_num_tokens, last_num_seqs, last_iteration_s = self._last_batch
@@ -366,6 +422,14 @@ class Executor:
         )
         with self._lock:
             self._stats = stats
+
+
+def _merge(responses: list[Response]) -> Response:
+    """One sequence's streamed responses as one: all token ids, text and log-probs, the last one's rest."""
+    return replace(responses[-1], token_ids=[t for r in responses for t in r.token_ids],
+                   text="".join(r.text for r in responses),
+                   log_probs=[p for r in responses for p in r.log_probs],
+                   top_logprobs=[p for r in responses for p in r.top_logprobs])
 
 
 def _lower_limit(name: str, requested: int | None, built: int) -> int:

@@ -12,7 +12,10 @@ finished the request on an end id or its length). Per request it owns the stream
 
       output_text  | streamed ...... num_text_sent | visible, not yet sent | held back (stop prefix?) |
 
-- the :class:`Response` of every step: new token ids (never an end id), new text, finish reason.
+- the :class:`Response` of every step: new token ids (never an end id), new text, finish reason, the
+  sequence's ``sequence_index`` under its client's request id (``Request.parent_request_id``) and, when the
+  request asked for them, the new tokens' log-probs (``Request.last_logprobs``, which the executor set
+  from the sampler's output) and the running ``cum_log_prob``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class OutputProcessor:
         if reason is FinishReason.END_ID:
             return self.final_response(request, [])
         token_id = request.token_ids[-1]
+        if request.last_logprobs is not None:
+            request.cum_log_prob += request.last_logprobs.log_prob
         delta = self._detokenizers[request.request_id].add([token_id])
         stop = request.params.stop
         if stop and delta:
@@ -61,8 +66,7 @@ class OutputProcessor:
         num_visible = len(request.output_text) - num_held_back_chars(request.output_text, stop)
         text = request.output_text[request.num_text_sent : num_visible]
         request.num_text_sent = max(request.num_text_sent, num_visible)
-        return Response(request.request_id, [token_id], text, False, None, request.num_prompt_tokens,
-                        request.num_generated_tokens)
+        return _response(request, [token_id], text, finished=False)
 
     def final_response(self, request: Request, new_token_ids: list[int] | None = None) -> Response:
         """The last response of a finished request (``request.finish_reason`` set): all text still held
@@ -74,5 +78,18 @@ class OutputProcessor:
             request.output_text += detokenizer.flush()
         text = request.output_text[request.num_text_sent :]
         request.num_text_sent = len(request.output_text)
-        return Response(request.request_id, new_token_ids or [], text, True, reason, request.num_prompt_tokens,
-                        request.num_generated_tokens, request.error_message)
+        return _response(request, new_token_ids or [], text, finished=True)
+
+
+def _response(request: Request, token_ids: list[int], text: str, finished: bool) -> Response:
+    """The response carrying ``token_ids`` (empty, or the token the request just appended) and ``text``;
+    with their log-probs when the request asked for them."""
+    response = Response(request.parent_request_id, token_ids, text, finished, request.finish_reason if finished else None,
+                        request.num_prompt_tokens, request.num_generated_tokens,
+                        request.error_message if finished else None, sequence_index=request.sequence_index)
+    if request.params.logprobs is not None:
+        if token_ids and request.last_logprobs is not None:
+            response.log_probs = [request.last_logprobs.log_prob]
+            response.top_logprobs = [request.last_logprobs.top_logprobs]
+        response.cum_log_prob = request.cum_log_prob
+    return response

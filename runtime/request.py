@@ -10,11 +10,18 @@ A request's tokens and how far the engine has computed them::
 A request in the *context phase* has many pending tokens (computed in chunks); in the *generation phase*
 exactly one (the last sampled token). Preemption (free and recompute) just sets ``num_computed_tokens``
 back to 0, so the prompt and the tokens generated so far are recomputed as one context.
+
+A client request with ``SamplingParams.n = k`` (TensorRT-LLM's ``num_return_sequences``) becomes k
+``Request``\\ s, one per sequence, as TensorRT-LLM makes child requests: sequence 0 carries the client's
+request id, sequences 1..k-1 ids of their own (the KV-cache manager and the scheduler key on
+``request_id``); all carry ``parent_request_id`` (the client's id, which every ``Response`` reports) and
+their ``sequence_index``. With a ``seed``, sequence i samples with :func:`sequence_seed` ``(seed, i)``.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import secrets
 import time
@@ -140,6 +147,26 @@ class SamplingParams:
             self.guided_decoding.validate()
 
 
+def sequence_seed(seed: int, sequence_index: int) -> int:
+    """The seed of sequence ``sequence_index`` of a request seeded with ``seed``: ``seed`` itself for
+    sequence 0 (so ``n=1`` and the first of ``n`` sequences draw the same tokens), else the first 8 bytes of
+    ``SHA-256(f"{seed}:{sequence_index}")`` as a little-endian integer modulo 2**63 (distinct, deterministic,
+    and unrelated to the sequences of a request seeded ``seed + 1``)."""
+    if sequence_index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{sequence_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's ``log_prob`` (natural log, of the raw logits' softmax) and its ``top_logprobs``
+    ``{token_id: log-prob}``: the ``SamplingParams.logprobs`` most likely tokens, most likely first."""
+
+    log_prob: float
+    top_logprobs: dict[int, float]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no KV blocks
     RUNNING = "running"  # admitted, holds KV blocks
@@ -149,7 +176,13 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """One sequence inside the executor. Owned by the executor's loop thread once submitted. Compared by
-    identity (the scheduler looks requests up in its queues)."""
+    identity (the scheduler looks requests up in its queues).
+
+    ``parent_request_id`` (the client's request id; defaults to ``request_id``) and ``sequence_index``
+    place it among the ``n`` sequences of its client request. ``last_logprobs`` is the log-prob entry of
+    the token the sampler gave it in the latest step (None when ``params.logprobs`` is None);
+    ``cum_log_prob`` sums the log-probs of its generated tokens (an end id that finished it excluded).
+    """
 
     request_id: int
     prompt_token_ids: list[int]
@@ -167,13 +200,19 @@ class Request:
     arrival_time_s: float = field(default_factory=time.monotonic)
     first_token_time_s: float | None = None
     generator: torch.Generator | None = None
+    parent_request_id: int | None = None
+    sequence_index: int = 0
+    last_logprobs: TokenLogprobs | None = None
+    cum_log_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.parent_request_id is None:
+            self.parent_request_id = self.request_id
         if not self.params.greedy:
             seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
-            self.generator = torch.Generator().manual_seed(seed)
+            self.generator = torch.Generator().manual_seed(sequence_seed(seed, self.sequence_index))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -213,7 +252,10 @@ class Response:
     is per sequence; the request's stream ends after every sequence's final response). When the request
     asked for ``logprobs``: ``log_probs[i]`` is the natural-log probability of ``token_ids[i]`` and
     ``top_logprobs[i]`` its ``logprobs`` most likely alternatives ``{token_id: log-prob}``;
-    ``cum_log_prob`` is the sum over every token generated so far in this sequence.
+    ``cum_log_prob`` is the sum over every token generated so far in this sequence (the log-probs are
+    those of the model's distribution: the raw logits' ``log_softmax``, before penalties and temperature;
+    an end id that finished the sequence is in neither ``token_ids`` nor the log-probs). Without
+    ``logprobs`` the lists stay empty and ``cum_log_prob`` None.
     """
 
     request_id: int

@@ -154,6 +154,24 @@ def greedy_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos_toke
     return generated
 
 
+def reference_penalised(logits: torch.Tensor, token_ids: list[list[int]], num_prompt_tokens: list[int],
+                        params: list) -> torch.Tensor:
+    """The penalties as plain per-token loops (the oracle of :mod:`kilnlm.runtime.sampler`): row b of
+    ``logits [B, vocab]`` (a copy is returned) gets CTRL's repetition penalty over every token of
+    ``token_ids[b]`` (prompt + generated: a positive logit divided by it, a negative one multiplied), then
+    OpenAI's presence / frequency penalties over its generated tokens (``token_ids[b][num_prompt_tokens[b]:]``);
+    ``params[b]``: its ``SamplingParams``."""
+    out = logits.clone()
+    for row, (tokens, num_prompt, p) in enumerate(zip(token_ids, num_prompt_tokens, params)):
+        for token in set(tokens):
+            x = float(out[row, token])
+            out[row, token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        generated = tokens[num_prompt:]
+        for token in set(generated):
+            out[row, token] -= p.presence_penalty + p.frequency_penalty * generated.count(token)
+    return out
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy generate of exactly ``max_new_tokens`` tokens: ``min_new_tokens`` masks the EOS
     logits, which the executor matches by banning the EOS ids as ``bad_words``."""

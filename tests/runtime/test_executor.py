@@ -255,3 +255,79 @@ def test_prefix_caching_skips_computing_cached_prompt_blocks(make_executor, enab
     assert second.token_ids == [10, 11, 12]
     # With caching only the tokens after the 10 shared blocks are computed (43 - 40 = 3).
     assert engine.num_computed_tokens - 44 == (3 if enable_kv_cache_reuse else 43) + 2
+
+
+# ------------------------------------------------------------------------ log-probs and n sequences
+def test_log_probs_reach_the_responses_without_the_end_id(make_executor):
+    executor, _ = make_executor()
+    # The counting engine's logits are 10.0 on (last id + 1) and 0.0 elsewhere.
+    top = 10.0 - torch.logaddexp(torch.tensor(10.0), torch.tensor(float(VOCAB_SIZE - 1)).log()).item()
+    rest = top - 10.0
+    request_id = executor.submit([500], SamplingParams(max_tokens=10, end_id=503, logprobs=2))
+    responses = list(executor.stream(request_id, timeout_s=30))
+    assert [r.token_ids for r in responses] == [[501], [502], []]  # then 503 ends it: in no list
+    assert [len(r.log_probs) for r in responses] == [1, 1, 0]
+    for response, token in zip(responses, (501, 502)):
+        assert response.log_probs[0] == pytest.approx(top, abs=1e-5)
+        (first, first_lp), (_, second_lp) = response.top_logprobs[0].items()
+        assert first == token and first_lp == pytest.approx(top, abs=1e-5) and second_lp == pytest.approx(rest, abs=1e-5)
+    assert [r.cum_log_prob for r in responses] == pytest.approx([top, 2 * top, 2 * top], abs=1e-5)
+    whole = executor.generate([500], SamplingParams(max_tokens=10, end_id=503, logprobs=0))
+    assert whole.log_probs == pytest.approx([top, top], abs=1e-5) and whole.top_logprobs == [{}, {}]
+    plain = executor.generate([500], SamplingParams(max_tokens=3))
+    assert (plain.log_probs, plain.top_logprobs, plain.cum_log_prob) == ([], [], None)
+
+
+@pytest.mark.parametrize("enable_kv_cache_reuse", [True, False])
+def test_n_sequences_compute_the_prompt_once(make_executor, enable_kv_cache_reuse):
+    executor, engine = make_executor(ExecutorConfig(enable_kv_cache_reuse=enable_kv_cache_reuse), tokens_per_block=4)
+    prompt = list(range(2000, 2010))  # 10 tokens: 2 full blocks of 4 and a partial one
+    params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=7, ignore_eos=True)
+    responses = executor.generate_all(prompt, params, timeout_s=60)
+    assert [r.sequence_index for r in responses] == [0, 1, 2]
+    assert len({r.request_id for r in responses}) == 1
+    assert all(r.finish_reason is FinishReason.LENGTH and len(r.token_ids) == 4 for r in responses)
+    assert len({tuple(r.token_ids) for r in responses}) == 3  # distinct samples
+    # Sequence 0: the 10-token context, then 3 generation steps. Sequences 1 and 2 join once its prompt's 2
+    # full blocks are cached and compute only the last 2 prompt tokens (with reuse), then 3 steps each.
+    assert engine.num_computed_tokens == (10 + 3) + 2 * ((2 if enable_kv_cache_reuse else 10) + 3)
+    wait_idle(executor)
+    stats = executor.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    # Seeded: the same k sequences again; sequence 0 is what n=1 with that seed gives.
+    assert [r.token_ids for r in executor.generate_all(prompt, params)] == [r.token_ids for r in responses]
+    assert executor.generate(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=7, ignore_eos=True)).token_ids == responses[0].token_ids
+    with pytest.raises(RequestError, match="generate_all"):
+        executor.generate(prompt, params)
+
+
+@pytest.mark.parametrize("cancel_after_first_response", [True, False])
+def test_stream_of_n_sequences_ends_after_all_and_cancel_cancels_all(make_executor, cancel_after_first_response):
+    # A 40-token prompt computed in chunks of 8: cancelled at once, sequences 1 and 2 are likely still held
+    # back waiting for sequence 0's prompt blocks; after the first response they run.
+    executor, _ = make_executor(max_seq_len=4096, max_num_tokens=8)
+    request_id = executor.submit(list(range(10, 50)), SamplingParams(n=3, max_tokens=4000, ignore_eos=True, temperature=1.0))
+    stream = executor.stream(request_id, timeout_s=30)
+    responses = [next(stream)] if cancel_after_first_response else []
+    executor.cancel(request_id)
+    responses += list(stream)
+    finals = [r for r in responses if r.finished]
+    assert sorted(r.sequence_index for r in finals) == [0, 1, 2] and responses[-1].finished
+    assert all(r.finish_reason is FinishReason.CANCELLED for r in finals)
+    wait_idle(executor)
+    stats = executor.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    with pytest.raises(RequestError):
+        next(executor.stream(request_id))
+
+
+def test_each_sequence_has_one_final_response_and_nothing_after_it(make_executor):
+    executor, _ = make_executor()
+    request_id = executor.submit([500], SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3, logprobs=1))
+    per_sequence: dict[int, list] = {i: [] for i in range(4)}
+    for response in executor.stream(request_id, timeout_s=30):
+        assert not any(r.finished for r in per_sequence[response.sequence_index])
+        per_sequence[response.sequence_index].append(response)
+    for responses in per_sequence.values():
+        assert responses[-1].finished
+        assert responses[-1].cum_log_prob == pytest.approx(sum(p for r in responses for p in r.log_probs), abs=1e-4)

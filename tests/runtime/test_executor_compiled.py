@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from factories import hf_greedy, run_in_flight
+from factories import hf_greedy, make_engine_inputs, reference_penalised, run_in_flight
 
 from kilnlm.builder.targets.cpu import example_inputs
 from kilnlm.runtime.abi import EngineInputs
@@ -85,6 +85,67 @@ def test_smollm2_stop_string_and_chat_answer(smollm2_engine_fp32_dir):
         stopped = executor.generate(prompt, SamplingParams(max_tokens=48, stop=["Paris"]))
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.text == full.text[: full.text.index("Paris")]
+
+
+def test_tiny_engine_log_probs_are_log_softmax_of_its_logits(tiny_engine_dir):
+    """Log-probs of a sampled, penalised request equal ``log_softmax`` of the engine's raw logits of each step,
+    recomputed here by decoding the returned tokens one forward at a time through the same engine."""
+    params = SamplingParams(max_tokens=12, logprobs=5, temperature=0.8, seed=3, repetition_penalty=1.3, ignore_eos=True)
+    with Executor.from_engine_dir(tiny_engine_dir, ExecutorConfig(max_batch_size=4)) as executor:
+        prompt = executor.tokenizer.encode("The capital of France is")
+        response = executor.generate(prompt, params, timeout_s=120)
+    assert len(response.token_ids) == len(response.log_probs) == len(response.top_logprobs) == 12
+
+    engine = Engine.load(tiny_engine_dir)
+    build = engine.manifest.build
+    kv_cache = engine.allocate_kv_cache(build.max_blocks_per_seq)
+    new_ids, num_cached = list(prompt), 0
+    for step, token in enumerate(response.token_ids):
+        inputs = make_engine_inputs([(new_ids, num_cached)], build.tokens_per_block, build.max_blocks_per_seq)
+        logprobs = engine.forward(inputs, kv_cache)[0].log_softmax(-1)
+        assert response.log_probs[step] == pytest.approx(float(logprobs[token]), abs=1e-4)
+        values, ids = logprobs.topk(5)
+        assert list(response.top_logprobs[step]) == ids.tolist()
+        assert list(response.top_logprobs[step].values()) == pytest.approx(values.tolist(), abs=1e-4)
+        num_cached += len(new_ids)
+        new_ids = [token]
+    assert response.cum_log_prob == pytest.approx(sum(response.log_probs), abs=1e-4)
+
+
+def test_tiny_engine_penalties_and_min_tokens_equal_a_plain_torch_loop(tiny_engine_dir):
+    """Greedy decoding with the three penalties and min_tokens through the executor equals decoding the
+    engine's logits here with the penalties written as loops and the end id banned below min_tokens."""
+    engine = Engine.load(tiny_engine_dir)
+    build = engine.manifest.build
+
+    def reference(prompt: list[int], params: SamplingParams) -> list[int]:
+        kv_cache = engine.allocate_kv_cache(build.max_blocks_per_seq)
+        tokens, new_ids = list(prompt), list(prompt)
+        for _ in range(params.max_tokens):
+            inputs = make_engine_inputs([(new_ids, len(tokens) - len(new_ids))], build.tokens_per_block, build.max_blocks_per_seq)
+            logits = reference_penalised(engine.forward(inputs, kv_cache), [tokens], [len(prompt)], [params])[0]
+            if params.end_id is not None and len(tokens) - len(prompt) < params.min_tokens:
+                logits[params.end_id] = float("-inf")
+            token = int(logits.argmax())
+            if token == params.end_id:
+                break
+            tokens.append(token)
+            new_ids = [token]
+        return tokens[len(prompt):]
+
+    with Executor.from_engine_dir(tiny_engine_dir, ExecutorConfig(max_batch_size=4)) as executor:
+        prompt = executor.tokenizer.encode("the the the cat sat on the mat and the")
+        plain = executor.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids
+        cases = [SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.8),
+                 SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.7),
+                 SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=0.7, frequency_penalty=-0.5),
+                 # the first plain token as the end id: without min_tokens the output would be empty
+                 SamplingParams(max_tokens=12, end_id=plain[0], min_tokens=6)]
+        outputs = [executor.generate(prompt, params).token_ids for params in cases]
+    for params, got in zip(cases, outputs):
+        assert got == reference(prompt, params), params
+    assert all(output != plain for output in outputs[:3])  # each penalty changed the output
+    assert len(outputs[3]) >= 6 and plain[0] not in outputs[3][:6]
 
 
 def test_generate_cli_on_the_tiny_engine(tiny_engine_dir, tiny_llama_dir, capsys):

@@ -79,3 +79,22 @@ def test_final_response_of_a_cancelled_request_carries_the_held_back_text():
     final = processor.final_response(request)
     assert (final.text, final.finished, final.finish_reason, final.token_ids) == ("a", True, FinishReason.CANCELLED, [])
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_total_blocks
+
+
+def test_log_probs_follow_the_tokens_and_the_end_id_is_left_out():
+    from kilnlm.runtime.request import TokenLogprobs
+
+    scheduler = make_scheduler()
+    processor = OutputProcessor(CharTokenizer())
+    request = make_request(1, [ID["x"]], end_ids=frozenset({ID["</s>"]}), logprobs=1)
+    processor.add_request(request)
+    scheduler.add(request)
+    responses = []
+    for text, log_prob in (("a", -0.5), ("b", -1.25), ("</s>", -0.125)):
+        request.last_logprobs = TokenLogprobs(log_prob, {ID[text]: log_prob})
+        (updated,) = scheduler.update(scheduler.schedule(), [ID[text]])
+        responses.append(processor.process(updated))
+    assert [r.log_probs for r in responses] == [[-0.5], [-1.25], []]
+    assert [r.top_logprobs for r in responses] == [[{ID["a"]: -0.5}], [{ID["b"]: -1.25}], []]
+    assert [r.cum_log_prob for r in responses] == [-0.5, -1.75, -1.75]
+    assert responses[-1].finished and responses[-1].finish_reason is FinishReason.END_ID
