@@ -15,24 +15,30 @@ from collections.abc import Sequence
 
 import torch
 
+from kilnlm.runtime.guided_decoding import apply_token_bitmask
 from kilnlm.runtime.request import Request
 
 
 class Sampler:
     """Stateless; the per-request state (generator, generated tokens) lives in :class:`Request`."""
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request], token_bitmask: torch.Tensor | None = None) -> list[int]:
         """Sample one token per row.
 
         Args:
             logits: ``[B, vocab_size]`` float32, CPU -- row b belongs to ``requests[b]``. Not modified.
             requests: the B requests, for their params, generators and tokens so far.
+            token_bitmask: ``[B, ceil(vocab_size / 32)]`` int32, CPU, or None: the tokens each row may take
+                (guided decoding, :meth:`kilnlm.runtime.guided_decoding.GuidedDecoder.fill_token_bitmask`);
+                applied to the processed logits, after log-probs are taken from the raw ones.
         Returns:
             B token ids.
         """
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [num_requests={len(requests)}, vocab], got {tuple(logits.shape)}")
         logits = self._mask_bad_words(logits, requests)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask)
         # numpy's argmax (first maximum, like torch's) takes ~5 us over SmolLM2's 49,152 logits against
         # ~30 us for torch.argmax; at 32 rows ~80 us against ~900 us (measured on the 2-core dev machine).
         next_tokens = logits.numpy().argmax(axis=-1)
