@@ -265,7 +265,10 @@ class Executor:
             self._requests[request.request_id] = request
             self.output_processor.add_request(request)
             self.scheduler.add(request)
-            self.guided_decoder.add_request(request)
+            try:
+                self.guided_decoder.add_request(request)
+            except KilnError as exc:  # its guide compiled at submit; only a failing recompile gets here
+                self._finish(request, FinishReason.ERROR, str(exc))
         for request_id in cancels:
             if (request := self._requests.get(request_id)) is not None:
                 self._finish(request, FinishReason.CANCELLED)

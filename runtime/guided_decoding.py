@@ -112,7 +112,9 @@ class GuidedDecoder:
 
     # ---------------------------------------------------------------------------------- loop thread
     def add_request(self, request: Request) -> None:
-        """Give a guided request (one sequence) its grammar matcher; a no-op for others."""
+        """Give a guided request (one sequence) its grammar matcher; a no-op for others. The grammar comes
+        from the compiler's cache (compiled by :meth:`check`; compiled again if evicted since, which raises
+        :class:`RequestError` as :meth:`check` would)."""
         guide = request.params.guided_decoding
         if guide is not None:
             stop_token_ids = sorted(request.end_ids)  # the request's end_id or the engine's EOS ids
@@ -145,6 +147,8 @@ class GuidedDecoder:
         (``token_ids[-1]``; finished requests took none). Returns the requests whose matcher rejected the
         token, each with a message; the caller finishes them."""
         rejected: list[tuple[Request, str]] = []
+        if not self._matchers:
+            return rejected
         for request in requests:
             matcher = self._matchers.get(request)
             if matcher is None or request.finished:
