@@ -167,10 +167,15 @@ def test_without_xgrammar_a_guided_request_says_what_to_install(tokenizer, monke
 @pytest.mark.e2e
 def test_smollm2_sampled_answers_follow_a_json_schema(smollm2_engine_fp32_dir):
     """Issue 24: 20 sampled SmolLM2 chat answers (temperature 0.8, distinct seeds) under a JSON schema all
-    parse and validate, and end with the end id."""
+    parse and validate, and end with the end id. The string and the integer are bounded, so every output
+    the schema allows fits ``max_tokens`` (an unbounded integer lets a sampled answer run on in digits)."""
     schema = {
         "type": "object",
-        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}, "capital": {"type": "boolean"}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "population": {"type": "integer", "minimum": 0, "maximum": 50_000_000},
+            "capital": {"type": "boolean"},
+        },
         "required": ["city", "population", "capital"],
     }
     messages = [{"role": "user", "content": "Name a large city as JSON with its population and whether it is a capital."}]
