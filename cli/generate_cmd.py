@@ -22,6 +22,15 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--stop", action="append", default=[],
                    help="stop string; the output ends before it (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens (default: off)")
+    guide = p.add_mutually_exclusive_group()
+    guide.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                       help="structured output: the completion is JSON valid under the JSON schema in FILE "
+                            "(needs kilnlm[guided]; default: unconstrained)")
+    guide.add_argument("--regex", default=None, help="structured output: the completion matches this regular "
+                                                     "expression (needs kilnlm[guided]; default: unconstrained)")
+    guide.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                       help="structured output: the completion follows the EBNF grammar in FILE, xgrammar's "
+                            "syntax, root rule `root` (needs kilnlm[guided]; default: unconstrained)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the engine's chat template (default: off)")
     p.add_argument("--system", default=None, help="with --chat: a system message (default: the template's own)")
@@ -35,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from kilnlm.runtime.executor import Executor, ExecutorConfig
     from kilnlm.runtime.request import SamplingParams
 
+    guided_decoding = _guided_decoding(args)
     # One request: a batch of one, and (by default) a KV pool of one max_seq_len sequence.
     executor = Executor.from_engine_dir(args.engine, ExecutorConfig(max_batch_size=1))
     try:
@@ -48,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             prompt_ids = tokenizer.encode(args.prompt)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                                guided_decoding=guided_decoding)
         start_s = time.perf_counter()
         first_token_s = None
         request_id = executor.submit(prompt_ids, params)
@@ -74,3 +85,21 @@ def run(args: argparse.Namespace) -> int:
               f"({last.finish_reason.value}); TTFT {1e3 * (first_token_s or total_s):.1f} ms; "
               f"{num_decoded / decode_s if decode_s > 0 else 0.0:.1f} tokens/s after the first", file=sys.stderr)
     return 0
+
+
+def _guided_decoding(args: argparse.Namespace):
+    """The ``GuidedDecodingParams`` of --json-schema / --regex / --grammar, or None. Raises
+    :class:`KilnError` for a guide file that cannot be read."""
+    from kilnlm.runtime.errors import KilnError
+    from kilnlm.runtime.request import GuidedDecodingParams
+
+    if args.regex is not None:
+        return GuidedDecodingParams("regex", args.regex)
+    for option, guide_type, path in (("--json-schema", "json_schema", args.json_schema),
+                                     ("--grammar", "ebnf_grammar", args.grammar)):
+        if path is not None:
+            try:
+                return GuidedDecodingParams(guide_type, path.read_text())
+            except OSError as exc:
+                raise KilnError(f"{option} {path}: {exc.strerror or exc}: give a readable file") from None
+    return None

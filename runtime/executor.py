@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kilnlm.runtime.errors import KilnError, RequestError
+from kilnlm.runtime.guided_decoding import GuidedDecoder
 from kilnlm.runtime.inputs import InputBuilder, InputLimits
 from kilnlm.runtime.kv_cache import DEFAULT_MAX_KV_CACHE_BYTES, KVCacheConfig, KVCacheManager, num_kv_cache_blocks
 from kilnlm.runtime.openmp import release_calling_thread_workers
@@ -131,6 +132,7 @@ class Executor:
         self.sampler = Sampler()
         self.input_builder = InputBuilder(InputLimits(max_num_tokens, max_batch_size, max_blocks_per_seq, build.tokens_per_block))
         self.output_processor = OutputProcessor(tokenizer)
+        self.guided_decoder = GuidedDecoder(tokenizer, self.vocab_size, self.eos_token_ids, max_batch_size)
 
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
@@ -163,13 +165,15 @@ class Executor:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         """Queue a request (``params.n`` sequences of it); returns its id. Thread-safe. Raises
         :class:`RequestError` for an empty prompt, a prompt of ``max_seq_len`` tokens or more, token ids
-        outside the vocabulary, bad sampling params, or a sequence that cannot fit the KV cache even alone.
+        outside the vocabulary, bad sampling params, a sequence that cannot fit the KV cache even alone, or
+        a ``guided_decoding`` guide that does not compile (or without xgrammar installed).
 
         The KV-capacity check is per sequence, not for ``n`` at once: the sequences are separate requests
         to the scheduler, which admits what fits and queues (or preempts) the rest, so a request whose one
         sequence fits the pool alone always completes."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
+        self.guided_decoder.check(params)
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise RequestError("the prompt is empty: send at least one token")
@@ -294,6 +298,11 @@ class Executor:
         for request in new_requests:
             self._requests[request.request_id] = request
             self.output_processor.add_request(request)
+            try:
+                self.guided_decoder.add_request(request)
+            except KilnError as exc:  # its guide compiled at submit; only a failing recompile gets here
+                self._finish(request, FinishReason.ERROR, str(exc))
+                continue
             if request.sequence_index == 0 or not self._shares_prompt_blocks(request):
                 self.scheduler.add(request)
             else:  # waits for sequence 0's prompt blocks (_release_held_sequences)
@@ -324,7 +333,7 @@ class Executor:
         if logits is None:
             return
         sampled = self._sample(batch, logits)
-        updated = self.scheduler.update(batch, sampled.token_ids)
+        updated = self._update(batch, sampled.token_ids)
         self._respond(updated)
         self._record_iteration(batch, time.perf_counter() - start_s)
 
@@ -349,7 +358,8 @@ class Executor:
             return SamplerOutput([], [])
         requests = [batch.seqs[b].request for b in rows]
         try:
-            sampled = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests)
+            token_bitmask = self.guided_decoder.fill_token_bitmask(requests)
+            sampled = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests, token_bitmask)
         except Exception as exc:
             logger.exception("sampling failed")
             for request in requests:
@@ -358,6 +368,19 @@ class Executor:
         for request, entry in zip(requests, sampled.logprobs):
             request.last_logprobs = entry
         return sampled
+
+    def _update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
+        """Apply the step to the requests (:meth:`Scheduler.update`) and advance the guided ones' grammar
+        matchers; a request whose matcher rejects its token finishes with reason "error". Returns the
+        requests that got a token and are still to be responded to."""
+        updated = self.scheduler.update(batch, sampled_token_ids)
+        rejected = self.guided_decoder.accept_tokens(updated)
+        if not rejected:
+            return updated
+        for request, message in rejected:
+            self._finish(request, FinishReason.ERROR, message)
+        failed = {request for request, _ in rejected}
+        return [request for request in updated if request not in failed]
 
     def _respond(self, requests: list[Request]) -> None:
         """Make the responses of the requests that got a token (the output processor), finish those a stop
@@ -377,6 +400,7 @@ class Executor:
                 if not request.finished:  # a stop string ended it
                     self.scheduler.finish(request, response.finish_reason)
                 del self._requests[request.request_id]
+                self.guided_decoder.remove_request(request)
                 any_finished = True
             responses.append(response)
         if any_finished:
@@ -394,6 +418,7 @@ class Executor:
         if self._requests.pop(request.request_id, None) is None:
             return
         self._release_held_sequences(request)
+        self.guided_decoder.remove_request(request)
         self.scheduler.finish(request, reason, error)
         response = self.output_processor.final_response(request)
         self._publish_stats()  # a client that saw its final response sees the blocks back in stats()

@@ -4,8 +4,8 @@ One call of :meth:`Sampler.sample` processes the ``[B, vocab]`` logits of the ro
 in this order::
 
     raw logits --> log-probs --> penalties --> masks --> greedy argmax, or temperature / top-k / top-p draw
-                   (rows with    (rows with    (bad words, min_tokens' end ids;
-                   logprobs)     a penalty)    the place of a per-row allowed-token mask)
+                   (rows with    (rows with    (bad words, min_tokens' end ids,
+                   logprobs)     a penalty)    guided decoding's allowed tokens)
 
 1. **Log-probs** (rows whose ``params.logprobs`` is not None): ``log_softmax`` of the *raw* logits, before
    penalties and temperature (what vLLM returns by default); the sampled token's log-prob and the
@@ -24,8 +24,8 @@ in this order::
    Repetition first, then presence / frequency (vLLM's order).
 3. **Masks** (tokens set to ``-inf``): the last token of every ``bad_words`` sequence whose other tokens
    end the current sequence, and the request's end ids (``Request.end_ids``) while fewer than
-   ``min_tokens`` tokens were generated. A per-row allowed-token mask (guided decoding) belongs to this
-   step too: :meth:`Sampler.process_logits` is where it is applied.
+   ``min_tokens`` tokens were generated; with guided decoding, every token the row's grammar does not
+   allow (its xgrammar bitmask, :mod:`kilnlm.runtime.guided_decoding`).
 4. **Selection**: greedy rows (temperature 0) take the argmax; the other rows divide by their
    temperature, keep their ``top_k`` largest logits and the smallest set of tokens whose probability
    reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019, "The Curious Case of Neural Text
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kilnlm.runtime.guided_decoding import apply_token_bitmask
 from kilnlm.runtime.request import Request, TokenLogprobs
 
 
@@ -59,12 +60,16 @@ class SamplerOutput:
 class Sampler:
     """Stateless; the per-request state (generator, tokens so far) lives in :class:`Request`."""
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request],
+               token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample one token per row (the module docstring gives the order of the steps).
 
         Args:
             logits: ``[B, vocab_size]`` float32, CPU -- row b belongs to ``requests[b]``. Not modified.
             requests: the B requests, for their params, generators and tokens so far.
+            token_bitmask: ``[B, ceil(vocab_size / 32)]`` int32, CPU, or None: the tokens each row may take
+                (guided decoding, :meth:`kilnlm.runtime.guided_decoding.GuidedDecoder.fill_token_bitmask`);
+                applied to the processed logits, after log-probs are taken from the raw ones.
         Returns:
             a :class:`SamplerOutput` of B token ids and B log-prob entries.
         Raises:
@@ -75,7 +80,7 @@ class Sampler:
         logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         # raw_logprobs: [L, vocab] float32 over the raw logits of the rows that ask
         raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
-        logits = self.process_logits(logits, requests)
+        logits = self.process_logits(logits, requests, token_bitmask)
         # numpy's argmax (first maximum, like torch's) takes ~5 us over SmolLM2's 49,152 logits against
         # ~30 us for torch.argmax; at 32 rows ~80 us against ~900 us (measured on the 2-core dev machine).
         next_tokens = logits.numpy().argmax(axis=-1)
@@ -92,16 +97,18 @@ class Sampler:
                 logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
 
-    def process_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, requests: Sequence[Request],
+                       token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """Steps 2 and 3 of the module docstring: penalties, then the masks.
 
-        ``logits``: ``[B, vocab]`` float32, CPU (not modified). Returns the processed ``[B, vocab]`` float32
-        logits (``logits`` itself when no row has a penalty or a mask). Guided decoding's per-row
-        allowed-token mask is applied here, after the penalties and with the banned tokens.
+        ``logits``: ``[B, vocab]`` float32, CPU (not modified); ``token_bitmask``: guided decoding's
+        ``[B, ceil(vocab / 32)]`` int32 allowed-token bitmask, or None. Returns the processed ``[B, vocab]``
+        float32 logits (``logits`` itself when no row has a penalty or a mask).
         """
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_banned_tokens(logits, requests)
-        # Guided decoding: each row's allowed-token mask (its grammar's bitmask) is applied here.
+        if token_bitmask is not None:  # guided decoding: each row's grammar allows these tokens
+            logits = apply_token_bitmask(logits, token_bitmask)
         return logits
 
     @staticmethod

@@ -44,3 +44,21 @@ def test_generate_chat_and_errors(eager_engine_dir, capsys):
     capsys.readouterr()
     assert main(["generate", "--engine", str(eager_engine_dir), "--temperature", "-1", "hello"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_generate_structured_output(eager_engine_dir, tmp_path, capsys):
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar (pip install 'kilnlm[guided]')")
+    import json
+    import re
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    engine = ["generate", "--engine", str(eager_engine_dir), "--max-tokens", "40"]
+    assert main([*engine, "--json-schema", str(schema), "--temperature", "1", "--seed", "3", "hi"]) == 0
+    assert json.loads(capsys.readouterr().out) in ({"ok": True}, {"ok": False})
+    assert main([*engine, "--regex", "[0-9]{3}-[0-9]{4}", "hi"]) == 0
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}\n", capsys.readouterr().out)
+    assert main([*engine, "--regex", "[0-9", "hi"]) == 2
+    assert "guided_decoding's regex guide does not compile" in capsys.readouterr().err
+    assert main([*engine, "--grammar", str(tmp_path / "missing.ebnf"), "hi"]) == 2
+    assert "--grammar" in capsys.readouterr().err
