@@ -165,6 +165,7 @@ class Request:
     num_text_sent: int = 0  # characters of output_text already streamed
     num_preemptions: int = 0
     arrival_time_s: float = field(default_factory=time.monotonic)
+    first_scheduled_time_s: float | None = None  # first admission (KV blocks granted); queue time ends there
     first_token_time_s: float | None = None
     generator: torch.Generator | None = None
 
@@ -214,6 +215,10 @@ class Response:
     asked for ``logprobs``: ``log_probs[i]`` is the natural-log probability of ``token_ids[i]`` and
     ``top_logprobs[i]`` its ``logprobs`` most likely alternatives ``{token_id: log-prob}``;
     ``cum_log_prob`` is the sum over every token generated so far in this sequence.
+
+    ``queue_time_s``: seconds from the request's arrival (``submit``) to its first admission by the
+    scheduler; set on every response once the request was admitted (None on the final response of a
+    request cancelled or failed while it waited).
     """
 
     request_id: int
@@ -228,3 +233,4 @@ class Response:
     log_probs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     cum_log_prob: float | None = None
+    queue_time_s: float | None = None
