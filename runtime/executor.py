@@ -302,8 +302,8 @@ class Executor:
             return
         sampled_token_ids = self._sample(batch, logits)
         updated = self.scheduler.update(batch, sampled_token_ids)
-        self._respond(updated)
         self._record_iteration(batch, time.perf_counter() - start_s)
+        self._respond(updated)
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Prepare inputs and run the engine: ``logits [B, vocab] float32``, or None after failing every
