@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -61,14 +61,27 @@ class ExecutorConfig:
     Raises :class:`KilnError` (from the :class:`Executor`) for an unknown policy or a bad size.
     """
 
-    kv_cache_bytes: int | None = None
-    max_tokens_in_paged_kv_cache: int | None = None
-    enable_kv_cache_reuse: bool = True
-    enable_chunked_context: bool = True
-    batch_scheduler_policy: str = "max_utilization"
-    max_queue_size: int | None = None
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
+    # Each field's ``help`` (and ``choices``) is what `kilnlm serve --help` and config.pbtxt's docs show
+    # (kilnlm.runtime.serving.parameters.executor_options).
+    kv_cache_bytes: int | None = field(default=None, metadata={
+        "help": "KV pool size in bytes (default: max_batch_size sequences of max_seq_len, at most "
+                f"{DEFAULT_MAX_KV_CACHE_BYTES >> 30} GiB)"})
+    max_tokens_in_paged_kv_cache: int | None = field(default=None, metadata={
+        "help": "KV pool size in tokens, instead of kv_cache_bytes"})
+    enable_kv_cache_reuse: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of shared prompt prefixes (prefix caching)"})
+    enable_chunked_context: bool = field(default=True, metadata={
+        "help": "compute long prompts over several steps; off: a prompt waits for a step with room for all of it"})
+    batch_scheduler_policy: str = field(default=BatchSchedulerPolicy.MAX_UTILIZATION.value, metadata={
+        "help": "max_utilization: admit greedily, preempt when KV blocks run out; guaranteed_no_evict: admit "
+                "only when prompt + max_tokens fits, never preempt",
+        "choices": tuple(p.value for p in BatchSchedulerPolicy)})
+    max_queue_size: int | None = field(default=None, metadata={
+        "help": "requests that may wait for admission; beyond it requests are refused (default: unbounded)"})
+    max_batch_size: int | None = field(default=None, metadata={
+        "help": "sequences per step (default: the engine's build limit, which it may only lower)"})
+    max_num_tokens: int | None = field(default=None, metadata={
+        "help": "tokens per step (default: the engine's build limit, which it may only lower)"})
 
 
 @dataclass(frozen=True)
