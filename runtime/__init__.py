@@ -46,9 +46,10 @@ updated ``Request``\\ s        ``Scheduler.update``   computed tokens advanced, 
 ``Response`` (request.py)     ``OutputProcessor``    new token ids and new text (held back while a UTF-8
                                                      character or a stop string may be incomplete),
                                                      ``finished``, ``finish_reason`` ("end_id" | "stop" |
-                                                     "length" | "cancelled" | "error"); streamed through
-                                                     ``Executor.stream``
-``IterationStats``            the loop thread        a snapshot of the loop's counters for
-(executor.py)                                        ``Executor.stats()``
+                                                     "length" | "cancelled" | "error"), the queue time;
+                                                     streamed through ``Executor.stream``
+``IterationStats``            the loop thread        a snapshot of the loop's counters (requests, KV
+(executor.py)                                        blocks, prefix reuse, the last iteration's phases)
+                                                     for ``Executor.stats()`` and the metrics
 ============================  =====================  ==================================================
 """
