@@ -60,10 +60,11 @@ updated ``Request``\\ s        ``Scheduler.update``   computed tokens advanced, 
                                                      ("end_id" | "stop" | "length" | "cancelled" |
                                                      "error"), ``sequence_index``, the new tokens'
                                                      ``log_probs`` / ``top_logprobs`` and
-                                                     ``cum_log_prob``; streamed through
+                                                     ``cum_log_prob``, the queue time; streamed through
                                                      ``Executor.stream`` (ends after every sequence's
                                                      final response)
-``IterationStats``            the loop thread        a snapshot of the loop's counters for
-(executor.py)                                        ``Executor.stats()``
+``IterationStats``            the loop thread        a snapshot of the loop's counters (requests, KV
+(executor.py)                                        blocks, prefix reuse, the last iteration's phases)
+                                                     for ``Executor.stats()`` and the metrics
 ============================  =====================  ==================================================
 """

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kilnlm.runtime.errors import KilnError, RequestError
+from kilnlm.runtime.errors import KilnError, QueueFullError, RequestError
 from kilnlm.runtime.guided_decoding import GuidedDecoder
 from kilnlm.runtime.inputs import InputBuilder, InputLimits
 from kilnlm.runtime.kv_cache import DEFAULT_MAX_KV_CACHE_BYTES, KVCacheConfig, KVCacheManager, num_kv_cache_blocks
@@ -42,7 +42,7 @@ from kilnlm.runtime.openmp import release_calling_thread_workers
 from kilnlm.runtime.output_processor import OutputProcessor
 from kilnlm.runtime.request import FinishReason, Request, Response, SamplingParams
 from kilnlm.runtime.sampler import Sampler, SamplerOutput
-from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kilnlm.runtime.scheduler import BatchSchedulerPolicy, ScheduledBatch, Scheduler, SchedulerConfig
 from kilnlm.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class ExecutorConfig:
     ``kv_cache_bytes``: size of the paged KV pool; default: enough for ``max_batch_size`` sequences of
     ``max_seq_len`` tokens each, capped at ``DEFAULT_MAX_KV_CACHE_BYTES`` but never below one full
     ``max_seq_len`` sequence (:func:`kilnlm.runtime.kv_cache.num_kv_cache_blocks`).
-    ``max_tokens_in_paged_kv_cache`` (TensorRT-LLM's name): the pool's size in tokens instead of bytes.
+    ``max_tokens_in_paged_kv_cache`` (TensorRT-LLM's name): the pool's size in tokens instead of bytes
+    (give at most one of the two).
 
     The rest carry TensorRT-LLM's names: ``batch_scheduler_policy`` ("max_utilization": admit greedily,
     preempt and recompute when blocks run out; "guaranteed_no_evict": admit a request only when its
@@ -65,17 +66,32 @@ class ExecutorConfig:
     admission beyond which ``submit`` raises :class:`~kilnlm.runtime.errors.QueueFullError`; None =
     unbounded), ``enable_kv_cache_reuse`` (prefix reuse), ``enable_chunked_context`` (a prompt longer
     than the step's token budget is computed over several iterations; off: it waits for a step with
-    room for all of it).
+    room for all of it, and ``submit`` refuses a prompt longer than ``max_num_tokens``).
+    :func:`kilnlm.runtime.serving.parameters.executor_options` lists every field with its help.
+    Raises :class:`KilnError` (from the :class:`Executor`) for an unknown policy or a bad size.
     """
 
-    kv_cache_bytes: int | None = None
-    max_tokens_in_paged_kv_cache: int | None = None
-    enable_kv_cache_reuse: bool = True
-    enable_chunked_context: bool = True
-    batch_scheduler_policy: str = "max_utilization"
-    max_queue_size: int | None = None
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
+    # Each field's ``help`` (and ``choices``) is what `kilnlm serve --help` and config.pbtxt's docs show
+    # (kilnlm.runtime.serving.parameters.executor_options).
+    kv_cache_bytes: int | None = field(default=None, metadata={
+        "help": "KV pool size in bytes (default: max_batch_size sequences of max_seq_len, at most "
+                f"{DEFAULT_MAX_KV_CACHE_BYTES >> 30} GiB)"})
+    max_tokens_in_paged_kv_cache: int | None = field(default=None, metadata={
+        "help": "KV pool size in tokens, instead of kv_cache_bytes"})
+    enable_kv_cache_reuse: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of shared prompt prefixes (prefix caching)"})
+    enable_chunked_context: bool = field(default=True, metadata={
+        "help": "compute long prompts over several steps; off: a prompt waits for a step with room for all of it"})
+    batch_scheduler_policy: str = field(default=BatchSchedulerPolicy.MAX_UTILIZATION.value, metadata={
+        "help": "max_utilization: admit greedily, preempt when KV blocks run out; guaranteed_no_evict: admit "
+                "only when prompt + max_tokens fits, never preempt",
+        "choices": tuple(p.value for p in BatchSchedulerPolicy)})
+    max_queue_size: int | None = field(default=None, metadata={
+        "help": "requests that may wait for admission; beyond it requests are refused (default: unbounded)"})
+    max_batch_size: int | None = field(default=None, metadata={
+        "help": "sequences per step (default: the engine's build limit, which it may only lower)"})
+    max_num_tokens: int | None = field(default=None, metadata={
+        "help": "tokens per step (default: the engine's build limit, which it may only lower)"})
 
 
 @dataclass(frozen=True)
@@ -100,6 +116,7 @@ class IterationStats:
     num_preemptions: int = 0
     num_reused_blocks: int = 0  # since start: blocks admissions took from the prefix cache
     num_needed_blocks: int = 0  # since start: blocks admissions needed (reused + newly allocated)
+    timestamp_s: float = 0.0  # when this snapshot was taken: time.time(), seconds since the epoch
 
 
 @dataclass
@@ -123,12 +140,18 @@ class Executor:
         self.eos_token_ids = frozenset(engine.manifest.generation.eos_token_ids)
         max_batch_size = _lower_limit("max_batch_size", config.max_batch_size, build.max_batch_size)
         max_num_tokens = _lower_limit("max_num_tokens", config.max_num_tokens, build.max_num_tokens)
+        policy = BatchSchedulerPolicy.from_name(config.batch_scheduler_policy)
+        if config.max_queue_size is not None and config.max_queue_size < 1:
+            raise KilnError(f"max_queue_size={config.max_queue_size} must be >= 1 (or None for an unbounded queue)")
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
         max_blocks_per_seq = -(-build.max_seq_len // build.tokens_per_block)
         num_blocks = num_kv_cache_blocks(config.kv_cache_bytes, engine.kv_cache_bytes_per_block(), max_batch_size,
-                                         build.max_seq_len, build.tokens_per_block)
+                                         build.max_seq_len, build.tokens_per_block, config.max_tokens_in_paged_kv_cache)
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_kv_cache_reuse))
-        self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens), self.kv_manager)
+        self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens, policy, config.enable_chunked_context),
+                                   self.kv_manager)
         self.sampler = Sampler()
         self.input_builder = InputBuilder(InputLimits(max_num_tokens, max_batch_size, max_blocks_per_seq, build.tokens_per_block))
         self.output_processor = OutputProcessor(tokenizer)
@@ -140,11 +163,12 @@ class Executor:
         self._streams: dict[int, _ResponseStream] = {}  # client request id -> its responses
         self._next_id = itertools.count(1)
         self._stopping = False
-        self._stats = IterationStats(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
+        self._stats = IterationStats(num_free_blocks=num_blocks, num_total_blocks=num_blocks,
+                                     max_num_active_requests=max_batch_size, tokens_per_block=build.tokens_per_block)
         # Loop-thread state.
         self._requests: dict[int, Request] = {}  # sequence's request id -> submitted, final response not yet sent
         self._held_sequences: dict[int, list[Request]] = {}  # n > 1: sequence 0's id -> sequences 1..n-1
-        self._last_batch: tuple[int, int, float] = (0, 0, 0.0)  # num_tokens, num_seqs, iteration_s
+        self._last_batch = _LastBatch()
         self._num_iterations = 0
         self._num_preemptions = 0
         # This thread's OpenMP workers (the KV-cache allocation above made them) would slow every forward
@@ -165,12 +189,15 @@ class Executor:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         """Queue a request (``params.n`` sequences of it); returns its id. Thread-safe. Raises
         :class:`RequestError` for an empty prompt, a prompt of ``max_seq_len`` tokens or more, token ids
-        outside the vocabulary, bad sampling params, a sequence that cannot fit the KV cache even alone, or
-        a ``guided_decoding`` guide that does not compile (or without xgrammar installed).
+        outside the vocabulary, bad sampling params, a sequence that cannot fit the KV cache even alone, a
+        ``guided_decoding`` guide that does not compile (or without xgrammar installed), or (without chunked
+        context) a prompt longer than ``max_num_tokens``; :class:`QueueFullError` when ``max_queue_size``
+        requests already wait for admission (retry later).
 
         The KV-capacity check is per sequence, not for ``n`` at once: the sequences are separate requests
         to the scheduler, which admits what fits and queues (or preempts) the rest, so a request whose one
-        sequence fits the pool alone always completes."""
+        sequence fits the pool alone always completes. Each waiting sequence counts against
+        ``max_queue_size``."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         self.guided_decoder.check(params)
@@ -184,17 +211,28 @@ class Executor:
             )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise RequestError(f"the prompt holds token ids outside the vocabulary [0, {self.vocab_size})")
+        if not self.config.enable_chunked_context and len(prompt) > self.max_num_tokens:
+            raise RequestError(
+                f"the prompt has {len(prompt):,} tokens but one step computes at most max_num_tokens="
+                f"{self.max_num_tokens:,} and chunked context is off: enable chunked context "
+                "(enable_chunked_context) or raise max_num_tokens"
+            )
         max_num_tokens = min(len(prompt) + params.max_tokens, self.max_seq_len)
         capacity_tokens = self.kv_manager.num_total_blocks * self.kv_manager.tokens_per_block
         if max_num_tokens > capacity_tokens:
             raise RequestError(
                 f"the request needs up to {max_num_tokens:,} tokens of KV cache but the pool holds "
-                f"{capacity_tokens:,}: lower max_tokens or raise the executor's kv_cache_bytes"
+                f"{capacity_tokens:,}: lower max_tokens or raise the executor's kv_cache_bytes "
+                "(or max_tokens_in_paged_kv_cache)"
             )
         end_ids = frozenset() if params.ignore_eos else (frozenset({params.end_id}) if params.end_id is not None else self.eos_token_ids)
         with self._lock:
             if self._stopping:
                 raise RequestError("the executor is shut down: create a new one")
+            max_queue_size = self.config.max_queue_size
+            if max_queue_size is not None and len(self._inbox) + self.scheduler.num_waiting >= max_queue_size:
+                raise QueueFullError(f"the executor's queue is full: {max_queue_size:,} requests already wait for "
+                                     "admission (max_queue_size): retry later")
             request_id = next(self._next_id)
             sequence_ids = [request_id] + [next(self._next_id) for _ in range(params.n - 1)]
             self._streams[request_id] = _ResponseStream(params.n)
@@ -278,7 +316,9 @@ class Executor:
                     break
                 new_requests, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, set()
-            self._accept(new_requests, cancels)
+                # Under the lock, so that submit counts every request waiting for admission exactly once
+                # (inbox + waiting queue; the lock is re-entrant for the responses of cancelled requests).
+                self._accept(new_requests, cancels)
             if self.scheduler.has_work():
                 try:
                     self.step()
@@ -289,7 +329,7 @@ class Executor:
             self._publish_stats()
         with self._lock:
             new_requests, self._inbox = self._inbox, []
-        self._accept(new_requests, set())
+            self._accept(new_requests, set())
         for request in list(self._requests.values()):
             self._finish(request, FinishReason.CANCELLED)
         self._publish_stats()
@@ -334,8 +374,8 @@ class Executor:
             return
         sampled = self._sample(batch, logits)
         updated = self._update(batch, sampled.token_ids)
-        self._respond(updated)
         self._record_iteration(batch, time.perf_counter() - start_s)
+        self._respond(updated)
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Prepare inputs and run the engine: ``logits [B, vocab] float32``, or None after failing every
@@ -396,6 +436,7 @@ class Executor:
                 logger.exception("request %d failed", request.request_id)
                 self.scheduler.finish(request, FinishReason.ERROR, f"request handling failed: {exc!r}")
                 response = self.output_processor.final_response(request)
+            response.queue_time_s = _queue_time_s(request)
             if response.finished:
                 if not request.finished:  # a stop string ended it
                     self.scheduler.finish(request, response.finish_reason)
@@ -408,7 +449,9 @@ class Executor:
         self._emit(responses)
 
     def _record_iteration(self, batch: ScheduledBatch, iteration_s: float) -> None:
-        self._last_batch = (batch.num_tokens, len(batch.seqs), iteration_s)
+        num_generation = batch.num_generation_seqs
+        self._last_batch = _LastBatch(batch.num_tokens, len(batch.seqs), len(batch.seqs) - num_generation,
+                                      batch.num_context_tokens, num_generation, len(batch.preempted), iteration_s)
         self._num_iterations += 1
         self._num_preemptions += len(batch.preempted)
 
@@ -421,6 +464,7 @@ class Executor:
         self.guided_decoder.remove_request(request)
         self.scheduler.finish(request, reason, error)
         response = self.output_processor.final_response(request)
+        response.queue_time_s = _queue_time_s(request)
         self._publish_stats()  # a client that saw its final response sees the blocks back in stats()
         self._emit([response])
 
@@ -432,21 +476,49 @@ class Executor:
                     stream.responses.put(response)
 
     def _publish_stats(self) -> None:
-        last_num_tokens, last_num_seqs, last_iteration_s = self._last_batch
-        stats = IterationStats(
-            num_active_requests=self.scheduler.num_running,
-            num_queued=self.scheduler.num_waiting,
-            num_free_blocks=self.kv_manager.num_free_blocks,
-            num_total_blocks=self.kv_manager.num_total_blocks,
-            num_cached_blocks=self.kv_manager.num_cached_blocks,
-            num_iterations=self._num_iterations,
-            last_num_tokens=last_num_tokens,
-            last_num_seqs=last_num_seqs,
-            last_iteration_s=last_iteration_s,
-            num_preemptions=self._num_preemptions,
-        )
+        last, kv = self._last_batch, self.kv_manager
         with self._lock:
-            self._stats = stats
+            self._stats = IterationStats(
+                num_active_requests=self.scheduler.num_running,
+                max_num_active_requests=self.max_batch_size,
+                num_queued=self.scheduler.num_waiting + len(self._inbox),
+                num_free_blocks=kv.num_free_blocks,
+                num_total_blocks=kv.num_total_blocks,
+                num_cached_blocks=kv.num_cached_blocks,
+                tokens_per_block=kv.tokens_per_block,
+                num_iterations=self._num_iterations,
+                last_num_tokens=last.num_tokens,
+                last_num_seqs=last.num_seqs,
+                last_num_context_requests=last.num_context_requests,
+                last_num_context_tokens=last.num_context_tokens,
+                last_num_generation_requests=last.num_generation_requests,
+                last_num_paused_requests=last.num_paused_requests,
+                last_iteration_s=last.iteration_s,
+                num_preemptions=self._num_preemptions,
+                num_reused_blocks=kv.num_reused_blocks,
+                num_needed_blocks=kv.num_needed_blocks,
+                timestamp_s=time.time(),
+            )
+
+
+@dataclass(frozen=True)
+class _LastBatch:
+    """What the last iteration ran (loop-thread state behind IterationStats' ``last_*`` fields)."""
+
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_context_requests: int = 0
+    num_context_tokens: int = 0
+    num_generation_requests: int = 0
+    num_paused_requests: int = 0
+    iteration_s: float = 0.0
+
+
+def _queue_time_s(request: Request) -> float | None:
+    """Seconds from the request's arrival to its first admission (None while it never was admitted)."""
+    if request.first_scheduled_time_s is None:
+        return None
+    return request.first_scheduled_time_s - request.arrival_time_s
 
 
 def _merge(responses: list[Response]) -> Response:

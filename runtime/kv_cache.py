@@ -14,11 +14,16 @@ computing those tokens. Freed blocks keep their hash and stay reusable until evi
       ^ taken first                ^ evicted next (its hash forgotten)
 
 A sequence's blocks are freed tail first, so of one sequence the blocks furthest from the shared prefix are
-evicted first. The scheduler never sees block ids: it asks ``allocate / append_slots / free``; the input
-preparation reads ``block_table``.
+evicted first. The scheduler never sees block ids: it asks ``allocate / append_slots / free`` and, to plan
+admissions, how many free blocks a request would take (:meth:`KVCacheManager.num_blocks_to_allocate`,
+:meth:`KVCacheManager.num_missing_blocks`); the input preparation reads ``block_table``.
 
-How many blocks the pool has is decided here too (:func:`num_kv_cache_blocks`), from a byte budget and the
-engine's bytes per block.
+Reuse is counted at each allocation, cumulatively (TensorRT-LLM's ``reusedBlocks`` / ``allocTotalBlocks``):
+``num_reused_blocks`` blocks came from the prefix cache out of ``num_needed_blocks`` the allocations needed
+(reused + newly allocated), so ``num_reused_blocks / num_needed_blocks`` is the prefix-cache hit rate.
+
+How many blocks the pool has is decided here too (:func:`num_kv_cache_blocks`), from a byte budget or a
+token count (TensorRT-LLM's ``max_tokens_in_paged_kv_cache``) and the engine's bytes per block.
 """
 
 from __future__ import annotations
@@ -46,16 +51,29 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def num_kv_cache_blocks(kv_cache_bytes: int | None, bytes_per_block: int, max_batch_size: int, max_seq_len: int,
-                        tokens_per_block: int) -> int:
+                        tokens_per_block: int, max_tokens_in_paged_kv_cache: int | None = None) -> int:
     """Blocks of the paged KV pool.
 
-    ``kv_cache_bytes`` (bytes) given: as many blocks of ``bytes_per_block`` bytes as fit in it. ``None``:
+    ``kv_cache_bytes`` (bytes) given: as many blocks of ``bytes_per_block`` bytes as fit in it.
+    ``max_tokens_in_paged_kv_cache`` (tokens, TensorRT-LLM's name) given: enough blocks of
+    ``tokens_per_block`` tokens to hold that many tokens (rounded up to a whole block). Neither:
     enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens each, capped at
     :data:`DEFAULT_MAX_KV_CACHE_BYTES` but never below one full ``max_seq_len`` sequence (a smaller pool
     still serves every request: the scheduler admits what fits and preempts when generation outgrows it).
-    Raises :class:`KilnError` when ``kv_cache_bytes`` holds no block.
+
+    Raises:
+        KilnError: both sizes are given, ``kv_cache_bytes`` holds no block, or
+            ``max_tokens_in_paged_kv_cache`` is below 1.
     """
     max_blocks_per_seq = _cdiv(max_seq_len, tokens_per_block)
+    if kv_cache_bytes is not None and max_tokens_in_paged_kv_cache is not None:
+        raise KilnError(f"both kv_cache_bytes={kv_cache_bytes:,} and max_tokens_in_paged_kv_cache="
+                        f"{max_tokens_in_paged_kv_cache:,} size the KV pool: give only one")
+    if max_tokens_in_paged_kv_cache is not None:
+        if max_tokens_in_paged_kv_cache < 1:
+            raise KilnError(f"max_tokens_in_paged_kv_cache={max_tokens_in_paged_kv_cache} must be >= 1: raise it "
+                            "(or leave it unset for the default pool)")
+        return _cdiv(max_tokens_in_paged_kv_cache, tokens_per_block)
     if kv_cache_bytes is None:
         num_cap_blocks = DEFAULT_MAX_KV_CACHE_BYTES // bytes_per_block
         return max(min(max_batch_size * max_blocks_per_seq, num_cap_blocks), max_blocks_per_seq)
@@ -84,6 +102,8 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(config.num_blocks))
         self._tables: dict[int, list[int]] = {}  # request id -> block ids
         self._hashes: dict[int, list[bytes]] = {}  # request id -> hashes of its cached full blocks
+        self.num_reused_blocks = 0  # since start: blocks allocations took from the prefix cache
+        self.num_needed_blocks = 0  # since start: blocks allocations needed (reused + newly allocated)
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -107,8 +127,20 @@ class KVCacheManager:
 
     def can_allocate(self, token_ids: list[int]) -> bool:
         """Whether :meth:`allocate` would succeed for a new request with these tokens now."""
+        return self.num_blocks_to_allocate(token_ids) <= len(self._free)
+
+    def num_blocks_to_allocate(self, token_ids: list[int], num_tokens: int | None = None) -> int:
+        """Free blocks a new request with prompt ``token_ids`` takes from the free queue to hold
+        ``num_tokens`` tokens (default ``len(token_ids)``): its blocks minus its prefix hits, plus the hits
+        that sit in the free queue (reviving a cached free block takes it from the queue too)."""
         hits, _ = self._lookup_prefix(token_ids)
-        return self._num_blocks_short(token_ids, hits) <= 0
+        num_tokens = len(token_ids) if num_tokens is None else max(num_tokens, len(token_ids))
+        num_hits_in_free = sum(1 for b in hits if self._ref_counts[b] == 0)
+        return _cdiv(num_tokens, self.tokens_per_block) - len(hits) + num_hits_in_free
+
+    def num_missing_blocks(self, request_id: int, num_tokens: int) -> int:
+        """Blocks the request's table still lacks to hold ``num_tokens`` tokens in total (0 if it does)."""
+        return max(0, _cdiv(num_tokens, self.tokens_per_block) - len(self._tables[request_id]))
 
     # ------------------------------------------------------------------------------------- operations
     def allocate(self, request_id: int, token_ids: list[int]) -> int | None:
@@ -121,9 +153,11 @@ class KVCacheManager:
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already holds KV blocks")
         hits, hashes = self._lookup_prefix(token_ids)
-        if self._num_blocks_short(token_ids, hits) > 0:
-            return None
         num_new_blocks = _cdiv(len(token_ids), self.tokens_per_block) - len(hits)
+        if num_new_blocks + sum(1 for b in hits if self._ref_counts[b] == 0) > len(self._free):
+            return None
+        self.num_reused_blocks += len(hits)
+        self.num_needed_blocks += len(hits) + num_new_blocks
         for block in hits:
             if self._ref_counts[block] == 0:
                 del self._free[block]
@@ -133,12 +167,12 @@ class KVCacheManager:
         return len(hits) * self.tokens_per_block
 
     def can_append_slots(self, request_id: int, num_tokens: int) -> bool:
-        return self._num_missing_blocks(request_id, num_tokens) <= len(self._free)
+        return self.num_missing_blocks(request_id, num_tokens) <= len(self._free)
 
     def append_slots(self, request_id: int, num_tokens: int) -> bool:
         """Grow the request's block table to hold ``num_tokens`` tokens in total. Returns False (and changes
         nothing) if the free blocks do not suffice."""
-        num_missing = self._num_missing_blocks(request_id, num_tokens)
+        num_missing = self.num_missing_blocks(request_id, num_tokens)
         if num_missing > len(self._free):
             return False
         self._tables[request_id].extend(self._pop_free() for _ in range(num_missing))
@@ -176,15 +210,6 @@ class KVCacheManager:
                     self._free.move_to_end(block, last=False)
 
     # ------------------------------------------------------------------------------------- internals
-    def _num_blocks_short(self, token_ids: list[int], hits: list[int]) -> int:
-        """New blocks needed beyond the prefix hits minus the free blocks left after reviving the hits."""
-        num_new_blocks = _cdiv(len(token_ids), self.tokens_per_block) - len(hits)
-        num_hits_in_free = sum(1 for b in hits if self._ref_counts[b] == 0)
-        return num_new_blocks - (len(self._free) - num_hits_in_free)
-
-    def _num_missing_blocks(self, request_id: int, num_tokens: int) -> int:
-        return max(0, _cdiv(num_tokens, self.tokens_per_block) - len(self._tables[request_id]))
-
     def _pop_free(self) -> int:
         block, _ = self._free.popitem(last=False)
         block_hash = self._block_hash[block]

@@ -198,6 +198,7 @@ class Request:
     num_text_sent: int = 0  # characters of output_text already streamed
     num_preemptions: int = 0
     arrival_time_s: float = field(default_factory=time.monotonic)
+    first_scheduled_time_s: float | None = None  # first admission (KV blocks granted); queue time ends there
     first_token_time_s: float | None = None
     generator: torch.Generator | None = None
     parent_request_id: int | None = None
@@ -256,6 +257,10 @@ class Response:
     those of the model's distribution: the raw logits' ``log_softmax``, before penalties and temperature;
     an end id that finished the sequence is in neither ``token_ids`` nor the log-probs). Without
     ``logprobs`` the lists stay empty and ``cum_log_prob`` None.
+
+    ``queue_time_s``: seconds from the request's arrival (``submit``) to its first admission by the
+    scheduler; set on every response once the request was admitted (None on the final response of a
+    request cancelled or failed while it waited).
     """
 
     request_id: int
@@ -270,3 +275,4 @@ class Response:
     log_probs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     cum_log_prob: float | None = None
+    queue_time_s: float | None = None

@@ -4,17 +4,29 @@ Two small policies, composed in :meth:`Scheduler.schedule` (TensorRT-LLM's capac
 scheduler):
 
 1. **Capacity (admission)** -- first come, first served: a waiting request is admitted when a batch slot is
-   free (``max_batch_size``) and the KV-cache manager can hold its whole current sequence (prompt, plus the
-   tokens generated before a preemption). Admission stops at the first request that does not fit, so a long
-   prompt is never starved by shorter ones behind it.
+   free (``max_batch_size``) and its :class:`BatchSchedulerPolicy` (TensorRT-LLM's
+   ``batch_scheduler_policy``) says its KV blocks fit:
+
+   - ``max_utilization``: the KV-cache manager can hold its whole *current* sequence (prompt, plus the
+     tokens generated before a preemption). When a generation-phase request later needs a new block and
+     none is free, the most recently admitted running request is preempted: its blocks are freed and it
+     returns to the front of the waiting queue, to be recomputed (as one context) when blocks free up.
+   - ``guaranteed_no_evict``: the blocks of its *worst case* (prompt + ``max_tokens``, capped by its
+     ``max_num_tokens``) fit next to the worst case every running request may still grow to (each running
+     request's remaining blocks are reserved, as TensorRT-LLM's ``GuaranteedNoEvictScheduler`` does).
+     Fewer requests run at once, but none is ever preempted.
+
+   Admission stops at the first request that does not fit, so a long prompt is never starved by shorter
+   ones behind it.
 2. **Packing (this iteration)** -- within the token budget ``max_num_tokens``: generation-phase requests
    first (one token each, growing their block table as they cross a block boundary), then context-phase
-   requests in admission order, each with the largest chunk of its prompt that still fits (chunked
-   context: a long prompt spreads over several iterations while others keep decoding).
+   requests in admission order. With chunked context (``enable_chunked_context``) each gets the largest
+   chunk of its pending tokens that still fits (a long prompt spreads over several iterations while others
+   keep decoding); without it a context is scheduled only when all its pending tokens fit, and it and the
+   contexts behind it wait otherwise (a recomputation after preemption longer than ``max_num_tokens`` is
+   the one context still chunked: it could never fit whole).
 
-When a generation-phase request needs a new block and none is free, the most recently admitted running
-request is preempted: its blocks are freed and it returns to the front of the waiting queue, to be
-recomputed (as one context) when blocks free up again. Requests join and leave between iterations.
+Requests join and leave between iterations.
 
 After the forward, :meth:`Scheduler.update` applies the step to the requests: it advances
 ``num_computed_tokens``, registers newly full blocks for prefix reuse, appends each sampled token and
@@ -25,19 +37,40 @@ then finishes the request here with :meth:`Scheduler.finish`.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.kv_cache import KVCacheManager
 from kilnlm.runtime.request import FinishReason, Request, RequestStatus
+
+
+class BatchSchedulerPolicy(str, enum.Enum):
+    """TensorRT-LLM's ``batch_scheduler_policy`` (its ``CapacitySchedulerPolicy``): how requests are admitted
+    into the KV cache. See the module docstring."""
+
+    MAX_UTILIZATION = "max_utilization"
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+
+    @classmethod
+    def from_name(cls, name: str) -> "BatchSchedulerPolicy":
+        """The policy called ``name``. Raises :class:`KilnError` naming the choices for any other name."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise KilnError(f"batch_scheduler_policy is {name!r}: it must be one of "
+                            f"{', '.join(p.value for p in cls)}") from None
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int  # sequences per forward
     max_num_tokens: int  # packed new tokens per forward (context chunks + generation tokens)
+    policy: BatchSchedulerPolicy = BatchSchedulerPolicy.MAX_UTILIZATION
+    enable_chunked_context: bool = True  # off: a context runs only when all its pending tokens fit a step
 
 
 @dataclass
@@ -61,6 +94,11 @@ class ScheduledBatch:
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # requests that lost their blocks this step
+    num_generation_seqs: int = 0  # the leading seqs in the generation phase; the rest are context chunks
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs[self.num_generation_seqs :])
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +119,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._capacity = _CAPACITY_POLICIES[BatchSchedulerPolicy(config.policy)]
 
     @property
     def num_waiting(self) -> int:
@@ -159,45 +198,60 @@ class Scheduler:
         self._admit()
         batch = ScheduledBatch()
         token_budget = self._schedule_generation(batch, self.config.max_num_tokens)
+        batch.num_generation_seqs = len(batch.seqs)
         self._schedule_context(batch, token_budget)
         return batch
 
     # ------------------------------------------------------------------------------------ policies
     def _admit(self) -> None:
-        """Capacity policy: FCFS admission while a batch slot and the KV blocks for the sequence exist."""
+        """Capacity policy: FCFS admission while a batch slot exists and the policy says the KV blocks fit."""
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
+            if not self._capacity.fits(request, self.running, self.kv_cache):
+                return
             num_cached_tokens = self.kv_cache.allocate(request.request_id, request.token_ids)
             if num_cached_tokens is None:
                 return
             self.waiting.popleft()
             request.num_computed_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time_s is None:
+                request.first_scheduled_time_s = time.monotonic()
             self.running.append(request)
 
     def _schedule_generation(self, batch: ScheduledBatch, token_budget: int) -> int:
-        """One token for each generation-phase request, preempting from the back when blocks run out."""
+        """One token for each generation-phase request; when blocks run out, preempt from the back
+        (``max_utilization``) or let the request wait a step (``guaranteed_no_evict``, where its reserved
+        blocks make that impossible)."""
         for request in list(self.running):
             if request not in self.running or not self._in_generation_phase(request) or token_budget == 0:
                 continue
-            while not self.kv_cache.append_slots(request.request_id, request.num_tokens):
+            granted = self.kv_cache.append_slots(request.request_id, request.num_tokens)
+            while not granted and self._capacity.preempts:
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is request:
                     break
-            if request in self.running:
+                granted = self.kv_cache.append_slots(request.request_id, request.num_tokens)
+            if granted:
                 batch.seqs.append(ScheduledSeq(request, 1))
                 token_budget -= 1
         return token_budget
 
     def _schedule_context(self, batch: ScheduledBatch, token_budget: int) -> None:
-        """Chunks of pending prompt tokens, in admission order, while the token budget lasts."""
+        """Pending context tokens, in admission order, while the token budget lasts: the largest chunk that
+        fits, or (without chunked context) all of them or nothing, this context and those behind it
+        waiting for a step with room."""
         for request in self.running:
             if token_budget == 0:
                 return
             if self._in_generation_phase(request):
                 continue
-            num_new_tokens = min(request.num_pending_tokens, token_budget)
+            num_pending = request.num_pending_tokens
+            chunked = self.config.enable_chunked_context or num_pending > self.config.max_num_tokens
+            if num_pending > token_budget and not chunked:
+                return
+            num_new_tokens = min(num_pending, token_budget)
             batch.seqs.append(ScheduledSeq(request, num_new_tokens))
             token_budget -= num_new_tokens
 
@@ -214,3 +268,31 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         batch.preempted.append(request)
+
+
+# ----------------------------------------------------------------------------------- capacity policies
+class _MaxUtilization:
+    """Admit while the blocks of the current sequence are free; generation preempts when they run out."""
+
+    preempts = True
+
+    @staticmethod
+    def fits(request: Request, running: list[Request], kv_cache: KVCacheManager) -> bool:
+        return kv_cache.can_allocate(request.token_ids)
+
+
+class _GuaranteedNoEvict:
+    """Admit only when the request's worst case fits next to every running request's remaining worst case
+    (its blocks up to ``max_num_tokens`` not yet allocated); never preempt."""
+
+    preempts = False
+
+    @staticmethod
+    def fits(request: Request, running: list[Request], kv_cache: KVCacheManager) -> bool:
+        num_reserved = sum(kv_cache.num_missing_blocks(r.request_id, r.max_num_tokens) for r in running)
+        num_needed = kv_cache.num_blocks_to_allocate(request.token_ids, request.max_num_tokens)
+        return num_needed <= kv_cache.num_free_blocks - num_reserved
+
+
+_CAPACITY_POLICIES = {BatchSchedulerPolicy.MAX_UTILIZATION: _MaxUtilization(),
+                      BatchSchedulerPolicy.GUARANTEED_NO_EVICT: _GuaranteedNoEvict()}

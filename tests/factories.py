@@ -14,7 +14,7 @@ from kilnlm.runtime.abi import EngineInputs
 from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
 from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
 from kilnlm.runtime.request import Request, SamplingParams
-from kilnlm.runtime.scheduler import Scheduler, SchedulerConfig
+from kilnlm.runtime.scheduler import BatchSchedulerPolicy, Scheduler, SchedulerConfig
 
 TINY_LLAMA = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -67,10 +67,13 @@ def make_kv_cache_manager(num_blocks: int = 16, tokens_per_block: int = 4, enabl
 
 
 def make_scheduler(num_blocks: int = 16, tokens_per_block: int = 4, max_batch_size: int = 4, max_num_tokens: int = 8,
-                   enable_kv_cache_reuse: bool = False) -> Scheduler:
-    """A scheduler over its own :func:`make_kv_cache_manager` (``scheduler.kv_cache``)."""
+                   enable_kv_cache_reuse: bool = False, policy: str = "max_utilization",
+                   enable_chunked_context: bool = True) -> Scheduler:
+    """A scheduler over its own :func:`make_kv_cache_manager` (``scheduler.kv_cache``); ``policy`` is a
+    ``batch_scheduler_policy`` name."""
     kv_cache = make_kv_cache_manager(num_blocks, tokens_per_block, enable_kv_cache_reuse)
-    return Scheduler(SchedulerConfig(max_batch_size, max_num_tokens), kv_cache)
+    config = SchedulerConfig(max_batch_size, max_num_tokens, BatchSchedulerPolicy.from_name(policy), enable_chunked_context)
+    return Scheduler(config, kv_cache)
 
 
 def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, architecture: str = "llama",

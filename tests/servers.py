@@ -52,23 +52,30 @@ class TritonServer:
         return f"{log[-num_chars:]}\n--- error lines of the tritonserver log ---\n" + "\n".join(errors)[-8_000:]
 
     def metrics(self) -> dict[str, float]:
-        """The ``kilnlm_*`` samples on the metrics endpoint: {"name{labels}": value}."""
+        """kilnlm's samples (``kilnlm_*``, ``nv_trt_llm_*``, ``nv_llm_*``) on the metrics endpoint:
+        {"name{labels}": value}."""
         with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
             text = reply.read().decode()
         samples = {}
         for line in text.splitlines():
-            match = re.match(r"^(kilnlm_\S+)\s+(\S+)$", line)
+            match = re.match(r"^((?:kilnlm|nv_trt_llm|nv_llm)_\S+)\s+(\S+)$", line)
             if match:
                 samples[match.group(1)] = float(match.group(2))
         return samples
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample; ``labels`` besides ``model`` select among labelled series (0.0 when absent)."""
-        for key, value in self.metrics().items():
-            metric_name, _, label_text = key.partition("{")
-            if metric_name == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-                return value
-        return 0.0
+        return sample(self.metrics(), name, **labels)
+
+
+def sample(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The value of ``name`` in ``samples`` (:meth:`TritonServer.metrics`) whose labels include ``labels``
+    (0.0 when absent)."""
+    for key, value in samples.items():
+        metric_name, _, label_text = key.partition("{")
+        if metric_name == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            return value
+    return 0.0
 
 
 def is_ready(http_url: str) -> bool:

@@ -9,8 +9,10 @@ Framework-free modules (no ``triton_python_backend_utils``, no web framework), o
 - ``responses``: the executor's streamed ``Response``\\ s of one request -> the replies a client gets
   (:class:`~kilnlm.runtime.serving.responses.Reply`: text, token ids, finish reason) and their output
   tensors (``text_output``, ``output_ids``, ``sequence_length``, ``finish_reason``);
-- ``metrics``: the ``kilnlm_*`` metrics (KV-cache and queue gauges, finish-reason and token counters, TTFT
-  and inter-token-latency histograms) over any metrics backend;
+- ``metrics``: TensorRT-LLM's ``nv_trt_llm_*`` gauges (requests, KV-cache blocks, in-flight batcher,
+  iterations) and token-length histograms, plus ``kilnlm_*`` TTFT / inter-token / queue / end-to-end
+  latency histograms and finish-reason and token counters, over any metrics backend (Triton's custom
+  metrics, prometheus-client, in memory);
 - ``dispatcher``: the threads between one executor and many clients (one reader per request, one
   dispatcher thread owning every client connection, cancellation polling, stats refresh);
 - ``launcher``: finding and starting a real ``tritonserver`` (binary, Python backend with its stub, model

@@ -173,7 +173,7 @@ class RequestDispatcher:
                 state.client.send_error(f"kilnlm executor error: {payload}", internal=True)
             return
         response = payload  # kind == "response"
-        self._metrics.observe_new_tokens(state.timing, len(response.token_ids), time.monotonic())
+        self._metrics.observe_response(state.timing, response, time.monotonic())
         if state.cancelled:  # closed already; wait for the executor's final ("cancelled") response
             if response.finished:
                 del live[key]

@@ -11,7 +11,7 @@ import torch
 
 from factories import make_manifest, tiny_model_config
 from kilnlm.runtime.abi import EngineInputs
-from kilnlm.runtime.errors import RequestError
+from kilnlm.runtime.errors import KilnError, QueueFullError, RequestError
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.manifest import BuildConfig
 from kilnlm.runtime.request import FinishReason, SamplingParams
@@ -23,14 +23,20 @@ EOS_ID = 2
 
 class CountingEngine:
     """Engine stand-in: the logits of each sequence put all mass on ``last input id + 1`` (mod vocab);
-    ``fail_on`` makes forward raise when that token id is among the inputs."""
+    ``fail_on`` makes forward raise when that token id is among the inputs. Clearing ``gate`` holds the
+    next forward (the loop thread) until it is set again; ``entered`` is set when a forward starts."""
 
     def __init__(self, build: BuildConfig):
         self.manifest = make_manifest(build, tiny_model_config(VOCAB_SIZE), eos_token_ids=(EOS_ID,))
         self.fail_on: int | None = None
         self.num_forwards = 0
         self.max_seen_tokens = 0
+        self.max_seen_seqs = 0
         self.num_computed_tokens = 0  # over all forwards
+        self.num_tokens_per_forward: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
 
     def kv_cache_bytes_per_block(self) -> int:
         return 64
@@ -39,8 +45,12 @@ class CountingEngine:
         return torch.zeros(num_blocks)
 
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
         self.num_forwards += 1
         self.max_seen_tokens = max(self.max_seen_tokens, inputs.num_tokens)
+        self.max_seen_seqs = max(self.max_seen_seqs, inputs.num_seqs)
+        self.num_tokens_per_forward.append(inputs.num_tokens)
         self.num_computed_tokens += inputs.num_tokens
         if self.fail_on is not None and bool((inputs.input_ids == self.fail_on).any()):
             raise RuntimeError("injected engine failure")
@@ -331,3 +341,102 @@ def test_each_sequence_has_one_final_response_and_nothing_after_it(make_executor
     for responses in per_sequence.values():
         assert responses[-1].finished
         assert responses[-1].cum_log_prob == pytest.approx(sum(p for r in responses for p in r.log_probs), abs=1e-4)
+
+
+def submit_while_busy(executor: Executor, engine: CountingEngine, prompts: list[list[int]],
+                      params: SamplingParams) -> list[int]:
+    """Submit the first prompt, hold the loop in its first forward, submit the rest, let it go: every
+    request but the first waits for admission together."""
+    engine.gate.clear()
+    engine.entered.clear()
+    ids = [executor.submit(prompts[0], params)]
+    assert engine.entered.wait(30)
+    ids += [executor.submit(p, params) for p in prompts[1:]]
+    engine.gate.set()
+    return ids
+
+
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_scheduler_policies_on_a_small_pool(make_executor, policy):
+    # 12 blocks of 4 tokens = 48 tokens; 4 requests of 4 prompt tokens that grow to 16 tokens (4 blocks).
+    config = ExecutorConfig(max_tokens_in_paged_kv_cache=48, batch_scheduler_policy=policy)
+    executor, engine = make_executor(config, max_batch_size=4, max_num_tokens=32, max_seq_len=64)
+    prompts = [[100 * (i + 1) + j for j in range(4)] for i in range(4)]
+    ids = submit_while_busy(executor, engine, prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for rid, prompt in zip(ids, prompts):
+        tokens = [t for r in executor.stream(rid, timeout_s=60) for t in r.token_ids]
+        assert tokens == [prompt[-1] + 1 + j for j in range(12)]  # the same greedy tokens under both
+    wait_idle(executor)
+    stats = executor.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks == 12
+    if policy == "max_utilization":  # requests 2-4 are admitted together, then run out of blocks
+        assert engine.max_seen_seqs == 4 and stats.num_preemptions > 0
+    else:  # request 1 reserves 4 blocks: 2 more fit next to it, the last waits; nothing is preempted
+        assert engine.max_seen_seqs == 3 and stats.num_preemptions == 0
+
+
+def test_full_queue_rejects_then_recovers(make_executor):
+    executor, engine = make_executor(ExecutorConfig(max_queue_size=2), max_batch_size=1)
+    params = SamplingParams(max_tokens=3)
+    engine.gate.clear()
+    ids = [executor.submit([10], params)]
+    assert engine.entered.wait(30)  # request 1 holds the one batch slot; the loop is held in its forward
+    ids += [executor.submit([20], params), executor.submit([30], params)]
+    with pytest.raises(QueueFullError, match=r"queue is full: 2 requests already wait for admission "
+                                             r"\(max_queue_size\): retry later"):
+        executor.submit([40], params)
+    engine.gate.set()
+    for rid, first in zip(ids, (10, 20, 30)):
+        assert [t for r in executor.stream(rid, timeout_s=60) for t in r.token_ids] == [first + 1, first + 2, first + 3]
+    wait_idle(executor)
+    assert executor.generate([40], params, timeout_s=60).token_ids == [41, 42, 43]
+
+
+@pytest.mark.parametrize("config, match", [
+    (ExecutorConfig(batch_scheduler_policy="fifo"),
+     "batch_scheduler_policy is 'fifo': it must be one of max_utilization, guaranteed_no_evict"),
+    (ExecutorConfig(kv_cache_bytes=4096, max_tokens_in_paged_kv_cache=64), "give only one"),
+    (ExecutorConfig(max_queue_size=0), "max_queue_size=0 must be >= 1"),
+])
+def test_bad_scheduler_settings_are_refused(make_executor, config, match):
+    with pytest.raises(KilnError, match=match):
+        make_executor(config)
+
+
+@pytest.mark.parametrize("enable_chunked_context", [True, False])
+def test_chunked_context(make_executor, enable_chunked_context):
+    config = ExecutorConfig(enable_chunked_context=enable_chunked_context)
+    executor, engine = make_executor(config, max_num_tokens=16)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    ids = submit_while_busy(executor, engine, [[500], list(range(600, 616))], params)
+    assert [t for r in executor.stream(ids[1], timeout_s=60) for t in r.token_ids] == [616, 617, 618, 619]
+    wait_idle(executor)
+    if enable_chunked_context:  # the long prompt's first 15 tokens join request 1's first generation step
+        assert engine.num_tokens_per_forward == [1, 16, 2, 2, 1, 1]
+    else:  # it waits until a step has room for all 16
+        assert engine.num_tokens_per_forward == [1, 1, 1, 1, 16, 1, 1, 1]
+        with pytest.raises(RequestError, match="17 tokens but one step computes at most max_num_tokens=16 and "
+                                               "chunked context is off: enable chunked context"):
+            executor.submit(list(range(600, 617)), params)
+
+
+def test_iteration_stats(make_executor):
+    executor, _ = make_executor(ExecutorConfig(max_tokens_in_paged_kv_cache=256), max_batch_size=3, max_num_tokens=64,
+                                tokens_per_block=4)
+    prompt = list(range(1000, 1042))  # 42 tokens: 11 blocks, 10 of them full
+    executor.generate(prompt, SamplingParams(max_tokens=1), timeout_s=60)  # one iteration: the context
+    wait_idle(executor)
+    stats = executor.stats()
+    assert (stats.max_num_active_requests, stats.tokens_per_block, stats.num_total_blocks) == (3, 4, 64)
+    assert (stats.num_iterations, stats.last_num_tokens, stats.last_num_seqs) == (1, 42, 1)
+    assert (stats.last_num_context_requests, stats.last_num_context_tokens, stats.last_num_generation_requests,
+            stats.last_num_paused_requests) == (1, 42, 0, 0)
+    assert (stats.num_reused_blocks, stats.num_needed_blocks) == (0, 11)
+    executor.generate(prompt[:40] + [7, 8, 9], SamplingParams(max_tokens=2), timeout_s=60)
+    wait_idle(executor)
+    stats = executor.stats()
+    assert (stats.num_iterations, stats.last_num_tokens, stats.last_num_seqs) == (3, 1, 1)
+    assert (stats.last_num_context_requests, stats.last_num_context_tokens, stats.last_num_generation_requests) == (0, 0, 1)
+    assert (stats.num_reused_blocks, stats.num_needed_blocks) == (10, 22)  # 10 of its 11 blocks were cached
+    assert stats.num_cached_blocks == 11 and stats.num_active_requests == stats.num_queued == 0  # + [7, 8, 9, 10]
+    assert stats.timestamp_s > 0 and stats.last_iteration_s > 0

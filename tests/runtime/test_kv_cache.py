@@ -142,3 +142,42 @@ def test_default_pool_holds_every_sequence_up_to_the_cap_but_at_least_one():
     assert num_kv_cache_blocks(None, huge, max_batch_size=4, max_seq_len=128, tokens_per_block=4) == 32
     # Capped: 2 GiB of 1 MiB blocks = 2048 blocks, fewer than 64 sequences * 32 blocks.
     assert num_kv_cache_blocks(None, 1 << 20, max_batch_size=64, max_seq_len=4096, tokens_per_block=128) == 2048
+
+
+def test_pool_size_from_a_token_count_and_never_from_both():
+    # max_tokens_in_paged_kv_cache: whole blocks of 4 tokens holding at least that many tokens.
+    assert num_kv_cache_blocks(None, 64, 4, 128, 4, max_tokens_in_paged_kv_cache=32) == 8
+    assert num_kv_cache_blocks(None, 64, 4, 128, 4, max_tokens_in_paged_kv_cache=30) == 8
+    with pytest.raises(KilnError, match="both kv_cache_bytes=1,000 and max_tokens_in_paged_kv_cache=32.*only one"):
+        num_kv_cache_blocks(1000, 64, 4, 128, 4, max_tokens_in_paged_kv_cache=32)
+    with pytest.raises(KilnError, match="max_tokens_in_paged_kv_cache=0 must be >= 1"):
+        num_kv_cache_blocks(None, 64, 4, 128, 4, max_tokens_in_paged_kv_cache=0)
+
+
+def test_reuse_is_counted_at_each_allocation():
+    kv = make_manager(num_blocks=8)
+    a = list(range(10))  # 3 blocks, 2 full
+    kv.allocate(1, a)
+    assert (kv.num_reused_blocks, kv.num_needed_blocks) == (0, 3)
+    kv.cache_computed_blocks(1, a, 10)
+    kv.allocate(2, a[:8] + [50, 51, 52, 53, 54])  # 13 tokens: 4 blocks, the first 2 reused
+    assert (kv.num_reused_blocks, kv.num_needed_blocks) == (2, 7)
+    assert kv.allocate(3, list(range(100, 120))) is None  # refused: nothing counted
+    assert (kv.num_reused_blocks, kv.num_needed_blocks) == (2, 7)
+    kv.append_slots(2, 17)  # growth is not an allocation's need
+    assert (kv.num_reused_blocks, kv.num_needed_blocks) == (2, 7)
+
+
+def test_blocks_to_allocate_count_new_blocks_and_revived_prefix_hits():
+    kv = make_manager(num_blocks=8)
+    a = list(range(9))
+    kv.allocate(1, a)
+    kv.cache_computed_blocks(1, a, 9)  # blocks 0 and 1 cached, held by request 1
+    assert kv.num_blocks_to_allocate(list(range(100, 105))) == 2
+    assert kv.num_blocks_to_allocate(list(range(100, 105)), 20) == 5  # grown to 20 tokens
+    assert kv.num_blocks_to_allocate(a) == 1  # 2 hits in use: only the third block is new
+    kv.free(1)
+    assert kv.num_blocks_to_allocate(a) == 3  # the hits sit in the free queue: reviving takes them too
+    assert kv.num_blocks_to_allocate(a, 16) == 4
+    kv.allocate(2, a[:5])
+    assert kv.num_missing_blocks(2, 5) == 0 and kv.num_missing_blocks(2, 13) == 2

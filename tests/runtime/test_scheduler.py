@@ -5,9 +5,12 @@ token, and Scheduler.update applies it as in the executor."""
 
 from __future__ import annotations
 
+import pytest
+
 from factories import make_request, make_scheduler
+from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.request import FinishReason, RequestStatus
-from kilnlm.runtime.scheduler import ScheduledBatch, Scheduler
+from kilnlm.runtime.scheduler import BatchSchedulerPolicy, ScheduledBatch, Scheduler
 
 
 def run_step(scheduler: Scheduler, batch: ScheduledBatch, next_token: int = 7) -> list:
@@ -166,3 +169,99 @@ def test_update_skips_requests_finished_before_it():
     assert scheduler.update(batch, []) == []
     assert failed.num_computed_tokens == 0 and chunked.num_computed_tokens == 6
     assert failed.error_message == "sampling failed" and failed not in scheduler.running
+
+
+# ------------------------------------------------------------------------ batch_scheduler_policy
+def run_to_completion(scheduler: Scheduler, requests: list) -> tuple[int, int]:
+    """Add ``requests``, then step until every one finished. Returns (most sequences in one step,
+    preemptions)."""
+    for request in requests:
+        scheduler.add(request)
+    max_seqs = num_preempted = 0
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        max_seqs = max(max_seqs, len(batch.seqs))
+        num_preempted += len(batch.preempted)
+        run_step(scheduler, batch)
+    return max_seqs, num_preempted
+
+
+def test_guaranteed_no_evict_admits_fewer_and_never_preempts_max_utilization_preempts():
+    # 6 blocks of 4 tokens; 3 requests of 4 prompt tokens that may grow to 4 + 8 = 12 tokens (3 blocks).
+    requests = {policy: [make_request(i, num_prompt_tokens=4, max_tokens=8) for i in (1, 2, 3)]
+                for policy in ("max_utilization", "guaranteed_no_evict")}
+    greedy = make_scheduler(num_blocks=6, max_num_tokens=16, policy="max_utilization")
+    assert run_to_completion(greedy, requests["max_utilization"]) == (3, 1)  # all 3 admitted; one preempted
+    safe = make_scheduler(num_blocks=6, max_num_tokens=16, policy="guaranteed_no_evict")
+    for request in requests["guaranteed_no_evict"]:
+        safe.add(request)
+    batch = safe.schedule()
+    # Request 1 reserves 3 blocks, request 2 the other 3: request 3 waits although 4 blocks are free now.
+    assert plan(batch) == [(1, 4), (2, 4)] and safe.kv_cache.num_free_blocks == 4
+    assert [r.request_id for r in safe.waiting] == [3]
+    run_step(safe, batch)
+    assert run_to_completion(safe, []) == (2, 0)
+    for policy, finished in requests.items():
+        assert [r.output_token_ids for r in finished] == [[7] * 8] * 3, policy
+        assert all(r.finish_reason is FinishReason.LENGTH for r in finished)
+    assert greedy.kv_cache.num_free_blocks == safe.kv_cache.num_free_blocks == 6
+
+
+def test_guaranteed_no_evict_counts_prefix_hits_and_the_reserve_of_running_requests():
+    scheduler = make_scheduler(num_blocks=8, max_num_tokens=32, enable_kv_cache_reuse=True,
+                               policy="guaranteed_no_evict")
+    first = make_request(1, num_prompt_tokens=9, max_tokens=3)  # 12 tokens: 3 blocks
+    scheduler.add(first)
+    run_step(scheduler, scheduler.schedule())  # 2 full blocks cached; 10 tokens in 3 blocks
+    assert scheduler.kv_cache.num_missing_blocks(1, first.max_num_tokens) == 0
+    # Shares first's 2 full blocks and may grow to 9 + 15 = 24 tokens (6 blocks): needs 4 new ones, and 5
+    # are free.
+    second = make_request(2, first.prompt_token_ids[:8] + [5], max_tokens=15)
+    assert scheduler.kv_cache.num_blocks_to_allocate(second.token_ids, second.max_num_tokens) == 4
+    # A third of 4 + 4 tokens (2 blocks) no longer fits next to second's reserve (3 blocks): 1 free left.
+    third = make_request(3, num_prompt_tokens=4, max_tokens=4)
+    scheduler.add(second)
+    scheduler.add(third)
+    assert plan(scheduler.schedule()) == [(1, 1), (2, 1)]
+    assert second.num_computed_tokens == 8 and [r.request_id for r in scheduler.waiting] == [3]
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(KilnError, match="batch_scheduler_policy is 'fcfs': it must be one of max_utilization, "
+                                        "guaranteed_no_evict"):
+        BatchSchedulerPolicy.from_name("fcfs")
+
+
+# ---------------------------------------------------------------------------------- chunked context off
+def test_without_chunked_context_a_context_waits_for_a_step_with_room_for_all_of_it():
+    scheduler = make_scheduler(max_num_tokens=8, enable_chunked_context=False)
+    decoding = make_request(1, num_prompt_tokens=3, max_tokens=3)
+    scheduler.add(decoding)
+    run_step(scheduler, scheduler.schedule())
+    scheduler.add(make_request(2, num_prompt_tokens=8))
+    scheduler.add(make_request(3, num_prompt_tokens=2))
+    plans = []
+    for _ in range(4):
+        batch = scheduler.schedule()
+        plans.append(plan(batch))
+        run_step(scheduler, batch)
+    # 8 prompt tokens never fit next to a generation token: request 2 (and request 3 behind it) wait until
+    # request 1 finished; then request 2 runs whole and request 3 follows.
+    assert plans == [[(1, 1)], [(1, 1)], [(2, 8)], [(2, 1), (3, 2)]]
+
+
+def test_without_chunked_context_a_recomputation_longer_than_the_budget_is_still_chunked():
+    # 3 blocks of 4 tokens. Request 2 (7 prompt tokens, 2 generated: 9 tokens) is preempted when request 1's
+    # 5th token needs a block; its recomputation can never fit a step of 8 whole, so it alone is chunked.
+    scheduler = make_scheduler(num_blocks=3, max_num_tokens=8, enable_chunked_context=False)
+    short, long_one = make_request(1, num_prompt_tokens=2, max_tokens=8), make_request(2, num_prompt_tokens=7, max_tokens=4)
+    scheduler.add(short)
+    scheduler.add(long_one)
+    plans = []
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        plans.append((plan(batch), [r.request_id for r in batch.preempted]))
+        run_step(scheduler, batch)
+    assert plans[:4] == [([(1, 2)], []), ([(1, 1), (2, 7)], []), ([(1, 1), (2, 1)], []), ([(1, 1)], [2])]
+    assert plans[4:] == [([(1, 1)], [])] * 4 + [([(2, 8)], []), ([(2, 1)], []), ([(2, 1)], [])]
+    assert long_one.num_preemptions == 1 and long_one.output_token_ids == [7] * 4 and short.output_token_ids == [7] * 8

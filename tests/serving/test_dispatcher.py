@@ -129,7 +129,7 @@ def test_streamed_replies_arrive_in_order_from_the_dispatcher_thread(served):
     assert client.threads == {"kilnlm-dispatcher"}
     wait_until(lambda: backend.value("kilnlm_requests_finished_total", finish_reason="length") == 1.0)
     assert backend.value("kilnlm_generated_tokens_total") == 2.0
-    wait_until(lambda: backend.value("kilnlm_kv_cache_total_blocks") == 8.0)  # stats refreshed
+    wait_until(lambda: backend.value("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max") == 8.0)  # stats
 
 
 def test_non_streamed_request_gets_one_final_reply(served):

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from servers import sample
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -125,10 +126,10 @@ def wait_for_idle(server, timeout_s: float = 20.0) -> tuple[float, float]:
     deadline_s = time.monotonic() + timeout_s
     while True:
         m = server.metrics()
-        free = m.get('kilnlm_kv_cache_free_blocks{model="kilnlm"}', -1)
-        total = m.get('kilnlm_kv_cache_total_blocks{model="kilnlm"}', -2)
-        active = m.get('kilnlm_active_requests{model="kilnlm"}', -1)
-        queued = m.get('kilnlm_queued_requests{model="kilnlm"}', -1)
+        free = sample(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="free")
+        total = sample(m, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max")
+        active = sample(m, "nv_trt_llm_request_metrics", request_type="active")
+        queued = sample(m, "nv_trt_llm_request_metrics", request_type="waiting")
         if free == total and total > 0 and active == 0 and queued == 0:
             return free, total
         if time.monotonic() > deadline_s:
@@ -275,16 +276,16 @@ def test_cancelled_grpc_stream_frees_its_blocks(triton_server, never_end_id):
         if num_responses != 8:
             return
         deadline_s = time.monotonic() + 5
-        while triton_server.metric("kilnlm_active_requests") != 1 and time.monotonic() < deadline_s:
+        while triton_server.metric("nv_trt_llm_request_metrics", request_type="active") != 1 and \
+                time.monotonic() < deadline_s:
             time.sleep(0.05)  # the gauges refresh every 0.1 s
         in_flight.update(triton_server.metrics())
 
     responses = grpc_stream(triton_server, text_input=PROMPTS[6], max_tokens=1000, stream=True,
                             end_id=never_end_id, cancel_after=16, on_response=probe)
     assert len(responses) == 16
-    assert in_flight['kilnlm_active_requests{model="kilnlm"}'] == 1
-    assert in_flight['kilnlm_kv_cache_free_blocks{model="kilnlm"}'] < \
-        in_flight['kilnlm_kv_cache_total_blocks{model="kilnlm"}']
+    assert sample(in_flight, "nv_trt_llm_request_metrics", request_type="active") == 1
+    assert sample(in_flight, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") > 0
     wait_for_idle(triton_server)  # well before the 1000 tokens it asked for
     wait_for_cancelled(triton_server, num_cancelled_before + 1)
     status, [answer] = http_generate(triton_server, text_input=PROMPTS[0], max_tokens=4)
@@ -376,6 +377,6 @@ def test_bad_words_are_never_generated(triton_server, smollm2_executor):
 def test_latency_histograms_and_token_counter(triton_server):
     http_generate(triton_server, text_input=PROMPTS[7], max_tokens=4)
     m = triton_server.metrics()
-    assert m['kilnlm_time_to_first_token_seconds_count{model="kilnlm"}'] >= 1
-    assert m['kilnlm_inter_token_latency_seconds_count{model="kilnlm"}'] >= 1
-    assert m['kilnlm_generated_tokens_total{model="kilnlm"}'] >= 4
+    assert sample(m, "kilnlm_time_to_first_token_seconds_count", model="kilnlm") >= 1
+    assert sample(m, "kilnlm_inter_token_latency_seconds_count", model="kilnlm") >= 1
+    assert sample(m, "kilnlm_generated_tokens_total", model="kilnlm") >= 4

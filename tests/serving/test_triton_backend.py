@@ -136,14 +136,18 @@ def test_metrics_backend_makes_triton_families_with_buckets_for_histograms_only(
     gc.collect()
     assert MetricFamily.deleted == []  # the families live as long as the metrics
     kinds = {name: (kind, "buckets" in kwargs) for name, kind, labels, kwargs in MetricFamily.created}
-    assert kinds["kilnlm_kv_cache_free_blocks"] == ("GAUGE", False)
+    assert kinds["nv_trt_llm_kv_cache_block_metrics"] == ("GAUGE", False)
     assert kinds["kilnlm_generated_tokens_total"] == ("COUNTER", False)
     assert kinds["kilnlm_time_to_first_token_seconds"] == ("HISTOGRAM", True)
-    assert all(labels == {"model": "kilnlm"} for _, _, labels, _ in MetricFamily.created)
-    assert len(MetricFamily.created) == 8  # every series but the per-finish-reason counters (made on first use)
+    assert kinds["nv_llm_input_token_len"] == ("HISTOGRAM", True)
+    assert all(labels.items() >= {"model": "kilnlm", "version": "1"}.items()
+               for _, _, labels, _ in MetricFamily.created)
+    # Every series but the per-finish-reason counters (made on first use): 19 nv_trt_llm_* gauges, 2 token
+    # length and 4 latency histograms, the cached-blocks gauge and the generated-tokens counter.
+    assert len(MetricFamily.created) == 27
     metrics.count_finished("stop")
     assert MetricFamily.created[-1][:3] == ("kilnlm_requests_finished_total", "COUNTER",
-                                            {"model": "kilnlm", "finish_reason": "stop"})
+                                            {"model": "kilnlm", "version": "1", "finish_reason": "stop"})
 
 
 def test_forward_to_decoupled_forces_stream_false_and_returns_the_final_response():
