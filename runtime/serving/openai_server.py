@@ -180,9 +180,10 @@ class OpenAIServer:
         app.add_exception_handler(APIError, lambda request, exc: exc.reply())
         app.add_exception_handler(RequestValidationError, _validation_error)
         app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(Exception, _internal_error)
         return app
 
-    def _check_api_key(self, http_request: Request) -> None:
+    async def _check_api_key(self, http_request: Request) -> None:
         if self.settings.api_key is None:
             return
         scheme, _, key = http_request.headers.get("authorization", "").partition(" ")
@@ -354,6 +355,11 @@ def _validation_error(http_request: Request, exc: RequestValidationError) -> JSO
 
 def _http_error(http_request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).reply()
+
+
+def _internal_error(http_request: Request, exc: Exception) -> JSONResponse:
+    """A bug or a broken engine: a 500 in OpenAI's shape (uvicorn logs the traceback)."""
+    return APIError(500, f"kilnlm internal error: {exc!r}").reply()
 
 
 def serve(executor, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> None:
