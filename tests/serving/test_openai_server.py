@@ -343,3 +343,19 @@ def test_kilnlm_serve_answers_paris(smollm2_engine_fp32_dir, tmp_path):
         process.terminate()
         process.wait(timeout=30)
         log.close()
+
+
+def test_serve_resolves_a_cache_reference(tiny_engine_dir, tmp_path):
+    """``--engine NAME:VERSION --cache DIR``: the engine is fetched from the cache into the local engine
+    cache directory and verified, as a deployed model's pointer is; a second resolve reuses that copy."""
+    from kilnlm.cli.serve_cmd import resolve_engine
+    from kilnlm.runtime.distribution.cache import EngineCache
+    from kilnlm.runtime.engine import verify_engine
+
+    cache_url = str(tmp_path / "cache")
+    entry = EngineCache(cache_url).publish(Path(tiny_engine_dir), name="tiny", version="1")
+    local = resolve_engine("tiny:1", cache_url, tmp_path / "served")
+    assert local == tmp_path / "served" / entry.key
+    verify_engine(local)
+    assert resolve_engine(f"{cache_url}/tiny:latest", None, tmp_path / "served") == local
+    assert resolve_engine(str(tiny_engine_dir), cache_url, tmp_path / "served") == Path(tiny_engine_dir)
