@@ -226,9 +226,10 @@ class OpenAIServer:
             await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
-            if not work.done():  # the client went away (or this handler was cancelled)
+            client_gone = not work.done()
+            if client_gone:  # (or this handler was cancelled): the work's `finally` cancels the request
                 work.cancel()
-        if work.cancelled():
+        if client_gone:
             return HTTPResponse(status_code=499)  # nobody reads it
         return JSONResponse(work.result())
 
