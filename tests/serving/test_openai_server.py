@@ -201,6 +201,12 @@ def test_bad_parameter_is_400(client):
     with pytest.raises(openai.BadRequestError) as info:  # FastAPI's 422, in OpenAI's shape
         client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"max_tokens": "many"})
     assert info.value.status_code == 400 and _error_fields(info.value)["param"] == "max_tokens"
+    refused = [({"echo": True}, "echo"), ({"logit_bias": {"42": 5}}, "logit_bias"),
+               ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema")]
+    for extra, named in refused:  # what kilnlm cannot honour is refused by name, never ignored
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert named in _error_fields(info.value)["message"]
 
 
 def test_wrong_or_missing_api_key_is_401(server_url):
