@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "cache": ("kilnlm.cli.cache_cmd", "list, push, pull, tag, verify, rm and gc engines in an engine cache (directory or S3)"),
     "deploy": ("kilnlm.cli.deploy_cmd", "write an engine (directory or cache reference) into a Triton model repository"),
     "eval": ("kilnlm.cli.eval_cmd", "perplexity of a text file through an engine"),
+    "serve": ("kilnlm.cli.serve_cmd", "serve an engine over OpenAI's HTTP API (completions, chat, SSE, metrics)"),
 }
 
 

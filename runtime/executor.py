@@ -292,6 +292,12 @@ class Executor:
         with self._lock:
             return self._stats
 
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread serves requests (started, not shut down, not dead): a server's health."""
+        with self._lock:
+            return self._thread.is_alive() and not self._stopping
+
     def shutdown(self, timeout_s: float | None = 30.0) -> None:
         """Stop the loop; unfinished requests finish with reason "cancelled". Idempotent."""
         with self._lock:

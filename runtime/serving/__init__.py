@@ -21,4 +21,10 @@ Framework-free modules (no ``triton_python_backend_utils``, no web framework), o
 Framework glue: ``triton_backend`` adapts Triton's Python backend (requests, response senders, metric
 families) to the modules above; it takes the ``triton_python_backend_utils`` module as an argument, so it
 too imports anywhere. ``model_repository/*/1/model.py`` are thin adapters over it.
+
+The OpenAI-compatible front (``kilnlm serve``): ``openai_protocol`` (OpenAI's request bodies ->
+``SamplingParams``; responses, chunks, log-probs, usage and errors in OpenAI's shapes) and
+``openai_server`` (the FastAPI application on uvicorn, its threads and cancellation); they import FastAPI
+and pydantic, so nothing else here imports them. ``prometheus_backend`` renders the metrics for its
+``/metrics``.
 """

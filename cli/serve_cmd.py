@@ -1,0 +1,122 @@
+"""``kilnlm serve``: serve an engine (local directory or cache reference) over OpenAI's HTTP API.
+The server is :mod:`kilnlm.runtime.serving.openai_server`.
+
+The executor's settings are its :class:`~kilnlm.runtime.executor.ExecutorConfig` fields under their
+TensorRT-LLM names, one option each (``--max-batch-size`` or ``--max_batch_size``), generated from the
+dataclass in :func:`add_executor_options`; an option left out keeps the field's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+# ExecutorConfig field -> its help (unit and meaning); the default is read from the dataclass.
+EXECUTOR_OPTION_HELP = {
+    "kv_cache_bytes": "size of the paged KV cache pool in bytes; none = enough for max_batch_size sequences of "
+                      "max_seq_len tokens, capped at 2 GiB",
+    "max_tokens_in_paged_kv_cache": "size of the paged KV cache pool in tokens (instead of bytes)",
+    "enable_kv_cache_reuse": "reuse the KV blocks of shared prompt prefixes",
+    "enable_chunked_context": "compute long prompts over several iterations",
+    "batch_scheduler_policy": "max_utilization (admit greedily, preempt and recompute) or guaranteed_no_evict "
+                              "(admit a request only when its prompt + max_tokens fits)",
+    "max_queue_size": "requests waiting for admission beyond which new ones get HTTP 503; none = unbounded",
+    "max_batch_size": "sequences per iteration, at most the engine's build limit; none = the build limit",
+    "max_num_tokens": "packed tokens per iteration, at most the engine's build limit; none = the build limit",
+}
+
+
+def add_executor_options(p: argparse.ArgumentParser) -> None:
+    """One option per ExecutorConfig field (dashes or TensorRT-LLM's underscores), values parsed as
+    config.pbtxt parameters are (:func:`kilnlm.runtime.serving.parameters.parameter_value`)."""
+    from kilnlm.runtime.executor import ExecutorConfig
+    from kilnlm.runtime.serving.parameters import parameter_value
+
+    group = p.add_argument_group("executor (TensorRT-LLM's names)")
+    for field in dataclasses.fields(ExecutorConfig):
+        annotation = str(field.type)
+        group.add_argument(
+            "--" + field.name.replace("_", "-"), "--" + field.name, dest="executor_" + field.name,
+            default=None, metavar=_metavar(annotation),
+            type=lambda text, annotation=annotation: parameter_value(text, annotation),
+            help=f"{EXECUTOR_OPTION_HELP[field.name]} (default: {field.default})")
+
+
+def _metavar(annotation: str) -> str:
+    return "true|false" if "bool" in annotation else "N" if "int" in annotation else "NAME"
+
+
+def executor_config(args: argparse.Namespace):
+    """The ExecutorConfig the parsed options ask for (fields not given keep their defaults)."""
+    from kilnlm.runtime.executor import ExecutorConfig
+
+    return ExecutorConfig(**{field.name: getattr(args, "executor_" + field.name)
+                             for field in dataclasses.fields(ExecutorConfig)
+                             if getattr(args, "executor_" + field.name) is not None})
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    from kilnlm.runtime.serving.parameters import DEFAULT_MAX_TOKENS
+
+    p = subparsers.add_parser(name, help=help_text, description=help_text + ": /v1/models, /v1/completions, "
+                              "/v1/chat/completions (SSE streaming), /health, /metrics (Prometheus).")
+    p.add_argument("--engine", required=True, metavar="DIR|CACHE_REF",
+                   help="an engine directory written by `kilnlm build`, or a cache reference "
+                        "(s3://bucket/prefix/NAME:VERSION, /local/cache/NAME:latest; NAME:VERSION alone with "
+                        "--cache), fetched into --engine-cache-dir and verified")
+    p.add_argument("--cache", default=None, metavar="URL",
+                   help="cache to look a bare NAME:VERSION or key up in (default: $KILNLM_CACHE or "
+                        "~/.cache/kilnlm/engines, as for `kilnlm cache`)")
+    p.add_argument("--engine-cache-dir", type=Path, default=None,
+                   help="where a cache reference's engine is kept locally (default: $KILNLM_ENGINE_CACHE_DIR or "
+                        "~/.cache/kilnlm/served-engines)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on; 0.0.0.0 = all (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send (default: the last part of --engine, e.g. smollm2_fp32)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none, no key needed)")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="TOKENS",
+                   help=f"max_tokens of a request that sends none, in tokens (default: {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: info)")
+    add_executor_options(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def resolve_engine(ref: str, cache_url: str | None, engine_cache_dir: Path | None) -> Path:
+    """The local engine directory ``ref`` names: ``ref`` itself when it is a directory, else the verified
+    local copy of the cache reference (``<cache url>/<ref>`` for a bare name or key).
+
+    Raises:
+        EngineError: the reference cannot be resolved, fetched or verified.
+    """
+    from kilnlm.runtime.distribution.deploy import is_cache_ref
+    from kilnlm.runtime.distribution.engine_source import default_engine_cache_dir, materialize_cached_engine
+
+    if not is_cache_ref(ref):
+        return Path(ref).expanduser()
+    full_ref = cache_url.rstrip("/") + "/" + ref if cache_url and "/" not in ref else ref
+    served = materialize_cached_engine(full_ref, None, engine_cache_dir or default_engine_cache_dir(),
+                                       log=lambda message: print(message, flush=True))
+    return served.engine_dir
+
+
+def run(args: argparse.Namespace) -> int:
+    from kilnlm.cli.cache_cmd import default_cache_url
+    from kilnlm.runtime.executor import Executor
+    from kilnlm.runtime.serving.openai_server import ServerSettings, serve
+
+    engine_dir = resolve_engine(args.engine, args.cache or default_cache_url(), args.engine_cache_dir)
+    settings = ServerSettings(model_name=args.served_model_name or args.engine.rstrip("/").rsplit("/", 1)[-1],
+                              api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    executor = Executor.from_engine_dir(engine_dir, executor_config(args))
+    try:
+        print(f"kilnlm serve: {engine_dir} as model '{settings.model_name}' on http://{args.host}:{args.port}/v1",
+              flush=True)
+        serve(executor, settings, args.host, args.port, args.log_level)
+    finally:
+        executor.shutdown()
+    return 0
