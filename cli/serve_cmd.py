@@ -12,39 +12,31 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-# ExecutorConfig field -> its help (unit and meaning); the default is read from the dataclass.
-EXECUTOR_OPTION_HELP = {
-    "kv_cache_bytes": "size of the paged KV cache pool in bytes; none = enough for max_batch_size sequences of "
-                      "max_seq_len tokens, capped at 2 GiB",
-    "max_tokens_in_paged_kv_cache": "size of the paged KV cache pool in tokens (instead of bytes)",
-    "enable_kv_cache_reuse": "reuse the KV blocks of shared prompt prefixes",
-    "enable_chunked_context": "compute long prompts over several iterations",
-    "batch_scheduler_policy": "max_utilization (admit greedily, preempt and recompute) or guaranteed_no_evict "
-                              "(admit a request only when its prompt + max_tokens fits)",
-    "max_queue_size": "requests waiting for admission beyond which new ones get HTTP 503; none = unbounded",
-    "max_batch_size": "sequences per iteration, at most the engine's build limit; none = the build limit",
-    "max_num_tokens": "packed tokens per iteration, at most the engine's build limit; none = the build limit",
-}
-
-
 def add_executor_options(p: argparse.ArgumentParser) -> None:
-    """One option per ExecutorConfig field (dashes or TensorRT-LLM's underscores), values parsed as
-    config.pbtxt parameters are (:func:`kilnlm.runtime.serving.parameters.parameter_value`)."""
-    from kilnlm.runtime.executor import ExecutorConfig
-    from kilnlm.runtime.serving.parameters import parameter_value
+    """One option per ExecutorConfig field (dashes or TensorRT-LLM's underscores), with the type, choices,
+    default and help of :func:`kilnlm.runtime.serving.parameters.executor_options` (the field's metadata);
+    values parse as config.pbtxt parameters do (``ExecutorOption.parse``)."""
+    from kilnlm.runtime.serving.parameters import executor_options
 
     group = p.add_argument_group("executor (TensorRT-LLM's names)")
-    for field in dataclasses.fields(ExecutorConfig):
-        annotation = str(field.type)
+    for option in executor_options():
         group.add_argument(
-            "--" + field.name.replace("_", "-"), "--" + field.name, dest="executor_" + field.name,
-            default=None, metavar=_metavar(annotation),
-            type=lambda text, annotation=annotation: parameter_value(text, annotation),
-            help=f"{EXECUTOR_OPTION_HELP[field.name]} (default: {field.default})")
+            option.flag, "--" + option.name, dest="executor_" + option.name, default=None,
+            metavar="|".join(option.choices) or _METAVARS.get(option.value_type, "VALUE"),
+            type=lambda text, option=option: _parse(option, text),
+            help=option.help if "default" in option.help else f"{option.help} (default: {option.default})")
 
 
-def _metavar(annotation: str) -> str:
-    return "true|false" if "bool" in annotation else "N" if "int" in annotation else "NAME"
+_METAVARS = {bool: "true|false", int: "N", float: "X"}
+
+
+def _parse(option, text: str):
+    from kilnlm.runtime.errors import KilnError
+
+    try:
+        return option.parse(text)
+    except KilnError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def executor_config(args: argparse.Namespace):

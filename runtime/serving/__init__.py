@@ -25,6 +25,6 @@ too imports anywhere. ``model_repository/*/1/model.py`` are thin adapters over i
 The OpenAI-compatible front (``kilnlm serve``): ``openai_protocol`` (OpenAI's request bodies ->
 ``SamplingParams``; responses, chunks, log-probs, usage and errors in OpenAI's shapes) and
 ``openai_server`` (the FastAPI application on uvicorn, its threads and cancellation); they import FastAPI
-and pydantic, so nothing else here imports them. ``prometheus_backend`` renders the metrics for its
-``/metrics``.
+and pydantic, so nothing else here imports them. Its ``/metrics`` renders the metrics through
+``metrics.PrometheusBackend``.
 """

@@ -46,9 +46,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kilnlm.runtime.errors import QueueFullError, RequestError
 from kilnlm.runtime.request import FinishReason, Response
 from kilnlm.runtime.serving import openai_protocol as protocol
-from kilnlm.runtime.serving.metrics import Metrics, RequestTiming
+from kilnlm.runtime.serving.metrics import Metrics, PrometheusBackend, RequestTiming
 from kilnlm.runtime.serving.parameters import DEFAULT_MAX_TOKENS
-from kilnlm.runtime.serving.prometheus_backend import PrometheusBackend
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +128,13 @@ class _ResponseStream:
             self.last = item
             yield item
 
-    def close(self) -> None:
-        if not self._ended:
-            self._executor.cancel(self.request_id)
-            self._ended = True
+    def close(self) -> bool:
+        """Cancel the executor request unless its stream ended; returns whether it cancelled it."""
+        if self._ended:
+            return False
+        self._executor.cancel(self.request_id)
+        self._ended = True
+        return True
 
 
 async def _wait_for_disconnect(http_request: Request) -> None:
@@ -200,7 +202,9 @@ class OpenAIServer:
 
     async def metrics_text(self) -> HTTPResponse:
         self.metrics.update_stats(self.executor.stats())
-        body, content_type = self.metrics_backend.exposition()
+        import prometheus_client
+
+        body, content_type = self.metrics_backend.render(), prometheus_client.CONTENT_TYPE_LATEST
         return HTTPResponse(body, media_type=content_type)
 
     async def completions(self, http_request: Request, body: protocol.CompletionRequest):
@@ -245,15 +249,17 @@ class OpenAIServer:
             raise APIError(400, str(exc)) from None
 
     def _observe(self, timing: RequestTiming, response: Response) -> None:
-        self.metrics.observe_new_tokens(timing, len(response.token_ids), time.monotonic())
+        """Metrics of one response (as the Triton front's dispatcher records them: per sequence)."""
+        self.metrics.observe_response(timing, response, time.monotonic())
+        if response.finished:
+            self.metrics.count_finished(response.finish_reason.value)
         if response.finish_reason is FinishReason.ERROR:
             raise APIError(500, f"kilnlm executor error: {response.error}")
 
     def _finish(self, stream: _ResponseStream) -> None:
-        stream.close()
-        last = stream.last
-        reason = last.finish_reason.value if last is not None and last.finish_reason is not None else "cancelled"
-        self.metrics.count_finished(reason)
+        """End the request's stream: a client that went away before its last response cancels it."""
+        if stream.close():
+            self.metrics.count_finished("cancelled")
 
     async def _collect(self, stream: _ResponseStream, reply: "_Reply", timing: RequestTiming) -> dict[str, Any]:
         try:
