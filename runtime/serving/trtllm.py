@@ -120,7 +120,8 @@ def _row(array: np.ndarray | None, row: int) -> np.ndarray | None:
 def preprocess(read: ArrayReader, tokenizer, add_special_tokens: bool = True) -> dict[str, np.ndarray]:
     """The ``preprocessing`` model: ``QUERY [B, 1]`` text, ``REQUEST_OUTPUT_LEN [B, 1]``, optional
     ``BAD_WORDS_DICT`` / ``STOP_WORDS_DICT [B, W]`` strings (each one word; "" ignored), ``END_ID`` /
-    ``PAD_ID [B, 1]`` -> ``INPUT_ID [B, L]`` int32 (padded with the pad id), ``REQUEST_INPUT_LEN [B, 1]``,
+    ``PAD_ID [B, 1]``, kilnlm's ``APPLY_CHAT_TEMPLATE [B, 1]`` (true: the query is one user message in the
+    engine's chat template, tokenized without adding special tokens again) -> ``INPUT_ID [B, L]`` int32 (padded with the pad id), ``REQUEST_INPUT_LEN [B, 1]``,
     ``BAD_WORDS_IDS`` / ``STOP_WORDS_IDS [B, 2, N]``, ``REQUEST_OUTPUT_LEN [B, 1]``, ``OUT_END_ID`` /
     ``OUT_PAD_ID [B, 1]`` (default: the tokenizer's EOS id; pad defaults to the end id).
 
@@ -139,7 +140,11 @@ def preprocess(read: ArrayReader, tokenizer, add_special_tokens: bool = True) ->
     pad_ids = read("PAD_ID")
     end = [int(np.asarray(end_ids)[b].reshape(-1)[0]) if end_ids is not None else eos for b in range(batch)]
     pad = [int(np.asarray(pad_ids)[b].reshape(-1)[0]) if pad_ids is not None else end[b] for b in range(batch)]
-    prompts = [tokenizer.encode(t[0], add_special_tokens=add_special_tokens) for t in texts]
+    chat = read("APPLY_CHAT_TEMPLATE")
+    chat = [False] * batch if chat is None else [bool(np.asarray(chat)[b].reshape(-1)[0]) for b in range(batch)]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t[0]}]),
+                                add_special_tokens=False) if chat[b] else
+               tokenizer.encode(t[0], add_special_tokens=add_special_tokens) for b, t in enumerate(texts)]
     input_ids = np.array([[*p, *[pad[b]] * (max(map(len, prompts)) - len(p))] for b, p in enumerate(prompts)],
                          dtype=np.int32)
 
@@ -385,7 +390,8 @@ class LLMProtocol:
 # model_repository/ensemble/config.pbtxt; tensorrt_llm_bls follows it with BLS calls).
 # preprocessing input <- ensemble input
 PREPROCESSING_INPUTS: dict[str, str] = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT":
-    "bad_words", "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id"}
+    "bad_words", "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
+    "APPLY_CHAT_TEMPLATE": "apply_chat_template"}
 # preprocessing output -> intermediate
 PREPROCESSING_OUTPUTS: dict[str, str] = {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
     "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "BAD_WORDS_IDS":
