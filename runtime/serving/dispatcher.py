@@ -202,6 +202,9 @@ class RequestDispatcher:
             del live[key]
             if state.cancelled:
                 self._metrics.count_finished("cancelled")
+            elif not state.closed:  # the protocol expected more responses: end the client's stream anyway
+                self._log.warning(f"kilnlm: request {key} ended before its final reply was sent")
+                state.client.close()
             return
         response = payload  # kind == "response"
         self._metrics.observe_new_tokens(state.timing, len(response.token_ids), time.monotonic())
