@@ -149,8 +149,8 @@ def test_an_engine_with_another_tokenizer_is_refused(tiny_engine_dir, tmp_path):
 
 
 def test_a_directory_that_is_not_a_kilnlm_model_is_not_overwritten(tiny_engine_dir, tmp_path):
-    (tmp_path / "repo" / "other").mkdir(parents=True)
-    (tmp_path / "repo" / "other" / "config.pbtxt").write_text('name: "other"\nbackend: "onnxruntime"\n')
+    (tmp_path / "repo" / "tensorrt_llm").mkdir(parents=True)
+    (tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").write_text('name: "tensorrt_llm"\nbackend: "tensorrtllm"\n')
     with pytest.raises(DeployError, match="not a kilnlm model"):
         deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=tmp_path / "repo"))
 
