@@ -259,7 +259,8 @@ def parse_llm_request(read: ArrayReader, tokenizer) -> LLMRequest:
         raise BadRequest("'request_output_len' is required")
     top_k = _scalar(read, "runtime_top_k", int, 0)
     top_p = _scalar(read, "runtime_top_p", float, 0.0)
-    greedy = top_k == 1 or (top_k == 0 and not 0.0 < top_p < 1.0)
+    top_p = 1.0 if top_p == 0.0 else top_p  # TensorRT-LLM's "off" is 0 (out-of-range values: validate refuses)
+    greedy = top_k == 1 or (top_k == 0 and top_p == 1.0)
     temperature = 0.0 if greedy else _scalar(read, "temperature", float, 1.0)
     guide_type = _scalar(read, "guided_decoding_guide_type", lambda v: _strings(np.array([v]))[0])
     guide = _scalar(read, "guided_decoding_guide", lambda v: _strings(np.array([v]))[0])
@@ -274,7 +275,7 @@ def parse_llm_request(read: ArrayReader, tokenizer) -> LLMRequest:
     optional = {"end_id": _scalar(read, "end_id", int), "seed": _scalar(read, "seed", int)}
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=0 if greedy else top_k,
-        top_p=top_p if 0.0 < top_p < 1.0 else 1.0, stop=tuple(s for s in stop if s),
+        top_p=top_p, stop=tuple(s for s in stop if s),
         bad_words=word_list("bad_words_list"),
         repetition_penalty=_scalar(read, "repetition_penalty", float, 1.0),
         presence_penalty=_scalar(read, "presence_penalty", float, 0.0),

@@ -90,6 +90,10 @@ def test_tensorrt_llm_default_sampling_is_greedy(tokenizer):
     assert plain.greedy and plain.top_p == 1.0
     top1 = trtllm.parse_llm_request(reader(**llm_inputs(runtime_top_k=np.array([[1]]))), tokenizer).sampling
     assert top1.greedy
+    out_of_range = trtllm.parse_llm_request(reader(**llm_inputs(runtime_top_p=np.array([[1.5]], dtype=np.float32))),
+                                            tokenizer).sampling
+    with pytest.raises(Exception, match="top_p"):  # refused by SamplingParams.validate, not silently "off"
+        out_of_range.validate(vocab_size=100)
 
 
 @pytest.mark.parametrize("name, value", [
