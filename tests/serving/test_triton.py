@@ -233,6 +233,28 @@ def test_grpc_streaming_tensorrt_llm_token_ids_in_ids_out(triton_server, smollm2
     assert int(whole["num_input_tokens"].reshape(-1)[0]) == len(prompt_ids)
 
 
+def test_http_infer_on_preprocessing_and_postprocessing_with_batch_shaped_tensors(triton_server, smollm2_executor):
+    """HTTP /infer with ``[1, 1]``-shaped tensors, as TensorRT-LLM's clients send them, on the two
+    non-decoupled models (Triton refuses /infer for decoupled ones: ensemble, tensorrt_llm_bls, tensorrt_llm)."""
+    tokenizer = smollm2_executor.tokenizer
+    client = httpclient.InferenceServerClient(triton_server.http_url.removeprefix("http://"))
+    query = np.array([[PROMPTS[0].encode()]], dtype=np.object_)
+    inputs = [httpclient.InferInput("QUERY", [1, 1], "BYTES"), httpclient.InferInput("REQUEST_OUTPUT_LEN", [1, 1], "INT32"),
+              httpclient.InferInput("STOP_WORDS_DICT", [1, 1], "BYTES")]
+    for tensor, array in zip(inputs, (query, np.array([[8]], dtype=np.int32), np.array([[b" Paris"]], dtype=np.object_))):
+        tensor.set_data_from_numpy(array)
+    result = client.infer("preprocessing", inputs)
+    assert result.as_numpy("INPUT_ID").tolist() == [tokenizer.encode(PROMPTS[0])]
+    stop_ids = tokenizer.encode(" Paris", add_special_tokens=False)
+    assert result.as_numpy("STOP_WORDS_IDS")[0, 0, :len(stop_ids)].tolist() == stop_ids
+    ids = np.array([[tokenizer.encode(" Paris is", add_special_tokens=False)]], dtype=np.int32)
+    inputs = [httpclient.InferInput("TOKENS_BATCH", list(ids.shape), "INT32"),
+              httpclient.InferInput("SEQUENCE_LENGTH", [1, 1], "INT32")]
+    inputs[0].set_data_from_numpy(ids)
+    inputs[1].set_data_from_numpy(np.array([[ids.shape[-1]]], dtype=np.int32))
+    assert client.infer("postprocessing", inputs).as_numpy("OUTPUT").tolist() == [[b" Paris is"]]
+
+
 @pytest.mark.parametrize("model, name, value", [
     ("ensemble", "beam_width", 2), ("tensorrt_llm_bls", "beam_width", 2), ("ensemble", "lora_task_id", 3)])
 def test_inputs_kilnlm_cannot_honour_are_refused_by_name(triton_server, model, name, value):
