@@ -17,8 +17,6 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                         "/local/cache/NAME:latest, <cache url>/<key> (NAME:VERSION alone with --cache)")
     p.add_argument("--model-repository", required=True, type=Path,
                    help="the Triton model repository to write (created if absent)")
-    p.add_argument("--model-name", default="kilnlm",
-                   help="Triton model name; its HTTP /infer face is NAME_sync (default: kilnlm)")
     p.add_argument("--version", type=int, default=None,
                    help="version number to write (default: the highest existing version + 1, or 1)")
     p.add_argument("--cache", default=None, metavar="URL",
@@ -37,21 +35,21 @@ def run(args: argparse.Namespace) -> int:
     from kilnlm.runtime.distribution.deploy import DeployConfig, deploy
 
     result = deploy(DeployConfig(ref=args.ref, model_repository=args.model_repository,
-                                 model_name=args.model_name, version=args.version,
+                                 version=args.version,
                                  cache_url=args.cache or default_cache_url(), copy_engine=args.copy))
     if args.json:
         print(json.dumps({"model_dir": str(result.model_dir), "version": result.version,
                           "version_dir": str(result.version_dir), "mode": result.mode,
                           "engine_ref": result.engine_ref, "cache_key": result.cache_key,
                           "created_model": result.created_model,
-                          "sync_model_dir": str(result.sync_model_dir) if result.sync_model_dir else None}))
+                          "companion_dirs": [str(p) for p in result.companion_dirs]}))
         return 0
     what = f"pointer to {result.engine_ref}" if result.mode == "pointer" else \
         f"engine copy{' of ' + result.engine_ref if result.engine_ref else ''}"
     key = f" (key {result.cache_key[:16]}...)" if result.cache_key else ""
     print(f"deployed {result.model_dir.name} version {result.version}: {result.version_dir} holds the {what}{key}")
     if result.created_model:
-        sync = f" and {result.sync_model_dir.name} (HTTP /infer)" if result.sync_model_dir else ""
-        print(f"new model {result.model_dir.name}{sync} in {result.model_dir.parent}: serve it with "
+        print(f"new model set (tensorrt_llm, {', '.join(p.name for p in result.companion_dirs)}) in "
+              f"{result.model_dir.parent}: serve it with "
               f"`python scripts/launch_triton.py --model-repository {result.model_dir.parent}`")
     return 0

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Ask a kilnlm model served by Triton a question over gRPC streaming, printing tokens as they arrive.
 
-    python scripts/ask.py [--url localhost:8001] [--model kilnlm] [--max-tokens 64] [--chat] "question"
+    python scripts/ask.py [--url localhost:8001] [--model ensemble] [--max-tokens 64] [--chat] "question"
 
-Waits up to ``--wait-s`` seconds for the server to be ready. Uses the request/response tensor names of
-TensorRT-LLM's inflight_batcher_llm ensemble (text_input, max_tokens, stream -> text_output), so the same
-client works against either server.
+Waits up to ``--wait-s`` seconds for the server to be ready. Sends TensorRT-LLM's inflight_batcher_llm
+ensemble tensors (text_input, max_tokens, stream -> text_output; ``[1, 1]``-shaped, batch first), so the
+same client works against either server (``--no-chat`` there: the chat template is a kilnlm extension).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 
 def _input(name: str, value, dtype: str) -> grpcclient.InferInput:
-    array = np.array([value], dtype=object if dtype == "BYTES" else None)
+    array = np.array([[value]], dtype=object if dtype == "BYTES" else None)
     if dtype != "BYTES":
         array = array.astype({"INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32}[dtype])
     tensor = grpcclient.InferInput(name, list(array.shape), dtype)
@@ -46,7 +46,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("question")
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address host:port (default: localhost:8001)")
-    parser.add_argument("--model", default="kilnlm", help="model name in the repository (default: kilnlm)")
+    parser.add_argument("--model", default="ensemble",
+                        help="model name in the repository: ensemble or tensorrt_llm_bls (default: ensemble)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="apply the model's chat template (default: on)")

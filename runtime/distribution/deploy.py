@@ -1,18 +1,18 @@
 """`kilnlm deploy`: write (or update) a Triton model repository whose model versions are engine versions.
 
-Layout written for ``kilnlm deploy REF --model-repository DIR --model-name NAME``::
+Layout written for ``kilnlm deploy REF --model-repository DIR`` (TensorRT-LLM's ``inflight_batcher_llm``
+model set, names fixed so that TensorRT-LLM's clients work)::
 
     DIR/
-      NAME/
-        config.pbtxt          from the template's kilnlm/config.pbtxt: name "NAME", version policy
-                              latest { num_versions: 1 }, engine_dir "" (each version names its engine)
-        1/  model.py          the template's kilnlm/1/model.py (a copy per version, as Triton wants)
+      tensorrt_llm/
+        config.pbtxt          the template's, engine_dir "" (each version names its engine)
+        1/  model.py          the template's tensorrt_llm/1/model.py (a copy per version, as Triton wants)
             engine/           a local engine directory, hard-linked (copied across file systems), or
             engine.json       a pointer to a cache reference, resolved when the model loads
-        2/  ...               the next deploy: Triton serves the highest version, and a rollback is
-                              removing the newest version directory
-      NAME_sync/              the plain-protocol face (HTTP /infer) of NAME: the template's kilnlm_sync
-                              with target_model "NAME"; written once, when NAME is first deployed
+        2/  ...               the next deploy: Triton serves the highest, and a rollback is removing it
+      preprocessing/          the template's, written once, with tokenizer/ (the first engine's tokenizer
+      postprocessing/           files; a later engine with another tokenizer is refused)
+      ensemble/, tensorrt_llm_bls/   the template's, written once
 
 Every version directory also holds a small *file* named ``__pycache__``: the Python backend's stub ignores
 PYTHONDONTWRITEBYTECODE and would write ``<version>/__pycache__/model.*.pyc`` when it imports model.py,
@@ -54,16 +54,16 @@ from kilnlm.runtime.distribution.engine_source import ENGINE_SUBDIR, POINTER_NAM
 from kilnlm.runtime.errors import EngineError, KilnError
 
 TEMPLATE_ENV = "KILNLM_MODEL_REPOSITORY_TEMPLATE"
-TEMPLATE_MODEL = "kilnlm"  # the template's LLM model (decoupled, hosts the executor)
-TEMPLATE_SYNC_MODEL = "kilnlm_sync"  # the template's BLS forwarder for HTTP /infer
-SYNC_SUFFIX = "_sync"
+TEMPLATE_MODEL = "tensorrt_llm"  # the LLM model (decoupled, hosts the executor): one version per engine
+TOKENIZER_MODELS = ("preprocessing", "postprocessing")  # written once, each with the engine's tokenizer/
+TEXT_MODELS = ("ensemble", "tensorrt_llm_bls")  # written once, as in the template
+TOKENIZER_SUBDIR = "tokenizer"
 MODEL_FILE = "model.py"
 PYCACHE_BLOCKER = "__pycache__"
 PYCACHE_BLOCKER_TEXT = ("Written by `kilnlm deploy`: a file, not a directory, so that Python writes no bytecode "
                         "here (a Triton server polling the repository would take it for a changed model).\n")
 CONFIG_FILE = "config.pbtxt"
 STAGING_PREFIX = ".kilnlm-staging-"
-_MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class DeployError(KilnError):
@@ -77,7 +77,6 @@ class DeployConfig:
     Attributes:
         ref: a local engine directory or a cache reference (see the module docstring).
         model_repository: the Triton model repository to write (created if absent).
-        model_name: the Triton model name (the sync model is ``<model_name>_sync``).
         version: the version number to write; None = highest existing version + 1 (1 for a new model).
         cache_url: the cache a bare ``name:version`` / key ``ref`` is looked up in (None: ``ref`` must be
             a local engine directory or a full cache reference).
@@ -87,7 +86,6 @@ class DeployConfig:
 
     ref: str
     model_repository: Path
-    model_name: str = TEMPLATE_MODEL
     version: int | None = None
     cache_url: str | None = None
     copy_engine: bool = False
@@ -98,10 +96,10 @@ class DeployConfig:
 class DeployResult:
     """What a deploy wrote.
 
-    Attributes: ``model_dir`` (DIR/NAME); ``version`` and ``version_dir``; ``mode`` ("copy" or
+    Attributes: ``model_dir`` (DIR/tensorrt_llm); ``version`` and ``version_dir``; ``mode`` ("copy" or
     "pointer"); ``engine_ref`` (the cache reference, None for a local directory); ``cache_key`` (the key
-    the engine is stored under, when known); ``created_model`` (True when NAME was new);
-    ``sync_model_dir`` (the sync model's directory, None when it existed already)."""
+    the engine is stored under, when known); ``created_model`` (True when the model set was new);
+    ``companion_dirs`` (the other models written with it, empty when they existed already)."""
 
     model_dir: Path
     version: int
@@ -110,19 +108,19 @@ class DeployResult:
     engine_ref: str | None
     cache_key: str | None
     created_model: bool
-    sync_model_dir: Path | None
+    companion_dirs: tuple[Path, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------- template
 def locate_template(explicit: str | os.PathLike | None = None) -> Path:
-    """Return the model repository template (a directory holding ``kilnlm/`` and ``kilnlm_sync/``).
+    """Return the model repository template (a directory holding ``tensorrt_llm/`` and its companions).
 
     Looked for, in order: ``explicit``; ``$KILNLM_MODEL_REPOSITORY_TEMPLATE``; the installed package data
     ``kilnlm.model_repository`` (wheels ship the repository there); the ``model_repository/`` beside the
     ``runtime/`` directory this module's package lives in (a source checkout).
 
     Raises:
-        DeployError: none of them holds ``kilnlm/config.pbtxt`` and ``kilnlm/1/model.py``.
+        DeployError: none of them holds ``tensorrt_llm/config.pbtxt`` and ``tensorrt_llm/1/model.py``.
     """
     candidates: list[Path] = []
     if explicit is not None:
@@ -158,14 +156,11 @@ def _parameter_pattern(key: str) -> str:
     return r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"'
 
 
-def render_model_config(template: Path, model_name: str) -> str:
-    """The deployed ``config.pbtxt`` of the LLM model: the template's, with ``name`` set, the version
-    policy made explicit (serve the highest version only) and ``engine_dir`` emptied (each version
-    directory names its engine)."""
+def render_model_config(template: Path) -> str:
+    """The deployed ``config.pbtxt`` of ``tensorrt_llm``: the template's, with the version policy made
+    explicit (serve the highest version only) and ``engine_dir`` emptied (each version names its engine)."""
     source = template / TEMPLATE_MODEL / CONFIG_FILE
-    text = source.read_text()
-    text = _replace_once(text, r'^(\s*name:\s*)"[^"]*"', f'"{model_name}"', "model name", source)
-    text = _replace_once(text, _parameter_pattern("engine_dir"), '""', "engine_dir parameter", source)
+    text = _replace_once(source.read_text(), _parameter_pattern("engine_dir"), '""', "engine_dir parameter", source)
     if "version_policy" not in text:
         text = text.rstrip("\n") + ("\n\n# Written by `kilnlm deploy`: each numbered directory is one engine "
                                     "version; the highest is served,\n# and removing it rolls back.\n"
@@ -173,14 +168,24 @@ def render_model_config(template: Path, model_name: str) -> str:
     return text
 
 
-def render_sync_config(template: Path, model_name: str) -> str:
-    """The deployed ``config.pbtxt`` of ``<model_name>_sync``: the template's kilnlm_sync forwarding to
-    ``model_name``."""
-    source = template / TEMPLATE_SYNC_MODEL / CONFIG_FILE
-    text = source.read_text()
-    text = _replace_once(text, r'^(\s*name:\s*)"[^"]*"', f'"{model_name}{SYNC_SUFFIX}"', "model name", source)
-    return _replace_once(text, _parameter_pattern("target_model"), f'"{model_name}"',
-                         "target_model parameter", source)
+def _write_companions(template: Path, engine_dir: Path, staging: Path) -> list[str]:
+    """Stage the models written once (``TOKENIZER_MODELS`` with the engine's tokenizer files, ``TEXT_MODELS``)
+    as the template has them. Returns their names."""
+    for name in (*TOKENIZER_MODELS, *TEXT_MODELS):
+        shutil.copytree(template / name, staging / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (staging / name / "1" / PYCACHE_BLOCKER).write_text(PYCACHE_BLOCKER_TEXT)
+    for name in TOKENIZER_MODELS:
+        shutil.copytree(engine_dir / TOKENIZER_SUBDIR, staging / name / TOKENIZER_SUBDIR)
+    return [*TOKENIZER_MODELS, *TEXT_MODELS]
+
+
+def _check_same_tokenizer(repository: Path, engine_dir: Path) -> None:
+    """Refuse an engine whose tokenizer differs from the one the repository's preprocessing holds."""
+    deployed = repository / TOKENIZER_MODELS[0] / TOKENIZER_SUBDIR / "tokenizer.json"
+    new = engine_dir / TOKENIZER_SUBDIR / "tokenizer.json"
+    if deployed.is_file() and new.is_file() and deployed.read_bytes() != new.read_bytes():
+        raise DeployError(f"the engine's tokenizer differs from the one {repository} serves ({deployed}): "
+                          "deploy an engine of another model into its own --model-repository")
 
 
 # -------------------------------------------------------------------------------------------- engines
@@ -276,7 +281,7 @@ def _check_existing_model(model_dir: Path) -> None:
     config = model_dir / CONFIG_FILE
     if not config.is_file() or not re.search(r'backend:\s*"python"', config.read_text()):
         raise DeployError(f"{model_dir} exists but is not a kilnlm model (no python-backend {CONFIG_FILE}): "
-                          "pick another --model-name or --model-repository")
+                          "pick another --model-repository")
 
 
 def _staging_root(repository: Path, fallback: Path) -> Path:
@@ -308,20 +313,15 @@ def deploy(config: DeployConfig) -> DeployResult:
     """Write one engine version into ``config.model_repository`` (layout in the module docstring).
 
     Raises:
-        DeployError: an invalid model name or version, a version that exists, an engine refused by
-            verification, a cache reference that cannot be resolved or fetched, or a directory in the way.
-            The repository is unchanged when it is raised.
+        DeployError: an invalid version, a version that exists, an engine refused by verification (or whose
+            tokenizer differs from the deployed one), a cache reference that cannot be resolved or fetched,
+            or a directory in the way. The repository is unchanged when it is raised.
     """
-    name = config.model_name
-    if not _MODEL_NAME_RE.match(name):
-        raise DeployError(f"model name {name!r} is not usable by Triton: use letters, digits, '_', '-', '.' "
-                          "(not starting with '.' or '-')")
     if config.version is not None and config.version < 1:
         raise DeployError(f"--version {config.version}: Triton versions are integers >= 1")
     template = locate_template(config.template)
     repository = Path(config.model_repository).expanduser()
-    model_dir = repository / name
-    sync_dir = repository / f"{name}{SYNC_SUFFIX}"
+    model_dir = repository / TEMPLATE_MODEL
     created_model = not model_dir.exists()
     if not created_model:
         _check_existing_model(model_dir)
@@ -333,37 +333,35 @@ def deploy(config: DeployConfig) -> DeployResult:
     # Verify (a cache reference: fetched into scratch space) before the repository is touched.
     with tempfile.TemporaryDirectory(prefix="kilnlm-deploy-") as scratch_dir:
         engine = _verify_engine_ref(config, Path(scratch_dir))
-        write_sync = not sync_dir.exists()
+        _check_same_tokenizer(repository, engine.path)
+        companions = [] if created_model is False else \
+            [n for n in (*TOKENIZER_MODELS, *TEXT_MODELS) if not (repository / n).exists()]
         created_repository = not repository.exists()
         repository.mkdir(parents=True, exist_ok=True)
         staging = _staging_root(repository, repository if created_model else model_dir)
         deployed = False
         try:
-            staged_model = staging / name
+            staged_model = staging / TEMPLATE_MODEL
             if created_model:
                 staged_model.mkdir()
-                (staged_model / CONFIG_FILE).write_text(render_model_config(template, name))
+                (staged_model / CONFIG_FILE).write_text(render_model_config(template))
                 mode = _write_version(engine, config.copy_engine, template, staged_model / str(version))
+                _write_companions(template, engine.path, staging)
             else:
                 mode = _write_version(engine, config.copy_engine, template, staging / str(version))
-            if write_sync:
-                staged_sync = staging / sync_dir.name
-                (staged_sync / "1").mkdir(parents=True)
-                (staged_sync / CONFIG_FILE).write_text(render_sync_config(template, name))
-                shutil.copy2(template / TEMPLATE_SYNC_MODEL / "1" / MODEL_FILE, staged_sync / "1" / MODEL_FILE)
-                (staged_sync / "1" / PYCACHE_BLOCKER).write_text(PYCACHE_BLOCKER_TEXT)
-            # The renames: the model (or its new version) first, then its sync face.
+            # The renames: the LLM model (or its new version) first, then the models that call it.
             if created_model:
                 _rename_new(staged_model, model_dir, "the model")
             else:
                 _rename_new(staging / str(version), model_dir / str(version), f"version {version}")
             deployed = True
-            if write_sync and not sync_dir.exists():  # (a concurrent deploy of NAME may have written it)
-                _rename_new(staging / sync_dir.name, sync_dir, "the sync model")
+            for name in companions:
+                if not (repository / name).exists():  # (a concurrent deploy may have written it)
+                    _rename_new(staging / name, repository / name, f"the {name} model")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
             if created_repository and not deployed and not any(repository.iterdir()):
                 repository.rmdir()  # leave no empty repository behind a failed deploy
     return DeployResult(model_dir=model_dir, version=version, version_dir=model_dir / str(version),
                         mode=mode, engine_ref=engine.engine_ref, cache_key=engine.cache_key,
-                        created_model=created_model, sync_model_dir=sync_dir if write_sync else None)
+                        created_model=created_model, companion_dirs=tuple(repository / n for n in companions))

@@ -2,8 +2,11 @@
 
 Framework-free modules (no ``triton_python_backend_utils``, no web framework), one owner each:
 
-- ``request_parsing``: a request's named inputs (Triton tensors or a JSON body, with TensorRT-LLM's
-  ``inflight_batcher_llm`` names) -> :class:`~kilnlm.runtime.serving.request_parsing.GenerateRequest`
+- ``trtllm``: TensorRT-LLM's ``inflight_batcher_llm`` tensor conventions, what the Triton models compute
+  (preprocessing, the ``tensorrt_llm`` model's inputs -> ``SamplingParams`` and its output tensors,
+  postprocessing, the ensemble's wiring that ``tensorrt_llm_bls`` follows);
+- ``request_parsing``: a text request's named inputs (a JSON body with the ensemble's names; the
+  dispatcher's default text protocol) -> :class:`~kilnlm.runtime.serving.request_parsing.GenerateRequest`
   -> prompt token ids + :class:`~kilnlm.runtime.request.SamplingParams`;
 - ``parameters``: a served model's string parameters (config.pbtxt) -> ``ExecutorConfig`` and defaults;
 - ``responses``: the executor's streamed ``Response``\\ s of one request -> the replies a client gets

@@ -15,7 +15,11 @@ its final response. When a client's ``is_cancelled()`` turns True the request is
 never releases the request and the model cannot unload); the client is not used again.
 
 A front supplies a :class:`Client` per request; the Triton adapter is
-:class:`kilnlm.runtime.serving.triton_backend.TritonClient`.
+:class:`kilnlm.runtime.serving.triton_backend.TritonClient`. What a request's inputs mean and what its
+replies hold is the dispatcher's :class:`RequestProtocol`: text in / text out (:class:`TextProtocol`, the default)
+or TensorRT-LLM's token ids (:class:`kilnlm.runtime.serving.trtllm.LLMProtocol`, the ``tensorrt_llm``
+model). A request's live state ends when the executor's stream of it ends (after every one of its ``n``
+sequences finished), not at the first finished response.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Protocol
 from kilnlm.runtime.errors import RequestError
 from kilnlm.runtime.serving.metrics import Metrics, RequestTiming
 from kilnlm.runtime.serving.request_parsing import InputReader, parse_request, prepare_submission
-from kilnlm.runtime.serving.responses import Reply, ResponseShaper
+from kilnlm.runtime.serving.responses import Reply, ResponseShaper, finish_reason_name
 
 STATS_INTERVAL_S = 0.1  # how often the gauges are refreshed from executor.stats()
 CANCEL_POLL_INTERVAL_S = 0.05  # how often live requests are checked for client cancellation
@@ -54,12 +58,33 @@ class Client(Protocol):
         """End a cancelled request without a reply."""
 
 
+class RequestProtocol(Protocol):
+    """How a front's requests become executor requests, and responses become replies."""
+
+    def prepare(self, read: InputReader, tokenizer):
+        """``(prompt_ids, SamplingParams, shaper)``: ``shaper.add(response)`` returns a reply (with
+        ``final``, ``finish_reason``, ``error``) or None. Raises ``RequestError`` for a bad request."""
+
+
+class TextProtocol:
+    """Text in (:func:`~kilnlm.runtime.serving.request_parsing.parse_request`), text replies
+    (:class:`~kilnlm.runtime.serving.responses.ResponseShaper`)."""
+
+    def __init__(self, default_max_tokens: int) -> None:
+        self._default_max_tokens = default_max_tokens
+
+    def prepare(self, read: InputReader, tokenizer):
+        request = parse_request(read, self._default_max_tokens)
+        return (*prepare_submission(request, tokenizer), ResponseShaper(request))
+
+
 @dataclasses.dataclass
 class _LiveRequest:
     client: Client
-    shaper: ResponseShaper
+    shaper: object  # the protocol's shaper
     timing: RequestTiming
     cancelled: bool = False  # the client cancelled; the request is closed, the client unused
+    closed: bool = False  # its final reply was sent: the client is never touched again
 
 
 class RequestDispatcher:
@@ -69,15 +94,16 @@ class RequestDispatcher:
         executor: a started :class:`kilnlm.runtime.executor.Executor` (``tokenizer``, ``submit``,
             ``stream``, ``cancel``, ``stats``, ``shutdown``); :meth:`shutdown` shuts it down.
         metrics: the model's :class:`~kilnlm.runtime.serving.metrics.Metrics`.
-        default_max_tokens: ``max_tokens`` of a request that sends none.
+        default_max_tokens: ``max_tokens`` of a request that sends none (the default protocol's).
         log: where problems are reported (``info`` / ``warning`` / ``error``, as ``logging.Logger``).
+        protocol: what requests and replies are (default: :class:`TextProtocol`).
     """
 
     def __init__(self, executor, metrics: Metrics, default_max_tokens: int,
-                 log: logging.Logger | None = None) -> None:
+                 log: logging.Logger | None = None, protocol: RequestProtocol | None = None) -> None:
         self._executor = executor
         self._metrics = metrics
-        self._default_max_tokens = default_max_tokens
+        self._protocol = protocol or TextProtocol(default_max_tokens)
         self._log = log or logging.getLogger(__name__)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._readers: set[threading.Thread] = set()
@@ -90,8 +116,8 @@ class RequestDispatcher:
         gets one final error reply (not internal); a failure to submit, an internal one."""
         arrival_s = time.monotonic()
         try:
-            request = parse_request(read, self._default_max_tokens)
-            request_id = self._executor.submit(*prepare_submission(request, self._executor.tokenizer))
+            prompt_ids, params, shaper = self._protocol.prepare(read, self._executor.tokenizer)
+            request_id = self._executor.submit(prompt_ids, params)
         except RequestError as exc:  # the client's to fix: say what
             self._outbox.put(("refused", client, (str(exc), False)))
             return
@@ -99,8 +125,7 @@ class RequestDispatcher:
             self._log.error(f"kilnlm: submitting a request failed: {exc!r}")
             self._outbox.put(("refused", client, (f"kilnlm could not submit the request: {exc}", True)))
             return
-        self._outbox.put(("submitted", request_id, _LiveRequest(client, ResponseShaper(request),
-                                                                RequestTiming(arrival_s))))
+        self._outbox.put(("submitted", request_id, _LiveRequest(client, shaper, RequestTiming(arrival_s))))
         reader = threading.Thread(target=self._read_responses, args=(request_id,), daemon=True,
                                   name=f"kilnlm-reader-{request_id}")
         self._readers.add(reader)
@@ -120,6 +145,7 @@ class RequestDispatcher:
         try:
             for response in self._executor.stream(request_id):
                 self._outbox.put(("response", request_id, response))
+            self._outbox.put(("ended", request_id, None))
         except Exception as exc:  # the executor lost this request: the dispatcher tells the client
             self._outbox.put(("failed", request_id, exc))
         finally:
@@ -169,22 +195,28 @@ class RequestDispatcher:
         if kind == "failed":
             del live[key]
             self._metrics.count_finished("error")
-            if not state.cancelled:
+            if not (state.cancelled or state.closed):
                 state.client.send_error(f"kilnlm executor error: {payload}", internal=True)
+            return
+        if kind == "ended":  # the executor's stream of the request ended (every sequence finished)
+            del live[key]
+            if state.cancelled:
+                self._metrics.count_finished("cancelled")
+            elif not state.closed:  # the protocol expected more responses: end the client's stream anyway
+                self._log.warning(f"kilnlm: request {key} ended before its final reply was sent")
+                state.client.close()
             return
         response = payload  # kind == "response"
         self._metrics.observe_response(state.timing, response, time.monotonic())
-        if state.cancelled:  # closed already; wait for the executor's final ("cancelled") response
-            if response.finished:
-                del live[key]
-                self._metrics.count_finished("cancelled")
+        if state.cancelled or state.closed:  # wait for the end of the executor's stream
             return
         reply = state.shaper.add(response)
-        if response.finished:
-            del live[key]
-            self._metrics.count_finished(reply.finish_reason or "unknown")
+        if response.finished:  # one sequence's end (finished sequences are counted per sequence)
+            self._metrics.count_finished(finish_reason_name(response) or "unknown")
         if reply is None:
             return
+        if reply.final:
+            state.closed = True
         if reply.error is not None:
             state.client.send_error(reply.error, internal=True)
         else:
@@ -192,7 +224,7 @@ class RequestDispatcher:
 
     def _poll_cancellation(self, live: dict[int, _LiveRequest]) -> None:
         for request_id, state in live.items():
-            if not state.cancelled and state.client.is_cancelled():
+            if not (state.cancelled or state.closed) and state.client.is_cancelled():
                 state.cancelled = True
                 self._executor.cancel(request_id)
                 try:

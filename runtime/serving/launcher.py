@@ -12,7 +12,8 @@ What it does, in order:
    symlinks is assembled in the work directory (site-packages is never written);
 3. with ``--engine``: copies the model repository (default: kilnlm's template, found by
    :func:`kilnlm.runtime.distribution.deploy.locate_template`) into the work directory and points the
-   ``engine_dir`` parameter of each kilnlm model at the engine; without it: serves ``--model-repository``
+   ``engine_dir`` parameter of ``tensorrt_llm`` at the engine and the ``tokenizer_dir`` of ``preprocessing`` /
+   ``postprocessing`` at its tokenizer; without it: serves ``--model-repository``
    as it is (a repository written by ``kilnlm deploy``, whose version directories name their engines; with
    ``--poll-repository-s`` new versions and rollbacks are picked up while the server runs);
 4. runs tritonserver in the foreground with ``PYTHONPATH`` taken from this interpreter's ``sys.path``
@@ -41,8 +42,9 @@ from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.memory import MALLOC_CHOICES, preload_malloc
 
 STUB_NAME = "triton_python_backend_stub"
-# Names of models in the repository that host kilnlm (their config.pbtxt has an engine_dir parameter).
+# The parameters that point a model at the engine (tensorrt_llm) and at its tokenizer (pre/postprocessing).
 ENGINE_DIR_PARAMETER = "engine_dir"
+TOKENIZER_DIR_PARAMETER = "tokenizer_dir"
 
 
 class LaunchError(RuntimeError):
@@ -208,13 +210,13 @@ def stub_interpreter_dir(stub: Path, dest: Path) -> Path | None:
     return folder
 
 
-_PARAM_RE = re.compile(
-    r'(key:\s*"' + ENGINE_DIR_PARAMETER + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"', re.S)
+def _parameter_re(key: str) -> re.Pattern:
+    return re.compile(r'(key:\s*"' + key + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"', re.S)
 
 
 def prepare_repository(source: Path, dest: Path, engine_dir: Path) -> Path:
-    """Copy the model repository ``source`` to ``dest`` with every kilnlm model's ``engine_dir``
-    parameter set to the absolute ``engine_dir``. Returns ``dest``.
+    """Copy the model repository ``source`` to ``dest`` with every model's ``engine_dir`` parameter set to
+    the absolute ``engine_dir`` and every ``tokenizer_dir`` parameter to its ``tokenizer/``. Returns ``dest``.
 
     Raises:
         LaunchError: the engine or the repository is missing, or no model has an engine_dir parameter.
@@ -229,13 +231,14 @@ def prepare_repository(source: Path, dest: Path, engine_dir: Path) -> Path:
         shutil.rmtree(dest)
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     num_patched = 0
+    values = {ENGINE_DIR_PARAMETER: engine_dir, TOKENIZER_DIR_PARAMETER: engine_dir / "tokenizer"}
     for config in sorted(Path(dest).glob("*/config.pbtxt")):
         text = config.read_text()
-        patched, count = _PARAM_RE.subn(lambda m: f'{m.group(1)}"{engine_dir}"', text)
-        if count:
-            config.write_text(patched)
-            num_patched += count
-    if num_patched == 0:  # (models without the parameter, e.g. kilnlm_sync, are copied as they are)
+        for key, value in values.items():
+            text, count = _parameter_re(key).subn(lambda m: f'{m.group(1)}"{value}"', text)
+            num_patched += count if key == ENGINE_DIR_PARAMETER else 0
+        config.write_text(text)
+    if num_patched == 0:  # (models without the parameters, e.g. the ensemble, are copied as they are)
         raise LaunchError(f"no model in {source} has an '{ENGINE_DIR_PARAMETER}' parameter to point at "
                           "the engine: is this kilnlm's model_repository?")
     return Path(dest)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # (not imported at run time: the kilnlm_sync model imports this without torch)
+if TYPE_CHECKING:  # (not imported at run time: the executor-less models import this without torch)
     from kilnlm.runtime.request import Response
     from kilnlm.runtime.serving.request_parsing import GenerateRequest
 

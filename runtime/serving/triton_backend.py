@@ -1,11 +1,12 @@
 """Triton's Python backend, adapted to the framework-free serving modules: request tensors as an
 :data:`~kilnlm.runtime.serving.request_parsing.InputReader`, response senders as a dispatcher
 :class:`~kilnlm.runtime.serving.dispatcher.Client`, custom metric families as a metrics backend, Triton's
-logger as a ``logging.Logger``-like object, and the BLS forwarding of the ``kilnlm_sync`` model.
+logger as a ``logging.Logger``-like object, the engine's tokenizer for pre/postprocessing, and the BLS
+calls of the ``tensorrt_llm_bls`` model.
 
 Everything here takes the ``triton_python_backend_utils`` module (``pb_utils``) as an argument: it exists
 only inside tritonserver's Python stub, and this module must import anywhere (tests pass a stand-in).
-It imports neither torch nor the executor, so the executor-less ``kilnlm_sync`` model stays light.
+It imports neither torch nor the executor, so the executor-less models stay light.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from kilnlm.runtime.serving.metrics import MetricKind, MetricSpec
 from kilnlm.runtime.serving.responses import OUTPUT_NAMES, Reply, output_arrays
+from kilnlm.runtime.serving.trtllm import LLMReply
 
 if TYPE_CHECKING:
     from kilnlm.runtime.serving.request_parsing import InputReader
@@ -25,6 +27,16 @@ def model_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
     """``{key: string_value}`` of a Triton model configuration's ``parameters`` (``args["model_config"]``
     parsed from JSON)."""
     return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
+
+
+def load_tokenizer(model_dir: str, params: dict[str, str]):
+    """The engine's tokenizer named by the ``tokenizer_dir`` parameter (absolute, or relative to
+    ``model_dir``; default "tokenizer"). Raises :class:`kilnlm.runtime.errors.EngineError` when missing."""
+    import os
+
+    from kilnlm.runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(os.path.join(model_dir, params.get("tokenizer_dir") or "tokenizer"))
 
 
 def input_reader(pb_utils, request) -> "InputReader":
@@ -37,11 +49,22 @@ def input_reader(pb_utils, request) -> "InputReader":
     return read
 
 
-def inference_response(pb_utils, reply: Reply):
-    """``reply`` as a ``pb_utils.InferenceResponse`` with the output tensors of
-    :func:`kilnlm.runtime.serving.responses.output_arrays`."""
-    return pb_utils.InferenceResponse(output_tensors=[
-        pb_utils.Tensor(name, array) for name, array in output_arrays(reply).items()])
+def inference_response(pb_utils, reply):
+    """``reply`` as a ``pb_utils.InferenceResponse``: a :class:`~kilnlm.runtime.serving.trtllm.LLMReply`'s
+    ``outputs``, or a text :class:`Reply`'s tensors (:func:`kilnlm.runtime.serving.responses.output_arrays`)."""
+    arrays = reply.outputs if isinstance(reply, LLMReply) else output_arrays(reply)
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, array) for name, array in arrays.items()])
+
+
+def array_reader(pb_utils, request):
+    """``read(name) -> numpy array | None``: ``request``'s input tensors as they are (batch dimension
+    kept), for :mod:`kilnlm.runtime.serving.trtllm`."""
+
+    def read(name: str):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return read
 
 
 def error_response(pb_utils, message: str, internal: bool):
@@ -116,25 +139,58 @@ class TritonMetricsBackend:
         return _TritonFamily(family_cls(spec.name, spec.description, kind))
 
 
-def forward_to_decoupled(pb_utils, request, target_model: str, input_names: list[str]):
-    """Forward ``request`` (BLS) to the decoupled model ``target_model`` with ``stream`` forced to false and
-    return its final response: its output tensors, or its error (code kept) unchanged."""
-    inputs = [pb_utils.Tensor("stream", np.array([False]))]
-    for name in input_names:
+def bls_generate(pb_utils, request, sender, llm_model: str = "tensorrt_llm") -> None:
+    """Serve one ``tensorrt_llm_bls`` request (the ensemble's text interface, decoupled) with BLS calls
+    preprocessing -> ``llm_model`` -> postprocessing, wired as the ensemble
+    (:mod:`kilnlm.runtime.serving.trtllm`'s step maps): every ``llm_model`` response (one per streamed
+    piece, or one per sequence) is postprocessed and sent; the last carries the final flag. An error of
+    any step is sent as the request's final response, its code kept."""
+    from kilnlm.runtime.serving import trtllm
+
+    def fail(error) -> None:
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+            error.message(), error.code())), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    tensors = {}  # ensemble and intermediate tensors by name
+    for name in set(trtllm.PREPROCESSING_INPUTS.values()) | set(trtllm.LLM_INPUTS.values()):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None and name != "stream":
-            inputs.append(tensor)
-    bls_request = pb_utils.InferenceRequest(model_name=target_model, inputs=inputs,
-                                            requested_output_names=list(OUTPUT_NAMES))
-    final = None
-    for response in bls_request.exec(decoupled=True):
+        if tensor is not None:
+            tensors[name] = tensor.as_numpy()
+
+    def call(model: str, inputs: dict[str, str], outputs: dict[str, str], decoupled: bool):
+        bls_inputs = [pb_utils.Tensor(step_name, tensors[name]) for step_name, name in inputs.items()
+                      if name in tensors]
+        bls_request = pb_utils.InferenceRequest(model_name=model, inputs=bls_inputs,
+                                                requested_output_names=list(outputs))
+        return bls_request.exec(decoupled=True) if decoupled else [bls_request.exec()]
+
+    [pre] = call("preprocessing", trtllm.PREPROCESSING_INPUTS, trtllm.PREPROCESSING_OUTPUTS, False)
+    if pre.has_error():
+        return fail(pre.error())
+    for step_name, name in trtllm.PREPROCESSING_OUTPUTS.items():
+        tensors[name] = pb_utils.get_output_tensor_by_name(pre, step_name).as_numpy()
+    num_sequences = int(tensors["num_return_sequences"].reshape(-1)[0]) if "num_return_sequences" in tensors else 1
+    num_finished = 0
+    for response in call(llm_model, trtllm.LLM_INPUTS, trtllm.LLM_OUTPUTS, True):
         if response.has_error():
-            error = response.error()
-            return pb_utils.InferenceResponse(
-                output_tensors=[], error=pb_utils.TritonError(error.message(), error.code()))
-        if response.output_tensors():
-            final = response
-    if final is None:
-        return pb_utils.InferenceResponse(
-            output_tensors=[], error=pb_utils.TritonError(f"model '{target_model}' sent no response"))
-    return pb_utils.InferenceResponse(output_tensors=final.output_tensors())
+            return fail(response.error())
+        if not response.output_tensors():
+            continue  # the empty final flag of a decoupled stream
+        for step_name, name in trtllm.LLM_OUTPUTS.items():
+            tensors[name] = pb_utils.get_output_tensor_by_name(response, step_name).as_numpy()
+        [post] = call("postprocessing", trtllm.POSTPROCESSING_INPUTS, trtllm.POSTPROCESSING_OUTPUTS, False)
+        if post.has_error():
+            return fail(post.error())
+        tensors["text_output"] = pb_utils.get_output_tensor_by_name(post, "OUTPUT").as_numpy()
+        num_finished += any(tensors["finish_reason"].reshape(-1))  # a sequence's last response
+        reply = pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(name, tensors[name]) for name in ("text_output", *BLS_PASSED_OUTPUTS)])
+        if num_finished >= num_sequences:
+            return sender.send(reply, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        sender.send(reply)
+    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+# tensorrt_llm outputs that the ensemble (and tensorrt_llm_bls) return as they are.
+BLS_PASSED_OUTPUTS = ("cum_log_probs", "output_log_probs", "batch_index", "sequence_index", "num_input_tokens",
+                      "num_output_tokens", "finish_reason")

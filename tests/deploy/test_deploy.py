@@ -32,33 +32,39 @@ def parameter(config_text: str, key: str) -> str | None:
 def test_two_deploys_are_versions_1_and_2_and_rollback_removes_the_newest(tiny_engine_dir, tmp_path):
     repo = tmp_path / "repo"
     template = locate_template()
-    first = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
-    second = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    first = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
+    second = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
     assert (first.version, second.version) == (1, 2)
     assert first.created_model and not second.created_model
-    assert existing_versions(repo / "tiny") == [1, 2]
-    assert sorted(p.name for p in repo.iterdir()) == ["tiny", "tiny_sync"]  # no staging left over
+    assert existing_versions(repo / "tensorrt_llm") == [1, 2]
+    set_names = ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm", "tensorrt_llm_bls"]
+    assert sorted(p.name for p in repo.iterdir()) == set_names  # no staging left over
+    assert sorted(p.name for p in first.companion_dirs) == sorted(set(set_names) - {"tensorrt_llm"})
+    assert second.companion_dirs == ()
 
-    config = (repo / "tiny" / "config.pbtxt").read_text()
-    assert re.search(r'^name:\s*"tiny"', config, re.M)
+    config = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert re.search(r'^name:\s*"tensorrt_llm"', config, re.M)
     assert "decoupled: true" in config
     assert re.search(r"version_policy:\s*\{\s*latest:\s*\{\s*num_versions:\s*1\s*\}\s*\}", config)
     assert parameter(config, "engine_dir") == ""  # each version names its own engine
-    sync_config = (repo / "tiny_sync" / "config.pbtxt").read_text()
-    assert re.search(r'^name:\s*"tiny_sync"', sync_config, re.M)
-    assert parameter(sync_config, "target_model") == "tiny"
-    assert (repo / "tiny_sync" / "1" / "model.py").read_bytes() == \
-        (template / "kilnlm_sync" / "1" / "model.py").read_bytes()
+    for name in ("preprocessing", "postprocessing"):  # the engine's tokenizer, read from the model directory
+        assert parameter((repo / name / "config.pbtxt").read_text(), "tokenizer_dir") == "tokenizer"
+        assert (repo / name / "tokenizer" / "tokenizer.json").read_bytes() == \
+            (tiny_engine_dir / "tokenizer" / "tokenizer.json").read_bytes()
+    for name in ("ensemble", "tensorrt_llm_bls", "preprocessing"):
+        assert (repo / name / "config.pbtxt").read_bytes() == (template / name / "config.pbtxt").read_bytes()
+    assert (repo / "ensemble" / "1").is_dir()
     for version in (1, 2):
-        version_dir = repo / "tiny" / str(version)
-        assert (version_dir / "model.py").read_bytes() == (template / "kilnlm" / "1" / "model.py").read_bytes()
+        version_dir = repo / "tensorrt_llm" / str(version)
+        assert (version_dir / "model.py").read_bytes() == \
+            (template / "tensorrt_llm" / "1" / "model.py").read_bytes()
         assert verify_engine(version_dir / "engine").files == verify_engine(tiny_engine_dir).files
-        served = resolve_served_engine(repo / "tiny", version, {"engine_dir": ""})
+        served = resolve_served_engine(repo / "tensorrt_llm", version, {"engine_dir": ""})
         assert served.engine_dir == version_dir / "engine" and not served.downloaded
 
-    shutil.rmtree(repo / "tiny" / "2")  # the rollback
-    assert existing_versions(repo / "tiny") == [1]
-    again = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    shutil.rmtree(repo / "tensorrt_llm" / "2")  # the rollback
+    assert existing_versions(repo / "tensorrt_llm") == [1]
+    again = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
     assert again.version == 2
 
 
@@ -69,29 +75,27 @@ def test_a_new_version_is_staged_outside_the_model_directory(tiny_engine_dir, tm
     import kilnlm.runtime.distribution.deploy as deploy_module
 
     repo = tmp_path / "repo"
-    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
     written = []
     real_write_version = deploy_module._write_version
     monkeypatch.setattr(deploy_module, "_write_version",
                         lambda engine, copy, template, version_dir: written.append(version_dir) or
                         real_write_version(engine, copy, template, version_dir))
-    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name="tiny"))
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
     (staged,) = written
     assert repo.resolve() not in staged.resolve().parents and staged.name == "2"
-    assert sorted(p.name for p in (repo / "tiny").iterdir()) == ["1", "2", "config.pbtxt"]
+    assert sorted(p.name for p in (repo / "tensorrt_llm").iterdir()) == ["1", "2", "config.pbtxt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # the staging directory is gone too
 
 
 def test_explicit_version_and_an_existing_version_is_refused(tiny_engine_dir, tmp_path):
     repo = tmp_path / "repo"
     result = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, version=7))
-    assert result.version == 7 and result.model_dir == repo / "kilnlm"
+    assert result.version == 7 and result.model_dir == repo / "tensorrt_llm"
     assert deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo)).version == 8
     before = tree(repo)
     with pytest.raises(DeployError, match="exists: pass another --version"):
         deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, version=7))
-    with pytest.raises(DeployError, match="not usable by Triton"):
-        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, model_name=".hidden"))
     assert tree(repo) == before
 
 
@@ -113,7 +117,7 @@ def test_tampered_or_incomplete_engine_is_refused_before_anything_is_written(tin
     with pytest.raises(DeployError, match=r"tokenizer\.json is missing"):
         deploy(DeployConfig(ref=str(incomplete), model_repository=repo))
     assert tree(repo) == before
-    assert tree(tmp_path).count("repo/kilnlm/3") == 0
+    assert tree(tmp_path).count("repo/tensorrt_llm/3") == 0
 
 
 def test_cli_deploy_prints_the_version_and_fails_in_one_line(tiny_engine_dir, tmp_path, capsys):
@@ -123,22 +127,36 @@ def test_cli_deploy_prints_the_version_and_fails_in_one_line(tiny_engine_dir, tm
     assert result["version"] == 1 and result["mode"] == "copy" and result["created_model"]
     assert result["cache_key"] == verify_engine(tiny_engine_dir).cache_key
     assert kilnlm_main(["deploy", str(tiny_engine_dir), "--model-repository", str(repo)]) == 0
-    assert "deployed kilnlm version 2" in capsys.readouterr().out
+    assert "deployed tensorrt_llm version 2" in capsys.readouterr().out
     assert kilnlm_main(["deploy", str(tmp_path / "no_such_engine"), "--model-repository", str(repo)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kilnlm deploy: error: refusing to deploy") and err.count("\n") == 1
-    assert existing_versions(repo / "kilnlm") == [1, 2]
+    assert existing_versions(repo / "tensorrt_llm") == [1, 2]
+
+
+def test_an_engine_with_another_tokenizer_is_refused(tiny_engine_dir, tmp_path):
+    repo = tmp_path / "repo"
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
+    before = tree(repo)
+    other = tmp_path / "other_engine"
+    shutil.copytree(tiny_engine_dir, other)
+    tokenizer_json = other / "tokenizer" / "tokenizer.json"
+    tokenizer_json.write_text(tokenizer_json.read_text().replace('"<|im_end|>"', '"<|im_stop|>"', 1))
+    # (the manifest's hashes now disagree: verification refuses it first, or the tokenizer check does)
+    with pytest.raises(DeployError):
+        deploy(DeployConfig(ref=str(other), model_repository=repo))
+    assert tree(repo) == before
 
 
 def test_a_directory_that_is_not_a_kilnlm_model_is_not_overwritten(tiny_engine_dir, tmp_path):
-    (tmp_path / "repo" / "other").mkdir(parents=True)
-    (tmp_path / "repo" / "other" / "config.pbtxt").write_text('name: "other"\nbackend: "onnxruntime"\n')
+    (tmp_path / "repo" / "tensorrt_llm").mkdir(parents=True)
+    (tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").write_text('name: "tensorrt_llm"\nbackend: "tensorrtllm"\n')
     with pytest.raises(DeployError, match="not a kilnlm model"):
-        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=tmp_path / "repo", model_name="other"))
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=tmp_path / "repo"))
 
 
 def test_served_engine_resolution_order(tmp_path):
-    model_dir = tmp_path / "repo" / "kilnlm"
+    model_dir = tmp_path / "repo" / "tensorrt_llm"
     (model_dir / "1").mkdir(parents=True)
     # the template's behaviour: engine_dir relative to the model directory, or absolute
     assert resolve_served_engine(model_dir, 1, {"engine_dir": "engine"}) == \
@@ -155,9 +173,9 @@ def test_served_engine_resolution_order(tmp_path):
 
 def test_template_is_found_and_rendered(tmp_path):
     template = locate_template()
-    assert (template / "kilnlm" / "1" / "model.py").is_file()
-    text = render_model_config(template, "smollm2")
-    assert re.search(r'^name:\s*"smollm2"', text, re.M) and parameter(text, "engine_dir") == ""
+    assert (template / "tensorrt_llm" / "1" / "model.py").is_file()
+    text = render_model_config(template)
+    assert re.search(r'^name:\s*"tensorrt_llm"', text, re.M) and parameter(text, "engine_dir") == ""
     with pytest.raises(DeployError, match="KILNLM_MODEL_REPOSITORY_TEMPLATE"):
         locate_template(tmp_path)
 
@@ -173,6 +191,9 @@ def test_pyproject_ships_the_template_as_package_data():
     assert "kilnlm.model_repository" in setuptools["packages"]
     assert setuptools["package-dir"]["kilnlm.model_repository"] == "model_repository"
     patterns = setuptools["package-data"]["kilnlm.model_repository"]
-    for rel in ("kilnlm/config.pbtxt", "kilnlm/1/model.py", "kilnlm_sync/config.pbtxt", "kilnlm_sync/1/model.py"):
+    rels = [f"{m}/config.pbtxt" for m in ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble",
+                                         "tensorrt_llm_bls")]
+    rels += [f"{m}/1/model.py" for m in ("preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")]
+    for rel in [*rels, "ensemble/1/README.md"]:
         assert (repo_root / "model_repository" / rel).is_file()
         assert any(fnmatch.fnmatch(rel, pattern) for pattern in patterns), rel

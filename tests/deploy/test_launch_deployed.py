@@ -27,8 +27,8 @@ def _fake_install(root: Path, body: str) -> Path:
 
 
 def _deployed_repository(root: Path) -> Path:
-    (root / "kilnlm" / "1").mkdir(parents=True)
-    (root / "kilnlm" / "config.pbtxt").write_text('name: "kilnlm"\nbackend: "python"\n')
+    (root / "tensorrt_llm" / "1").mkdir(parents=True)
+    (root / "tensorrt_llm" / "config.pbtxt").write_text('name: "tensorrt_llm"\nbackend: "python"\n')
     return root
 
 

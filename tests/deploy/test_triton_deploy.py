@@ -1,6 +1,6 @@
 """End to end: the SmolLM2 fp8 engine published to an S3 cache (moto server), deployed with `kilnlm deploy`
 as a pointer, served by a real tritonserver whose model fetches the engine from S3 when it loads, and
-asked a question with tritonclient; then a second version is deployed and rolled back while the server
+asked a question through the ensemble and tensorrt_llm_bls; then a second version is deployed and rolled back while the server
 polls the repository."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import time
 import urllib.error
 import urllib.request
 
-import numpy as np
 import pytest
 
 from kilnlm.cli.main import main as kilnlm_main
@@ -21,29 +20,12 @@ from kilnlm.runtime.distribution.engine_source import ENGINE_CACHE_DIR_ENV
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
-httpclient = pytest.importorskip("tritonclient.http")
-
 QUESTION = "What is the capital of France?"
 VERSION_SWITCH_TIMEOUT_S = 180.0
 
 
-def _ask_sync(server, model: str) -> str:
-    """One HTTP /infer request (the non-decoupled ``<model>_sync`` forwarding to ``model`` through BLS)."""
-    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
-    inputs = []
-    for name, array in (("text_input", np.array([QUESTION.encode()], dtype=np.object_)),
-                        ("max_tokens", np.array([24], dtype=np.int32)),
-                        ("apply_chat_template", np.array([True])),
-                        ("exclude_input_in_output", np.array([True]))):
-        tensor = httpclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == np.object_ else
-                                       {np.dtype(np.int32): "INT32", np.dtype(np.bool_): "BOOL"}[array.dtype])
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return client.infer(f"{model}_sync", inputs).as_numpy("text_output")[0].decode()
-
-
 def _generate(server, model: str) -> str:
-    """Triton's HTTP generate endpoint on the decoupled model itself."""
+    """Triton's HTTP generate endpoint on a text model of the set (ensemble or tensorrt_llm_bls)."""
     body = json.dumps({"text_input": QUESTION, "max_tokens": 24, "apply_chat_template": True,
                        "exclude_input_in_output": True}).encode()
     request = urllib.request.Request(f"{server.http_url}/v2/models/{model}/generate", data=body,
@@ -74,8 +56,7 @@ def test_triton_serves_an_engine_deployed_from_s3_and_rolls_back(s3_server, smol
     cache_url = s3_server.make_bucket() + "/engines"
     entry = EngineCache(cache_url).publish(smollm2_engine_fp8_dir, name="smollm2", version="1")
     repo = tmp_path / "repo"
-    assert kilnlm_main(["deploy", f"{cache_url}/smollm2:1", "--model-repository", str(repo),
-                        "--model-name", "smollm2"]) == 0
+    assert kilnlm_main(["deploy", f"{cache_url}/smollm2:1", "--model-repository", str(repo)]) == 0
     assert "pointer to" in capsys.readouterr().out
     served_cache = tmp_path / "served"  # empty: the model must pull the engine from S3 when it loads
 
@@ -85,19 +66,18 @@ def test_triton_serves_an_engine_deployed_from_s3_and_rolls_back(s3_server, smol
     assert verify_engine(served_cache / entry.key).files == verify_engine(smollm2_engine_fp8_dir).files
     assert f"fetching {cache_url}/smollm2:1" in server.log_tail(200_000)
     assert not [p for p in repo.rglob("__pycache__") if p.is_dir()]  # (polling: a changed model)
-    answer = _ask_sync(server, "smollm2")
+    answer = _generate(server, "ensemble")
     assert "Paris" in answer, answer
-    assert _generate(server, "smollm2") == answer  # greedy: the decoupled model answers the same
+    assert _generate(server, "tensorrt_llm_bls") == answer  # greedy: the BLS model answers the same
 
     # Version 2 (the same engine: its verified local copy is reused, no download) replaces version 1...
-    assert kilnlm_main(["deploy", f"{cache_url}/smollm2:1", "--model-repository", str(repo),
-                        "--model-name", "smollm2"]) == 0
-    _wait_for_versions(server, "smollm2", ready=2, gone=1)
-    assert _ask_sync(server, "smollm2") == answer
+    assert kilnlm_main(["deploy", f"{cache_url}/smollm2:1", "--model-repository", str(repo)]) == 0
+    _wait_for_versions(server, "tensorrt_llm", ready=2, gone=1)
+    assert _generate(server, "ensemble") == answer
     # ...and removing it rolls back to version 1.
-    shutil.rmtree(repo / "smollm2" / "2")
-    _wait_for_versions(server, "smollm2", ready=1, gone=2)
-    assert _ask_sync(server, "smollm2") == answer
+    shutil.rmtree(repo / "tensorrt_llm" / "2")
+    _wait_for_versions(server, "tensorrt_llm", ready=1, gone=2)
+    assert _generate(server, "ensemble") == answer
     log = server.log_tail(200_000)
     assert log.count(f"fetching {cache_url}/smollm2:1") == 1
-    assert log.count('"loading: smollm2:1"') == 2 and log.count('"loading: smollm2:2"') == 1, log
+    assert log.count('"loading: tensorrt_llm:1"') == 2 and log.count('"loading: tensorrt_llm:2"') == 1, log

@@ -190,3 +190,40 @@ def test_a_cancelled_client_is_closed_once_and_its_request_cancelled(served):
     wait_until(lambda: backend.value("kilnlm_requests_finished_total", finish_reason="cancelled") == 1.0)
     assert executor.cancelled == [0]
     assert client.events == [("reply", Reply("x", (120,))), ("close",)]  # nothing after the close
+
+
+def test_tensorrt_llm_protocol_ends_a_request_after_every_sequence_and_never_polls_it_again():
+    """num_return_sequences 2: the final flag comes with the second sequence's last reply, and the client
+    is not touched once it is sent (tritonserver crashes on a sender used after its final response)."""
+    import numpy as np
+
+    from kilnlm.runtime.serving.trtllm import LLMProtocol
+
+    class TwoSequences(ScriptedExecutor):
+        def stream(self, request_id):
+            for _ in range(2):  # the scripted stream ends at each finished response
+                yield from super().stream(request_id)
+
+    class WatchedClient(RecordingClient):
+        polled_after_final = False
+
+        def is_cancelled(self) -> bool:
+            self.polled_after_final |= self.done.is_set()
+            return super().is_cancelled()
+
+    executor = TwoSequences()
+    dispatcher = RequestDispatcher(executor, Metrics(InMemoryBackend(), "tensorrt_llm"), default_max_tokens=16,
+                                   protocol=LLMProtocol())
+    client = WatchedClient()
+    tensors = {"input_ids": np.array([[5, 6]], dtype=np.int32), "request_output_len": np.array([[2]]),
+               "streaming": np.array([[True]]), "num_return_sequences": np.array([[2]])}
+    dispatcher.submit(tensors.get, client)
+    executor.streams[0].put(Response(0, [7], "a", True, FinishReason.LENGTH, 2, 1, sequence_index=0))
+    executor.streams[0].put(Response(0, [8], "b", True, FinishReason.LENGTH, 2, 1, sequence_index=1))
+    assert client.done.wait(WAIT_S)
+    time.sleep(0.2)  # a few cancellation polls
+    finals = [event[1].final for event in client.events]
+    assert finals == [False, True]
+    assert [event[1].outputs["sequence_index"].tolist() for event in client.events] == [[[0]], [[1]]]
+    assert not client.polled_after_final, "is_cancelled() called after the final reply"
+    dispatcher.shutdown()

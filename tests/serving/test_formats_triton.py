@@ -1,11 +1,12 @@
 """Every quantization format still answers "What is the capital of France?" with Paris through a real
 tritonserver (issue 3, item 10).
 
-One tritonserver serves one kilnlm model per format (``kilnlm_<qformat>`` and ``kilnlm_fp8_kv_<dtype>``
-for the 8-bit KV caches), each a copy of ``model_repository/kilnlm`` pointed at that format's SmolLM2
+One tritonserver serves one LLM model per format (``kilnlm_<qformat>`` and ``kilnlm_fp8_kv_<dtype>`` for
+the 8-bit KV caches), each a copy of ``model_repository/tensorrt_llm`` pointed at that format's SmolLM2
 engine (built once per session by the ``smollm2_format_engine`` factory of tests/conftest.py) with a small
 KV pool, so the whole set fits in memory at once. The fp32 engine is covered by tests/serving/test_triton.py.
-The question goes through Triton's HTTP ``generate`` endpoint with the chat template applied, greedy.
+The question, in the chat template and tokenized here as TensorRT-LLM's clients of its ``tensorrt_llm``
+model do, goes through Triton's HTTP ``generate`` endpoint, greedy.
 Every format listed must build and serve: one the builder does not offer, or that fails to build or to
 load, fails the test (only a machine without tritonserver skips).
 """
@@ -40,14 +41,14 @@ _ENGINE_DIR_RE = re.compile(r'(key:\s*"engine_dir"\s*value:\s*\{\s*string_value:
 
 
 def write_model(template: Path, repository: Path, name: str, engine_dir: Path) -> None:
-    """``repository/name``: a copy of the template's ``kilnlm`` model named ``name``, serving ``engine_dir``."""
-    source = template / "kilnlm"
+    """``repository/name``: a copy of the template's ``tensorrt_llm`` model named ``name``, serving ``engine_dir``."""
+    source = template / "tensorrt_llm"
     dest = repository / name
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     text = (dest / "config.pbtxt").read_text()
-    text, num_names = re.subn(r'^name:\s*"kilnlm"', f'name: "{name}"', text, flags=re.M)
+    text, num_names = re.subn(r'^name:\s*"tensorrt_llm"', f'name: "{name}"', text, flags=re.M)
     text, num_dirs = _ENGINE_DIR_RE.subn(lambda m: f'{m.group(1)}"{engine_dir.resolve()}"', text)
-    assert num_names == 1 and num_dirs == 1, "model_repository/kilnlm/config.pbtxt changed shape: update this test"
+    assert num_names == 1 and num_dirs == 1, "model_repository/tensorrt_llm/config.pbtxt changed shape: update this test"
     text += f'\nparameters: {{\n  key: "kv_cache_bytes"\n  value: {{ string_value: "{KV_CACHE_BYTES}" }}\n}}\n'
     (dest / "config.pbtxt").write_text(text)
 
@@ -85,12 +86,19 @@ KNOWN_WRONG: dict[str, str] = {}
     pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[m])) if m in KNOWN_WRONG else m
     for m in FORMATS
 ])
-def test_format_answers_paris(formats_server, model):
+def test_format_answers_paris(formats_server, smollm2_engine_fp32_dir, model):
+    from kilnlm.runtime.tokenizer import Tokenizer
+
     http_url = formats_server
-    body = {"text_input": QUESTION, "max_tokens": 24, "apply_chat_template": True, "exclude_input_in_output": True}
+    tokenizer = Tokenizer.from_dir(smollm2_engine_fp32_dir / "tokenizer")  # every format's tokenizer is SmolLM2's
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]),
+                                  add_special_tokens=False)
+    body = {"input_ids": prompt_ids, "input_lengths": len(prompt_ids), "request_output_len": 24,
+            "exclude_input_in_output": True}
     request = urllib.request.Request(f"{http_url}/v2/models/{model}/generate", data=json.dumps(body).encode(),
                                      method="POST", headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=180) as reply:
         answer = json.loads(reply.read().decode("utf-8"))
-    print(f"\n[formats] {model}: {answer['text_output']!r}")
-    assert "Paris" in answer["text_output"], f"{model} answered {answer['text_output']!r}"
+    text = tokenizer.decode(answer["output_ids"])
+    print(f"\n[formats] {model}: {text!r}")
+    assert "Paris" in text, f"{model} answered {text!r}"

@@ -37,13 +37,17 @@ def test_prepare_repository_points_engine_dir_at_the_engine(launcher, tmp_path):
     engine = tmp_path / "engine"
     engine.mkdir()
     out = launcher.prepare_repository(launcher.default_model_repository(), tmp_path / "repo", engine)
-    config = (out / "kilnlm" / "config.pbtxt").read_text()
+    config = (out / "tensorrt_llm" / "config.pbtxt").read_text()
     assert f'string_value: "{engine.resolve()}"' in config
-    assert (out / "kilnlm" / "1" / "model.py").is_file()
-    assert (out / "kilnlm_sync" / "config.pbtxt").read_text() == \
-        (launcher.default_model_repository() / "kilnlm_sync" / "config.pbtxt").read_text()
+    assert (out / "tensorrt_llm" / "1" / "model.py").is_file()
+    for name in ("preprocessing", "postprocessing"):
+        assert f'string_value: "{engine.resolve() / "tokenizer"}"' in (out / name / "config.pbtxt").read_text()
+    assert (out / "ensemble" / "config.pbtxt").read_text() == \
+        (launcher.default_model_repository() / "ensemble" / "config.pbtxt").read_text()
+    assert (out / "ensemble" / "1").is_dir()
     # the source repository is left as it was
-    assert 'string_value: "engine"' in (launcher.default_model_repository() / "kilnlm" / "config.pbtxt").read_text()
+    template = launcher.default_model_repository()
+    assert 'string_value: "engine"' in (template / "tensorrt_llm" / "config.pbtxt").read_text()
 
 
 def test_missing_engine_or_repository_is_a_launch_error(launcher, tmp_path):

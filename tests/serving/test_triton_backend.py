@@ -148,20 +148,3 @@ def test_metrics_backend_makes_triton_families_with_buckets_for_histograms_only(
     metrics.count_finished("stop")
     assert MetricFamily.created[-1][:3] == ("kilnlm_requests_finished_total", "COUNTER",
                                             {"model": "kilnlm", "version": "1", "finish_reason": "stop"})
-
-
-def test_forward_to_decoupled_forces_stream_false_and_returns_the_final_response():
-    final = InferenceResponse([Tensor("text_output", np.array([b"Paris"], dtype=object))])
-    pb_utils = fake_pb_utils([InferenceResponse([]), final])
-    request = {"text_input": Tensor("text_input", np.array([b"Q"], dtype=object)),
-               "stream": Tensor("stream", np.array([True]))}
-    response = triton_backend.forward_to_decoupled(pb_utils, request, "kilnlm", ["text_input", "stream", "top_p"])
-    assert response.output_tensors() == final.output_tensors()
-    [(model, inputs, outputs)] = pb_utils.bls_requests
-    assert model == "kilnlm" and inputs == {"stream": [False], "text_input": [b"Q"]}
-    assert outputs == ["text_output", "output_ids", "sequence_length", "finish_reason"]
-    error = InferenceResponse([], TritonError("top_p is 1.5", "INVALID_ARG"))
-    passed = triton_backend.forward_to_decoupled(fake_pb_utils([error]), request, "kilnlm", ["text_input"])
-    assert (passed.error().message(), passed.error().code()) == ("top_p is 1.5", "INVALID_ARG")
-    silent = triton_backend.forward_to_decoupled(fake_pb_utils([]), request, "kilnlm", ["text_input"])
-    assert silent.error().message() == "model 'kilnlm' sent no response"
