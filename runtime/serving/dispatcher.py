@@ -31,10 +31,10 @@ import threading
 import time
 from typing import Protocol
 
-from kilnlm.runtime.errors import RequestError
+from kilnlm.runtime.errors import QueueFullError, RequestError
 from kilnlm.runtime.serving.metrics import Metrics, RequestTiming
 from kilnlm.runtime.serving.request_parsing import InputReader, parse_request, prepare_submission
-from kilnlm.runtime.serving.responses import Reply, ResponseShaper, finish_reason_name
+from kilnlm.runtime.serving.responses import ErrorKind, Reply, ResponseShaper, finish_reason_name
 
 STATS_INTERVAL_S = 0.1  # how often the gauges are refreshed from executor.stats()
 CANCEL_POLL_INTERVAL_S = 0.05  # how often live requests are checked for client cancellation
@@ -47,9 +47,8 @@ class Client(Protocol):
     def send(self, reply: Reply) -> None:
         """Send ``reply`` (the request's last when ``reply.final``; its ``error`` is None)."""
 
-    def send_error(self, message: str, internal: bool) -> None:
-        """Send a final error: the client's to fix (``internal`` False: Triton INVALID_ARG, HTTP 400) or
-        kilnlm's (True: INTERNAL)."""
+    def send_error(self, message: str, kind: ErrorKind) -> None:
+        """Send a final error of ``kind`` (the client's to fix, kilnlm busy, or kilnlm's)."""
 
     def is_cancelled(self) -> bool:
         """Whether the client went away (stream closed, connection dropped)."""
@@ -118,12 +117,15 @@ class RequestDispatcher:
         try:
             prompt_ids, params, shaper = self._protocol.prepare(read, self._executor.tokenizer)
             request_id = self._executor.submit(prompt_ids, params)
+        except QueueFullError as exc:  # busy: the client may retry later
+            self._outbox.put(("refused", client, (str(exc), ErrorKind.UNAVAILABLE)))
+            return
         except RequestError as exc:  # the client's to fix: say what
-            self._outbox.put(("refused", client, (str(exc), False)))
+            self._outbox.put(("refused", client, (str(exc), ErrorKind.INVALID_REQUEST)))
             return
         except Exception as exc:  # a bug or a broken engine: report it, keep serving others
             self._log.error(f"kilnlm: submitting a request failed: {exc!r}")
-            self._outbox.put(("refused", client, (f"kilnlm could not submit the request: {exc}", True)))
+            self._outbox.put(("refused", client, (f"kilnlm could not submit the request: {exc}", ErrorKind.INTERNAL)))
             return
         self._outbox.put(("submitted", request_id, _LiveRequest(client, shaper, RequestTiming(arrival_s))))
         reader = threading.Thread(target=self._read_responses, args=(request_id,), daemon=True,
@@ -183,8 +185,8 @@ class RequestDispatcher:
 
     def _handle(self, live: dict[int, _LiveRequest], kind: str, key, payload) -> None:
         if kind == "refused":
-            message, internal = payload
-            key.send_error(message, internal)
+            message, error_kind = payload
+            key.send_error(message, error_kind)
             return
         if kind == "submitted":
             live[key] = payload
@@ -196,7 +198,7 @@ class RequestDispatcher:
             del live[key]
             self._metrics.count_finished("error")
             if not (state.cancelled or state.closed):
-                state.client.send_error(f"kilnlm executor error: {payload}", internal=True)
+                state.client.send_error(f"kilnlm executor error: {payload}", ErrorKind.INTERNAL)
             return
         if kind == "ended":  # the executor's stream of the request ended (every sequence finished)
             del live[key]
@@ -218,7 +220,7 @@ class RequestDispatcher:
         if reply.final:
             state.closed = True
         if reply.error is not None:
-            state.client.send_error(reply.error, internal=True)
+            state.client.send_error(reply.error, ErrorKind.INTERNAL)
         else:
             state.client.send(reply)
 

@@ -17,6 +17,7 @@ Output tensors (TensorRT-LLM's ``inflight_batcher_llm`` names), from :func:`outp
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,6 +25,15 @@ import numpy as np
 if TYPE_CHECKING:  # (not imported at run time: the executor-less models import this without torch)
     from kilnlm.runtime.request import Response
     from kilnlm.runtime.serving.request_parsing import GenerateRequest
+
+class ErrorKind(str, enum.Enum):
+    """Whose an error reply is, which decides its status: the client's to fix (Triton INVALID_ARG, HTTP
+    400), kilnlm busy (UNAVAILABLE, HTTP 503: the queue is full, retry later) or kilnlm's (INTERNAL, 500)."""
+
+    INVALID_REQUEST = "invalid_request"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
 
 OUTPUT_NAMES = ("text_output", "output_ids", "sequence_length", "finish_reason")
 

@@ -11,12 +11,13 @@ It imports neither torch nor the executor, so the executor-less models stay ligh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from kilnlm.runtime.errors import RequestError
 from kilnlm.runtime.serving.metrics import MetricKind, MetricSpec
-from kilnlm.runtime.serving.responses import OUTPUT_NAMES, Reply, output_arrays
+from kilnlm.runtime.serving.responses import OUTPUT_NAMES, ErrorKind, Reply, output_arrays
 from kilnlm.runtime.serving.trtllm import LLMReply
 
 if TYPE_CHECKING:
@@ -37,6 +38,38 @@ def load_tokenizer(model_dir: str, params: dict[str, str]):
     from kilnlm.runtime.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(os.path.join(model_dir, params.get("tokenizer_dir") or "tokenizer"))
+
+
+class TokenizerModel:
+    """The whole of the ``preprocessing`` and ``postprocessing`` models: the engine's tokenizer (parameter
+    ``tokenizer_dir``, :func:`load_tokenizer`) and one conversion per request,
+    ``convert(read, tokenizer, flag) -> {output name: array}`` (``read``: :func:`array_reader`; ``flag``: the
+    boolean model parameter ``flag_name``, default true). A conversion's :class:`RequestError` becomes that
+    request's INVALID_ARG response; the other requests of the batch are answered as usual."""
+
+    def __init__(self, pb_utils, args: Mapping[str, Any], convert: Callable, flag_name: str) -> None:
+        import json
+
+        from kilnlm.runtime.serving.parameters import parameter_value
+
+        params = model_parameters(json.loads(args["model_config"]))
+        self._pb_utils = pb_utils
+        self._convert = convert
+        self._tokenizer = load_tokenizer(args["model_repository"], params)
+        self._flag = parameter_value(params.get(flag_name, "true"), "bool") is not False
+
+    def execute(self, requests) -> list:
+        pb_utils = self._pb_utils
+        responses = []
+        for request in requests:
+            try:
+                outputs = self._convert(array_reader(pb_utils, request), self._tokenizer, self._flag)
+            except RequestError as exc:
+                responses.append(error_response(pb_utils, str(exc), ErrorKind.INVALID_REQUEST))
+                continue
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]))
+        return responses
 
 
 def input_reader(pb_utils, request) -> "InputReader":
@@ -67,9 +100,11 @@ def array_reader(pb_utils, request):
     return read
 
 
-def error_response(pb_utils, message: str, internal: bool):
-    """A response carrying only an error: INTERNAL when ``internal``, else INVALID_ARG (HTTP 400)."""
-    code = pb_utils.TritonError.INTERNAL if internal else pb_utils.TritonError.INVALID_ARG
+def error_response(pb_utils, message: str, kind: ErrorKind):
+    """A response carrying only an error, with the Triton code of ``kind``: INVALID_ARG (HTTP 400),
+    UNAVAILABLE (503) or INTERNAL (500)."""
+    code = getattr(pb_utils.TritonError, {ErrorKind.INVALID_REQUEST: "INVALID_ARG", ErrorKind.UNAVAILABLE: "UNAVAILABLE",
+                                          ErrorKind.INTERNAL: "INTERNAL"}[kind])
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
@@ -87,8 +122,8 @@ class TritonClient:
         else:
             self._sender.send(response)
 
-    def send_error(self, message: str, internal: bool) -> None:
-        self._sender.send(error_response(self._pb_utils, message, internal),
+    def send_error(self, message: str, kind: ErrorKind) -> None:
+        self._sender.send(error_response(self._pb_utils, message, kind),
                           flags=self._pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def is_cancelled(self) -> bool:

@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from kilnlm.runtime.errors import RequestError
+from kilnlm.runtime.errors import QueueFullError, RequestError
 from kilnlm.runtime.executor import IterationStats
 from kilnlm.runtime.request import FinishReason, Response
 from kilnlm.runtime.serving.dispatcher import RequestDispatcher
 from kilnlm.runtime.serving.metrics import InMemoryBackend, Metrics
 from kilnlm.runtime.serving.request_parsing import json_reader
-from kilnlm.runtime.serving.responses import Reply
+from kilnlm.runtime.serving.responses import ErrorKind, Reply
 
 WAIT_S = 10.0
 
@@ -85,9 +85,9 @@ class RecordingClient:
         if reply.final:
             self.done.set()
 
-    def send_error(self, message: str, internal: bool) -> None:
+    def send_error(self, message: str, kind: ErrorKind) -> None:
         self.threads.add(threading.current_thread().name)
-        self.events.append(("error", message, internal))
+        self.events.append(("error", message, kind))
         self.done.set()
 
     def is_cancelled(self) -> bool:
@@ -152,7 +152,7 @@ def test_bad_requests_get_the_clients_error(served, body, message):
     client = RecordingClient()
     dispatcher.submit(json_reader(body), client)
     assert client.done.wait(WAIT_S)
-    assert client.events == [("error", message, False)]
+    assert client.events == [("error", message, ErrorKind.INVALID_REQUEST)]
     assert executor.submitted == []
 
 
@@ -161,6 +161,9 @@ def test_submit_and_executor_failures_are_internal_errors(served):
     executor.submit_error = RequestError("prompt has 9000 tokens: lower it")
     refused = RecordingClient()
     dispatcher.submit(json_reader({"text_input": "Hi"}), refused)
+    executor.submit_error = QueueFullError("the executor's queue is full")
+    busy = RecordingClient()
+    dispatcher.submit(json_reader({"text_input": "Hi"}), busy)
     executor.submit_error = RuntimeError("engine gone")
     broken = RecordingClient()
     dispatcher.submit(json_reader({"text_input": "Hi"}), broken)
@@ -170,12 +173,13 @@ def test_submit_and_executor_failures_are_internal_errors(served):
     dispatcher.submit(json_reader({"text_input": "Hi", "stream": True}), failed)
     executor.fail(0, RuntimeError("stream broke"))
     executor.push(1, "", [], FinishReason.ERROR, error="forward failed")
-    for client in (refused, broken, lost, failed):
+    for client in (refused, busy, broken, lost, failed):
         assert client.done.wait(WAIT_S)
-    assert refused.events == [("error", "prompt has 9000 tokens: lower it", False)]
-    assert broken.events == [("error", "kilnlm could not submit the request: engine gone", True)]
-    assert lost.events == [("error", "kilnlm executor error: stream broke", True)]
-    assert failed.events == [("error", "kilnlm executor error: forward failed", True)]
+    assert busy.events == [("error", "the executor's queue is full", ErrorKind.UNAVAILABLE)]
+    assert refused.events == [("error", "prompt has 9000 tokens: lower it", ErrorKind.INVALID_REQUEST)]
+    assert broken.events == [("error", "kilnlm could not submit the request: engine gone", ErrorKind.INTERNAL)]
+    assert lost.events == [("error", "kilnlm executor error: stream broke", ErrorKind.INTERNAL)]
+    assert failed.events == [("error", "kilnlm executor error: forward failed", ErrorKind.INTERNAL)]
     wait_until(lambda: backend.value("kilnlm_requests_finished_total", finish_reason="error") == 2.0)
 
 

@@ -142,7 +142,7 @@ class Client:
             self.final = reply
             self.done.set()
 
-    def send_error(self, message: str, internal: bool) -> None:
+    def send_error(self, message: str, kind) -> None:
         self.final = message
         self.done.set()
 

@@ -12,13 +12,13 @@ import numpy as np
 
 from kilnlm.runtime.serving import triton_backend
 from kilnlm.runtime.serving.metrics import Metrics
-from kilnlm.runtime.serving.responses import Reply
+from kilnlm.runtime.serving.responses import ErrorKind, Reply
 
 FINAL = 1 << 0
 
 
 class TritonError:
-    INTERNAL, INVALID_ARG = "INTERNAL", "INVALID_ARG"
+    INTERNAL, INVALID_ARG, UNAVAILABLE = "INTERNAL", "INVALID_ARG", "UNAVAILABLE"
 
     def __init__(self, message, code=INTERNAL):
         self._message, self._code = message, code
@@ -117,16 +117,17 @@ def test_client_sends_tensors_with_final_flag_errors_and_close():
     client = triton_backend.TritonClient(pb_utils, sender)
     client.send(Reply("a", (1,)))
     client.send(Reply("b", (2, 3), "length", final=True))
-    client.send_error("top_p is 1.5", internal=False)
-    client.send_error("engine gone", internal=True)
+    client.send_error("top_p is 1.5", ErrorKind.INVALID_REQUEST)
+    client.send_error("engine gone", ErrorKind.INTERNAL)
+    client.send_error("queue full", ErrorKind.UNAVAILABLE)
     client.close()
-    (first, flags0), (last, flags1), (bad, flags2), (broken, flags3), (closed, flags4) = sender.sent
-    assert flags0 == 0 and flags1 == flags2 == flags3 == flags4 == FINAL
+    (first, flags0), (last, flags1), (bad, flags2), (broken, flags3), (busy, flags4), (closed, flags5) = sender.sent
+    assert flags0 == 0 and flags1 == flags2 == flags3 == flags4 == flags5 == FINAL
     assert {t.name: t.array.tolist() for t in last.output_tensors()} == {
         "text_output": [b"b"], "output_ids": [2, 3], "sequence_length": [2], "finish_reason": [b"length"]}
     assert first.output_tensors()[0].array.tolist() == [b"a"]
     assert (bad.error().message(), bad.error().code()) == ("top_p is 1.5", "INVALID_ARG")
-    assert broken.error().code() == "INTERNAL" and closed is None
+    assert broken.error().code() == "INTERNAL" and busy.error().code() == "UNAVAILABLE" and closed is None
 
 
 def test_metrics_backend_makes_triton_families_with_buckets_for_histograms_only():
@@ -148,3 +149,28 @@ def test_metrics_backend_makes_triton_families_with_buckets_for_histograms_only(
     metrics.count_finished("stop")
     assert MetricFamily.created[-1][:3] == ("kilnlm_requests_finished_total", "COUNTER",
                                             {"model": "kilnlm", "version": "1", "finish_reason": "stop"})
+
+
+def test_tokenizer_model_answers_each_request_and_refuses_bad_ones_alone(rt_tokenizer_dir):
+    """preprocessing / postprocessing: one conversion per request with the engine's tokenizer and the model's
+    boolean parameter; a RequestError answers only its own request, as INVALID_ARG."""
+    import json
+
+    from kilnlm.runtime.errors import RequestError
+
+    def convert(read, tokenizer, flag):
+        text = read("QUERY")
+        if text is None:
+            raise RequestError("'QUERY' is missing")
+        ids = tokenizer.encode(text.reshape(-1)[0].decode(), add_special_tokens=flag)
+        return {"INPUT_ID": np.array([ids], dtype=np.int32)}
+
+    config = {"parameters": {"tokenizer_dir": {"string_value": str(rt_tokenizer_dir)},
+                             "add_special_tokens": {"string_value": "false"}}}
+    model = triton_backend.TokenizerModel(fake_pb_utils(), {"model_config": json.dumps(config), "model_repository": "/"},
+                                          convert, "add_special_tokens")
+    good = {"QUERY": Tensor("QUERY", np.array([[b"Paris"]], dtype=object))}
+    answered, refused = model.execute([good, {}])
+    [ids] = answered.output_tensors()
+    assert ids.name == "INPUT_ID" and ids.array.tolist()[0] == model._tokenizer.encode("Paris", add_special_tokens=False)
+    assert (refused.error().message(), refused.error().code()) == ("'QUERY' is missing", "INVALID_ARG")

@@ -1,11 +1,10 @@
 """postprocessing: token ids (or tensorrt_llm's output_text) -> text, with the engine's tokenizer (parameter ``tokenizer_dir``).
 A thin adapter over :func:`kilnlm.runtime.serving.trtllm.postprocess`; a bad request gets an INVALID_ARG error
-naming the input. Loads no engine and no torch.
+naming the input. Loads no engine (:class:`kilnlm.runtime.serving.triton_backend.TokenizerModel`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import site
 import sys
@@ -28,26 +27,13 @@ _add_launcher_python_path()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402  (after the path set-up above)
 
-from kilnlm.runtime.errors import RequestError  # noqa: E402
 from kilnlm.runtime.serving import triton_backend  # noqa: E402
-from kilnlm.runtime.serving.parameters import parameter_value  # noqa: E402
 from kilnlm.runtime.serving.trtllm import postprocess  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = triton_backend.model_parameters(json.loads(args["model_config"]))
-        self._tokenizer = triton_backend.load_tokenizer(args["model_repository"], params)
-        self._skip_special_tokens = parameter_value(params.get("skip_special_tokens", "true"), "bool") is not False
+        self._model = triton_backend.TokenizerModel(pb_utils, args, postprocess, "skip_special_tokens")
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                outputs = postprocess(triton_backend.array_reader(pb_utils, request), self._tokenizer, self._skip_special_tokens)
-            except RequestError as exc:
-                responses.append(triton_backend.error_response(pb_utils, str(exc), internal=False))
-                continue
-            responses.append(pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]))
-        return responses
+        return self._model.execute(requests)

@@ -29,6 +29,7 @@ _add_launcher_python_path()
 import triton_python_backend_utils as pb_utils  # noqa: E402  (after the path set-up above)
 
 from kilnlm.runtime.serving import triton_backend  # noqa: E402
+from kilnlm.runtime.serving.responses import ErrorKind  # noqa: E402
 
 
 class TritonPythonModel:
@@ -43,6 +44,6 @@ class TritonPythonModel:
                 triton_backend.bls_generate(pb_utils, request, sender, self._llm_model)
             except Exception as exc:  # a bug must not leave the client waiting: answer, keep serving
                 pb_utils.Logger.log_error(f"kilnlm: tensorrt_llm_bls failed: {exc!r}")
-                sender.send(triton_backend.error_response(pb_utils, f"tensorrt_llm_bls failed: {exc}", True),
+                sender.send(triton_backend.error_response(pb_utils, f"tensorrt_llm_bls failed: {exc}", ErrorKind.INTERNAL),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
