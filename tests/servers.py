@@ -91,10 +91,11 @@ def is_ready(http_url: str) -> bool:
 def running_tritonserver(work_dir: Path, *, engine_dir: Path | None = None, model_repository: Path | None = None,
                          repository_poll_s: int | None = None, extra_env: dict[str, str] | None = None,
                          edit_repository: Callable[[Path, Path], None] | None = None,
-                         start_timeout_s: float = SERVER_START_TIMEOUT_S) -> Iterator[TritonServer]:
+                         start_timeout_s: float = SERVER_START_TIMEOUT_S,
+                         decoupled_mode: bool = True) -> Iterator[TritonServer]:
     """A tritonserver serving ``engine_dir`` (the launcher's ``--engine``) or ``model_repository`` as it
-    is. ``edit_repository(template, prepared_repository)`` may rewrite the assembled repository before the
-    server starts. Skips the test where tritonserver cannot be started here; fails it, with the server's
+    is (``decoupled_mode``: the launcher's). ``edit_repository(template, prepared_repository)`` may rewrite
+    the assembled repository before the server starts. Skips the test where tritonserver cannot be started here; fails it, with the server's
     log, where the server exits or is not ready within ``start_timeout_s``."""
     from kilnlm.runtime.serving import launcher
 
@@ -102,7 +103,7 @@ def running_tritonserver(work_dir: Path, *, engine_dir: Path | None = None, mode
     options = {} if model_repository is None else {"model_repository": model_repository}
     config = launcher.ServerConfig(engine_dir=engine_dir, work_dir=work_dir, address="127.0.0.1",
                                    http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                                   repository_poll_s=repository_poll_s, **options)
+                                   repository_poll_s=repository_poll_s, decoupled_mode=decoupled_mode, **options)
     try:
         prepared = launcher.prepare_server(config)
     except launcher.LaunchError as exc:

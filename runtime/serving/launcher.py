@@ -83,6 +83,10 @@ class ServerConfig:
         repository_poll_s: when set, tritonserver polls the repository every this many seconds and
             loads new versions / unloads removed ones (``--model-control-mode=poll``); None = load once.
         extra_args: further tritonserver arguments, appended last.
+        decoupled_mode: with ``engine_dir``, TensorRT-LLM's ``decoupled_mode``: True serves ``tensorrt_llm``
+            and ``tensorrt_llm_bls`` decoupled (streaming, several sequences; Triton then refuses HTTP
+            ``/infer`` on them and on ``ensemble``), False one response per request (``/infer`` works,
+            streaming is refused).
     """
 
     engine_dir: Path | None = None
@@ -96,6 +100,7 @@ class ServerConfig:
     log_verbose: int = 0
     repository_poll_s: int | None = None
     extra_args: tuple[str, ...] = ()
+    decoupled_mode: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,9 +219,13 @@ def _parameter_re(key: str) -> re.Pattern:
     return re.compile(r'(key:\s*"' + key + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"', re.S)
 
 
-def prepare_repository(source: Path, dest: Path, engine_dir: Path) -> Path:
+_DECOUPLED_RE = re.compile(r"(model_transaction_policy\s*\{\s*decoupled:\s*)(true|false)")
+
+
+def prepare_repository(source: Path, dest: Path, engine_dir: Path, decoupled_mode: bool = True) -> Path:
     """Copy the model repository ``source`` to ``dest`` with every model's ``engine_dir`` parameter set to
-    the absolute ``engine_dir`` and every ``tokenizer_dir`` parameter to its ``tokenizer/``. Returns ``dest``.
+    the absolute ``engine_dir``, every ``tokenizer_dir`` parameter to its ``tokenizer/`` and every model's
+    ``model_transaction_policy`` decoupled flag to ``decoupled_mode`` (TensorRT-LLM's name). Returns ``dest``.
 
     Raises:
         LaunchError: the engine or the repository is missing, or no model has an engine_dir parameter.
@@ -237,6 +246,7 @@ def prepare_repository(source: Path, dest: Path, engine_dir: Path) -> Path:
         for key, value in values.items():
             text, count = _parameter_re(key).subn(lambda m: f'{m.group(1)}"{value}"', text)
             num_patched += count if key == ENGINE_DIR_PARAMETER else 0
+        text = _DECOUPLED_RE.sub(lambda m: m.group(1) + ("true" if decoupled_mode else "false"), text)
         config.write_text(text)
     if num_patched == 0:  # (models without the parameters, e.g. the ensemble, are copied as they are)
         raise LaunchError(f"no model in {source} has an '{ENGINE_DIR_PARAMETER}' parameter to point at "
@@ -283,7 +293,7 @@ def prepare_server(config: ServerConfig) -> PreparedServer:
         repository = check_deployed_repository(config.model_repository)
     else:
         repository = prepare_repository(config.model_repository, work_dir / "model_repository",
-                                        config.engine_dir)
+                                        config.engine_dir, config.decoupled_mode)
     stub = backend_directory / "python" / STUB_NAME
     stub_dir = stub_interpreter_dir(stub, work_dir) if stub.is_file() else None
     return PreparedServer(tritonserver, repository, backend_directory, _library_dirs(tritonserver),
@@ -404,6 +414,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-repository", type=Path, default=None,
                         help="with --engine: the repository copied and pointed at the engine; without: the "
                              "repository served as it is (default: kilnlm's model_repository template)")
+    parser.add_argument("--decoupled-mode", choices=("true", "false"), default="true",
+                        help="with --engine, TensorRT-LLM's decoupled_mode: true serves tensorrt_llm and "
+                             "tensorrt_llm_bls decoupled (streaming, num_return_sequences; Triton refuses HTTP "
+                             "/infer on them and the ensemble), false one response per request (/infer works, "
+                             "streaming is refused) (default: true)")
     parser.add_argument("--poll-repository-s", type=int, default=None,
                         help="poll the repository every this many seconds, loading new versions and "
                              "unloading removed ones (default: none, load once at start)")
@@ -428,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_dir=args.engine, work_dir=args.work_dir, address=args.address,
             http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
             tritonserver=args.tritonserver, log_verbose=args.log_verbose,
-            repository_poll_s=args.poll_repository_s,
+            repository_poll_s=args.poll_repository_s, decoupled_mode=args.decoupled_mode == "true",
             **({} if args.model_repository is None else {"model_repository": args.model_repository}))
         prepared = prepare_server(config)
     except LaunchError as exc:

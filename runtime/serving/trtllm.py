@@ -372,13 +372,21 @@ class LLMProtocol:
 
     ``eos_token_ids``: the engine's end ids. An ``end_id`` among them (preprocessing sends the tokenizer's
     EOS id when the client sends none) keeps all of them as end ids, as the engine's generation defaults
-    say; another ``end_id`` replaces them."""
+    say; another ``end_id`` replaces them. ``decoupled``: whether the model is served decoupled; a model
+    that is not answers each request exactly once, so ``streaming`` and ``num_return_sequences`` > 1 are
+    refused there (:class:`BadRequest` naming the input), as TensorRT-LLM refuses streaming."""
 
-    def __init__(self, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, eos_token_ids: frozenset[int] = frozenset(), decoupled: bool = True) -> None:
         self._eos_token_ids = frozenset(eos_token_ids)
+        self._decoupled = decoupled
 
     def prepare(self, read: ArrayReader, tokenizer):
         request = parse_llm_request(read, tokenizer)
+        if not self._decoupled and (request.streaming or request.sampling.n > 1):
+            name = "streaming" if request.streaming else "num_return_sequences"
+            raise BadRequest(f"'{name}' needs several responses per request, but the tensorrt_llm model is not "
+                             "decoupled: serve it with decoupled_mode true (model_transaction_policy "
+                             "{ decoupled: true }; launch_triton.py --decoupled-mode true)")
         if request.sampling.end_id in self._eos_token_ids:
             request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, end_id=None))
         prompt_text = "" if request.exclude_input_in_output or request.streaming else \

@@ -50,6 +50,20 @@ def test_prepare_repository_points_engine_dir_at_the_engine(launcher, tmp_path):
     assert 'string_value: "engine"' in (template / "tensorrt_llm" / "config.pbtxt").read_text()
 
 
+def test_prepare_repository_sets_decoupled_mode_of_the_llm_models(launcher, tmp_path):
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    template = launcher.default_model_repository()
+    for mode in (True, False):
+        out = launcher.prepare_repository(template, tmp_path / f"repo_{mode}", engine, decoupled_mode=mode)
+        for name in ("tensorrt_llm", "tensorrt_llm_bls"):
+            text = (out / name / "config.pbtxt").read_text()
+            assert f"decoupled: {str(mode).lower()}" in text and f"decoupled: {str(not mode).lower()}" not in text
+        # models without a transaction policy stay as they are
+        assert (out / "preprocessing" / "config.pbtxt").read_text().count("decoupled") == \
+            (template / "preprocessing" / "config.pbtxt").read_text().count("decoupled")
+
+
 def test_missing_engine_or_repository_is_a_launch_error(launcher, tmp_path):
     with pytest.raises(launcher.LaunchError, match="kilnlm build"):
         launcher.prepare_repository(launcher.default_model_repository(), tmp_path / "r", tmp_path / "none")

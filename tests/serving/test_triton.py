@@ -236,7 +236,7 @@ def test_grpc_streaming_tensorrt_llm_token_ids_in_ids_out(triton_server, smollm2
 
 def test_http_infer_on_preprocessing_and_postprocessing_with_batch_shaped_tensors(triton_server, smollm2_executor):
     """HTTP /infer with ``[1, 1]``-shaped tensors, as TensorRT-LLM's clients send them, on the two
-    non-decoupled models (Triton refuses /infer for decoupled ones: ensemble, tensorrt_llm_bls, tensorrt_llm)."""
+    non-decoupled models of this decoupled set (test_triton_infer.py serves the whole set non-decoupled)."""
     tokenizer = smollm2_executor.tokenizer
     client = httpclient.InferenceServerClient(triton_server.http_url.removeprefix("http://"))
     query = np.array([[PROMPTS[0].encode()]], dtype=np.object_)

@@ -149,3 +149,17 @@ def test_protocol_keeps_the_engines_end_ids_for_an_eos_end_id(tokenizer):
     assert params.end_id is None
     _, params, _ = protocol.prepare(reader(**llm_inputs(end_id=np.array([[7]]))), tokenizer)
     assert params.end_id == 7
+
+
+def test_a_model_served_without_decoupled_mode_refuses_several_responses(tokenizer):
+    """Not decoupled, tensorrt_llm answers each request exactly once: streaming and num_return_sequences > 1
+    are refused naming the input; a plain request passes."""
+    protocol = trtllm.LLMProtocol(frozenset({2}), decoupled=False)
+    with pytest.raises(trtllm.BadRequest, match="'streaming' needs several responses.*decoupled_mode true"):
+        protocol.prepare(reader(**llm_inputs(streaming=np.array([[True]]))), tokenizer)
+    with pytest.raises(trtllm.BadRequest, match="'num_return_sequences' needs several responses"):
+        protocol.prepare(reader(**llm_inputs(num_return_sequences=np.array([[2]]))), tokenizer)
+    prompt_ids, params, _ = protocol.prepare(reader(**llm_inputs()), tokenizer)
+    assert prompt_ids and params.n == 1
+    decoupled = trtllm.LLMProtocol(frozenset({2}))
+    assert decoupled.prepare(reader(**llm_inputs(num_return_sequences=np.array([[2]]))), tokenizer)[1].n == 2

@@ -1,5 +1,5 @@
-"""tensorrt_llm: TensorRT-LLM's LLM model (token ids in, token ids out; decoupled), hosting kilnlm's
-in-flight-batching executor. A thin adapter over :mod:`kilnlm.runtime.serving`: each request is parsed
+"""tensorrt_llm: TensorRT-LLM's LLM model (token ids in, token ids out; decoupled unless served with
+decoupled_mode false), hosting kilnlm's in-flight-batching executor. A thin adapter over :mod:`kilnlm.runtime.serving`: each request is parsed
 (:class:`kilnlm.runtime.serving.trtllm.LLMProtocol`, TensorRT-LLM's tensors) and submitted to one executor
 by a :class:`~kilnlm.runtime.serving.dispatcher.RequestDispatcher`; ``execute`` returns at once, and the
 dispatcher thread sends the responses. Bad requests (a refused input such as beam_width 2, a LoRA input,
@@ -46,7 +46,9 @@ class TritonPythonModel:
     """One executor per model instance, served through one request dispatcher."""
 
     def initialize(self, args):
-        params = triton_backend.model_parameters(json.loads(args["model_config"]))
+        model_config = json.loads(args["model_config"])
+        params = triton_backend.model_parameters(model_config)
+        decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         served = resolve_served_engine(args["model_repository"], args["model_version"],
                                        {"engine_dir": "engine", **params}, log=pb_utils.Logger.log_info)
         overrides = parameters.executor_overrides(params)
@@ -56,7 +58,7 @@ class TritonPythonModel:
         metrics = Metrics(triton_backend.TritonMetricsBackend(pb_utils), args["model_name"])
         self._dispatcher = RequestDispatcher(executor, metrics, parameters.default_max_tokens(params),
                                              log=triton_backend.TritonLog(pb_utils),
-                                             protocol=LLMProtocol(executor.eos_token_ids))
+                                             protocol=LLMProtocol(executor.eos_token_ids, decoupled))
 
     def execute(self, requests):
         for request in requests:
