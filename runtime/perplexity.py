@@ -36,6 +36,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -193,20 +194,23 @@ def evaluate_perplexity(engine, token_ids: list[int], config: PerplexityConfig =
         tokens_per_s=info["num_forward_tokens"] / info["seconds"] if info["seconds"] > 0 else float("nan"))
 
 
-def evaluate_text_file(engine_dir: str | os.PathLike, text_path: str | os.PathLike,
-                       config: PerplexityConfig = PerplexityConfig()) -> PerplexityResult:
-    """Load (and verify) the engine in ``engine_dir``, tokenize ``text_path`` (UTF-8) with the engine's
-    tokenizer (its default special tokens, as transformers' ``tokenizer(text)``) and evaluate it.
-    Raises :class:`RequestError` for a missing or unreadable text file, :class:`EngineError` for an
-    engine that cannot be loaded."""
+def evaluate_text_files(engine_dir: str | os.PathLike, text_paths: list[str | os.PathLike],
+                        config: PerplexityConfig = PerplexityConfig()) -> Iterator[tuple[Path, PerplexityResult]]:
+    """Load (and verify) the engine in ``engine_dir`` once, read every file of ``text_paths`` (UTF-8; all of
+    them before the first is evaluated, so a bad path fails at once), tokenize each with the engine's
+    tokenizer (its default special tokens, as transformers' ``tokenizer(text)``) and yield ``(path,
+    result)`` per text, in the order given. Raises :class:`RequestError` for a missing or unreadable text
+    file, :class:`EngineError` for an engine that cannot be loaded."""
     from kilnlm.runtime.engine import Engine
     from kilnlm.runtime.tokenizer import Tokenizer
 
-    path = Path(text_path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RequestError(f"cannot read --text {path} ({exc}): pass a UTF-8 text file") from None
+    texts = {}
+    for path in map(Path, text_paths):
+        try:
+            texts[path] = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RequestError(f"cannot read --text {path} ({exc}): pass a UTF-8 text file") from None
     engine = Engine.load(engine_dir)
     tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
-    return evaluate_perplexity(engine, tokenizer.encode(text), config)
+    for path, text in texts.items():
+        yield path, evaluate_perplexity(engine, tokenizer.encode(text), config)

@@ -115,22 +115,28 @@ def test_perplexity_matches_transformers(tiny_engine_dir, tiny_hf, context_len, 
     assert info["num_windows"] == len(plan_windows(len(token_ids), context_len, stride))
 
 
-def test_eval_cli_prints_json(tiny_engine_dir, tiny_hf, tmp_path, capsys):
-    """``kilnlm eval`` end to end: JSON on stdout whose perplexity is transformers' on the same windows."""
+def test_eval_cli_prints_one_json_record_per_text(tiny_engine_dir, tiny_hf, tmp_path, capsys):
+    """``kilnlm eval`` end to end with two ``--text`` files: one JSON line per text, in the order given, each
+    perplexity transformers' on the same windows of that text."""
     from transformers import AutoTokenizer
 
     from kilnlm.cli.main import main
 
-    text_path = tmp_path / "held_out.txt"
-    text_path.write_text(held_out_text()[:4000], encoding="utf-8")
-    status = main(["eval", "--engine", str(tiny_engine_dir), "--text", str(text_path), "--max-tokens", "300",
-                   "--context-len", "128", "--stride", "64"])
+    texts = [tmp_path / "held_out_a.txt", tmp_path / "held_out_b.txt"]
+    texts[0].write_text(held_out_text()[:4000], encoding="utf-8")
+    texts[1].write_text(held_out_text()[4000:8000], encoding="utf-8")
+    status = main(["eval", "--engine", str(tiny_engine_dir), "--text", str(texts[0]), "--text", str(texts[1]),
+                   "--max-tokens", "300", "--context-len", "128", "--stride", "64"])
     assert status == 0
-    record = json.loads(capsys.readouterr().out)
-    assert record["tokens"] == 299 and record["seconds"] > 0 and record["context_len"] == 128
-    token_ids = AutoTokenizer.from_pretrained(tiny_engine_dir / "tokenizer")(text_path.read_text()).input_ids[:300]
-    expected = math.exp(hf_token_nlls(tiny_hf, token_ids, 128, 64).mean())
-    assert math.isclose(record["perplexity"], expected, rel_tol=1e-4)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["text"] for r in records] == [str(t) for t in texts]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_engine_dir / "tokenizer")
+    for record, text in zip(records, texts):
+        assert record["tokens"] == 299 and record["seconds"] > 0 and record["context_len"] == 128
+        token_ids = tokenizer(text.read_text()).input_ids[:300]
+        expected = math.exp(hf_token_nlls(tiny_hf, token_ids, 128, 64).mean())
+        assert math.isclose(record["perplexity"], expected, rel_tol=1e-4)
+    assert records[0]["perplexity"] != records[1]["perplexity"]
 
 
 def test_eval_cli_errors(tiny_engine_dir, tmp_path, capsys):
@@ -140,5 +146,10 @@ def test_eval_cli_errors(tiny_engine_dir, tmp_path, capsys):
     assert "missing.txt" in capsys.readouterr().err
     text_path = tmp_path / "t.txt"
     text_path.write_text("hello world, this is a short text", encoding="utf-8")
+    # a bad second text fails before the first is evaluated: nothing on stdout
+    assert main(["eval", "--engine", str(tiny_engine_dir), "--text", str(text_path), "--text",
+                 str(tmp_path / "missing.txt")]) == 2
+    captured = capsys.readouterr()
+    assert "missing.txt" in captured.err and captured.out == ""
     assert main(["eval", "--engine", str(tiny_engine_dir), "--text", str(text_path), "--context-len", "100000"]) == 2
     assert "max_seq_len" in capsys.readouterr().err
