@@ -159,6 +159,19 @@ def _cat_bias(parts: list[QuantizedWeights], dtype: torch.dtype) -> torch.Tensor
     return torch.cat([p.bias.float() if p.bias is not None else torch.zeros(p.weight.shape[0]) for p in parts]).to(dtype)
 
 
+def _register_per_channel(module: nn.Module, parts: list[QuantizedWeights], dtype: torch.dtype,
+                          weight_dtype: torch.dtype) -> None:
+    """Registers ``module``'s buffers of a per-output-channel linear (int8_wo, fp8_rowwise) from ``parts``:
+    ``weight [out_features, in_features]`` of ``weight_dtype`` and ``weight_scale [out_features]`` float32, the
+    parts' rows concatenated, and ``bias`` (in ``dtype``) or None."""
+    module.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())
+    module.register_buffer("weight_scale", torch.cat([p.weight_scale.float().reshape(-1) for p in parts]).contiguous())
+    module.register_buffer("bias", _cat_bias(parts, dtype))
+    if module.weight.dtype != weight_dtype or module.weight_scale.shape != (module.weight.shape[0],):
+        raise BuildError(f"{weight_dtype} weight {tuple(module.weight.shape)} {module.weight.dtype} / scales "
+                         f"{tuple(module.weight_scale.shape)} are not per output channel: report this as a kilnlm bug")
+
+
 def int4_engine_scales(scales: torch.Tensor) -> torch.Tensor:
     """The group scales an int4 engine stores: float16 when every scale is 0 or a normal float16 (|s| in
     [2^-14, 65504]; rounded with a relative error of at most 2^-11, against the up to 1/2 of a scale that
@@ -231,12 +244,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         if _shared_pre_quant_scale(parts) is not None:
             raise BuildError("int8_wo linears carry no pre_quant_scale: report this as a kilnlm bug")
-        self.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())  # [out, in] int8
-        self.register_buffer("weight_scale", torch.cat([p.weight_scale.float().reshape(-1) for p in parts]).contiguous())
-        self.register_buffer("bias", _cat_bias(parts, dtype))
-        if self.weight.dtype != torch.int8 or self.weight_scale.shape != (self.weight.shape[0],):
-            raise BuildError(f"int8 weight {tuple(self.weight.shape)} {self.weight.dtype} / scales "
-                             f"{tuple(self.weight_scale.shape)} are not per output channel: report this as a kilnlm bug")
+        _register_per_channel(self, parts, dtype, torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kilnlm.int8_linear(x, self.weight, self.weight_scale, self.bias)
@@ -299,12 +307,7 @@ class Fp8RowwiseLinear(nn.Module):
 
     def __init__(self, parts: list[QuantizedWeights], dtype: torch.dtype):
         super().__init__()
-        self.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())  # [out, in] float8_e4m3fn
-        self.register_buffer("weight_scale", torch.cat([p.weight_scale.float().reshape(-1) for p in parts]).contiguous())
-        self.register_buffer("bias", _cat_bias(parts, dtype))
-        if self.weight.dtype != torch.float8_e4m3fn or self.weight_scale.shape != (self.weight.shape[0],):
-            raise BuildError(f"FP8 rowwise weight {tuple(self.weight.shape)} {self.weight.dtype} / scales "
-                             f"{tuple(self.weight_scale.shape)} are not per output channel: report this as a kilnlm bug")
+        _register_per_channel(self, parts, dtype, torch.float8_e4m3fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kilnlm.fp8_rowwise_linear(x, self.weight, self.weight_scale, self.bias)

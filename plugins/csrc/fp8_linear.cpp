@@ -81,23 +81,6 @@ DequantFn dequant_fn() {
   return generic::dequant_rows;
 }
 
-// What both ops require of x, weight and bias (`op`: the op's name for the messages).
-void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, " (CPU kernel): x and weight must be CPU tensors");
-  TORCH_CHECK(x.dim() == 2, op, ": x must be [num_tokens, in_features], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat8_e4m3fn, op,
-              ": weight must be a 2-D float8_e4m3fn tensor [out_features, in_features], got ", weight.scalar_type(), " ",
-              weight.sizes());
-  TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous (call .contiguous() when building)");
-  TORCH_CHECK(weight.size(1) == x.size(1), op, ": x has ", x.size(1), " features but weight expects ", weight.size(1));
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->device().is_cpu(), op,
-                ": bias must be [out_features=", weight.size(0), "], got ", bias->sizes());
-  }
-}
-
 void check_weight_scale(const char* op, const at::Tensor& weight_scale, const at::Tensor& weight, bool allow_0dim) {
   const bool per_row = weight_scale.dim() == 1 && weight_scale.size(0) == weight.size(0);
   TORCH_CHECK((per_row || (allow_0dim && weight_scale.dim() == 0)) && weight_scale.scalar_type() == at::kFloat &&
@@ -288,7 +271,7 @@ std::vector<float> row_scales(const at::Tensor& weight_scale, int64_t out_featur
 at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                           const at::Tensor& input_scale, const std::optional<at::Tensor>& bias) {
   const char* op = "kilnlm::fp8_linear";
-  check_common(op, x, weight, bias);
+  kiln::check_linear_inputs(op, x, weight, at::kFloat8_e4m3fn, "float8_e4m3fn", bias);
   TORCH_CHECK(input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat && input_scale.device().is_cpu(), op,
               ": input_scale must be a 0-dim float32 CPU tensor, got ", input_scale.scalar_type(), " ",
               input_scale.sizes());
@@ -303,7 +286,7 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
 at::Tensor fp8_rowwise_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                                   const std::optional<at::Tensor>& bias) {
   const char* op = "kilnlm::fp8_rowwise_linear";
-  check_common(op, x, weight, bias);
+  kiln::check_linear_inputs(op, x, weight, at::kFloat8_e4m3fn, "float8_e4m3fn", bias);
   check_weight_scale(op, weight_scale, weight, /*allow_0dim=*/false);
   return run_fp8_linear(x, weight, row_scales(weight_scale, weight.size(0)), /*input_scale=*/1.f,
                         /*per_token=*/true, bias);
