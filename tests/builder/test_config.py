@@ -94,7 +94,7 @@ def test_use_fp8_rowwise_is_the_same_build_as_qformat_fp8_rowwise():
 
 
 @pytest.mark.parametrize("given, fragment", [
-    (dict(qformat="int5"), "--qformat 'int5' is not supported: choose one of fp32, bf16, fp8, int4_awq"),
+    (dict(qformat="int5"), "--qformat 'int5' is not supported: choose one of fp32, bf16, fp8, fp8_rowwise, int4_awq"),
     (dict(qformat="fp32", dtype="bfloat16"), "--qformat fp32 runs float32 activations, not bfloat16: drop --dtype or "
                                              "pick --qformat bf16"),
     (dict(qformat="bf16", dtype="float32"), "pick --qformat fp32"),
