@@ -13,6 +13,7 @@ quality tests (tests/builder/test_quality.py).
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -325,7 +326,7 @@ def test_fp8_rowwise_scales_are_each_rows_amax(tiny_llama_dir):
 def test_fp8_rowwise_bfloat16_engine_with_quantized_lm_head(tiny_llama_dir, tiny_engine_dir, tmp_path, capsys):
     """``kilnlm build --qformat fp8 --use-fp8-rowwise --quantize-lm-head`` (TensorRT-LLM's spelling, default
     bfloat16 activations, no calibration text): the tied LM head is an FP8 rowwise linear beside a 16-bit
-    embedding, the engine calls only paged_attention and fp8_rowwise_linear and stays within fp8's error of
+    embedding, the engine calls only paged_attention and fp8_rowwise_linear (through its C shim) and stays within fp8's error of
     the fp32 engine (measured 0.118). Not compared with the eager network here: inductor rounds the bfloat16
     norms and residuals at other points than eager mode, and a one-step change of a bfloat16 activation
     moves its row's FP8 rounding (measured: both 0.12-0.14 from fp32, 0.14 from each other); the float32
@@ -342,6 +343,10 @@ def test_fp8_rowwise_bfloat16_engine_with_quantized_lm_head(tiny_llama_dir, tiny
     manifest = read_manifest(engine_dir)
     assert manifest.build.qformat == "fp8_rowwise" and manifest.build.dtype == "bfloat16"
     assert set(manifest.plugins) == {"paged_attention", "fp8_rowwise_linear"}
+    with zipfile.ZipFile(engine_dir / "model.pt2") as package:  # every linear through the op's C shim
+        (wrapper,) = [package.read(n).decode() for n in package.namelist() if n.endswith(".wrapper.cpp")]
+    assert wrapper.count("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_fp8_rowwise_linear(") == 4 * 2 + 1  # + LM head
+    assert "aoti_torch_proxy_executor_call_function(" not in wrapper
     network = eager_network(tiny_llama_dir, **dict(TINY_LIMITS, qformat="fp8_rowwise", quantize_lm_head=True))
     assert isinstance(network.lm_head, Fp8RowwiseLinear) and network.lm_head.weight.shape == (49152, 64)
     assert network.embed_tokens.dtype == torch.bfloat16 and network.lm_head_weight is None
