@@ -119,6 +119,13 @@ def _fp8_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelCon
     return LlamaNetwork(model_cfg, ck.state_dict, opts.torch_dtype, fp8_amax)
 
 
+def _fp8_rowwise_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:
+    from kilnlm.builder.quantize import quantize_fp8_rowwise
+
+    state, quant = quantize_fp8_rowwise(ck, opts.format, opts.quantize_lm_head)
+    return LlamaNetwork(model_cfg, state, opts.torch_dtype, quant=quant)
+
+
 def _modelopt_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:
     from kilnlm.builder.quantize_int import quantize_int
 
@@ -128,7 +135,7 @@ def _modelopt_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: Mod
 
 # A format's quantization method -> how its network is made (ModelOpt and transformers are imported only there).
 _NETWORK_BUILDERS = {Quantization.NONE: _float_network, Quantization.FP8_CALIBRATION: _fp8_network,
-                     Quantization.MODELOPT_EXPORT: _modelopt_network}
+                     Quantization.FP8_ROWWISE: _fp8_rowwise_network, Quantization.MODELOPT_EXPORT: _modelopt_network}
 
 
 def build_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:
@@ -138,7 +145,7 @@ def build_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelCo
     t0 = time.perf_counter()
     network = _NETWORK_BUILDERS[opts.format.quantization](opts, ck, model_cfg)
     if opts.format.quantization is not Quantization.NONE:
-        log.info("%s quantization (ModelOpt) took %.1f s", opts.qformat, time.perf_counter() - t0)
+        log.info("%s quantization took %.1f s", opts.qformat, time.perf_counter() - t0)
     return network
 
 

@@ -62,6 +62,7 @@ class BuildOptions:
     calib_max_seq_len: int | None = None  # calibrated formats: tokens per sample
     quantize_lm_head: bool = False  # quantized formats: the LM head through the same format
     per_token: bool = False  # SmoothQuant: dynamic per-token activation scales instead of the calibrated per-tensor one
+    use_fp8_rowwise: bool = False  # TensorRT-LLM's spelling of fp8_rowwise: --qformat fp8 --use-fp8-rowwise
     smoothquant_alpha: float | None = None  # SmoothQuant's alpha (None: searched; 0.5 with per_token)
     export_checkpoint: Path | None = None  # ModelOpt formats: also write ModelOpt's unified HF checkpoint here
     compile: Any = None  # the target's compile options (None: the target's defaults)
@@ -81,7 +82,9 @@ class ResolvedBuildOptions:
     where it divides every linear of the model, else the largest of 64 / 32 / 16 that does (decided when the
     checkpoint is read, :func:`kilnlm.builder.quantize_int.default_group_size`). ``zero_point``: the
     format's default where it offers zero points, else None. ``calib_data``: None = the default texts.
-    ``smoothquant_alpha``: None = searched (per-tensor SmoothQuant only). ``compile``: the target's options."""
+    ``smoothquant_alpha``: None = searched (per-tensor SmoothQuant only). ``use_fp8_rowwise``: whether the
+    format is an FP8 rowwise one (``qformat`` already names it: both spellings resolve alike). ``compile``:
+    the target's options."""
 
     checkpoint: Path
     output: Path
@@ -102,6 +105,7 @@ class ResolvedBuildOptions:
     calib_max_seq_len: int
     quantize_lm_head: bool
     per_token: bool
+    use_fp8_rowwise: bool
     smoothquant_alpha: float | None
     export_checkpoint: Path | None
     compile: Any
@@ -188,11 +192,26 @@ def check_quant_options(options: BuildOptions, fmt: QuantFormat) -> None:
                          "pick one of those")
 
 
+def resolve_format(options: BuildOptions) -> QuantFormat:
+    """The format ``--qformat`` names, or with ``--use-fp8-rowwise`` (TensorRT-LLM's spelling) the FP8 rowwise
+    format of that qformat (``--qformat fp8 --use-fp8-rowwise`` is ``--qformat fp8_rowwise``). Raises
+    :class:`BuildError` for an unknown qformat or one without a rowwise variant."""
+    fmt = get_format(options.qformat)
+    if not options.use_fp8_rowwise or fmt.fp8_rowwise_of is not None:
+        return fmt
+    rowwise = format_names(lambda f: f.fp8_rowwise_of == fmt.name)
+    if not rowwise:
+        bases = " / ".join(f.fp8_rowwise_of for f in FORMATS.values() if f.fp8_rowwise_of)
+        raise BuildError(f"--use-fp8-rowwise applies to --qformat {bases}, not {fmt.name}: drop it, or pick --qformat "
+                         f"{' / '.join(format_names(lambda f: f.fp8_rowwise_of is not None))}")
+    return FORMATS[rowwise[0]]
+
+
 def resolve(options: BuildOptions) -> ResolvedBuildOptions:
     """Validate ``options`` and apply every default: the one place a build option gets its final value.
     Reads ``--calib-data`` (a bad file fails here, before the long steps) but not the checkpoint. Raises
     :class:`BuildError` naming the option to change."""
-    fmt = get_format(options.qformat)
+    fmt = resolve_format(options)
     dtype = resolve_dtype(fmt, options.dtype)
     kv_cache_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, dtype)
     check_quant_options(options, fmt)
@@ -213,11 +232,12 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
         calib_size=options.calib_size if options.calib_size is not None else fmt.calib_size,
         calib_max_seq_len=(options.calib_max_seq_len if options.calib_max_seq_len is not None
                            else DEFAULT_CALIB_MAX_SEQ_LEN),
-        quantize_lm_head=options.quantize_lm_head, per_token=options.per_token, smoothquant_alpha=alpha,
+        quantize_lm_head=options.quantize_lm_head, per_token=options.per_token,
+        use_fp8_rowwise=fmt.fp8_rowwise_of is not None, smoothquant_alpha=alpha,
         export_checkpoint=None if options.export_checkpoint is None else Path(options.export_checkpoint),
         compile=options.compile if options.compile is not None else target.default_compile_options(),
     )
 
 
 __all__ = ["BuildOptions", "DEFAULT_CALIB_MAX_SEQ_LEN", "DTYPES", "ResolvedBuildOptions", "check_quant_options",
-           "option_default", "resolve", "resolve_dtype"]
+           "option_default", "resolve", "resolve_dtype", "resolve_format"]

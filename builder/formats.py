@@ -4,21 +4,23 @@ Everything the builder, the CLI and the benchmark need to know about a format is
 from here (TensorRT-LLM's ``QuantAlgo`` + ``QuantConfig`` and vLLM's quantization registry are the
 models); nothing else compares a format's name. A new format is one entry below plus its plugin kernel.
 
-=========  ==========  ==============  ===============  =================================  ===========
-qformat    activations weights         linear op        ModelOpt recipe                    calibrated
-=========  ==========  ==============  ===============  =================================  ===========
-fp32       float32     float32         gemm             --                                 no
-bf16       bfloat16    bfloat16        gemm             --                                 no
-fp8        bfloat16    E4M3, 1 B       fp8_linear       FP8_DEFAULT_CFG                    yes
-int4_awq   bfloat16    int4, 0.5 B     int4_linear      INT4_AWQ_CFG (awq_lite)            yes
-int4_wo    bfloat16    int4, 0.5 B     int4_linear      INT4_BLOCKWISE_WEIGHT_ONLY_CFG     no
-int8_wo    bfloat16    int8, 1 B       int8_linear      INT8_WEIGHT_ONLY_CFG               no
-int8_sq    bfloat16    int8, 1 B       int8_sq_linear   INT8_SMOOTHQUANT_CFG               yes
-=========  ==========  ==============  ===============  =================================  ===========
+===========  ===========  ===========  ==================  ==============================  ==========
+qformat      activations  weights      linear op           ModelOpt recipe                 calibrated
+===========  ===========  ===========  ==================  ==============================  ==========
+fp32         float32      float32      gemm                --                              no
+bf16         bfloat16     bfloat16     gemm                --                              no
+fp8          bfloat16     E4M3, 1 B    fp8_linear          FP8_DEFAULT_CFG                 yes
+fp8_rowwise  bfloat16     E4M3, 1 B    fp8_rowwise_linear  FP8_PER_CHANNEL_PER_TOKEN_CFG   no
+int4_awq     bfloat16     int4, 0.5 B  int4_linear         INT4_AWQ_CFG (awq_lite)         yes
+int4_wo      bfloat16     int4, 0.5 B  int4_linear         INT4_BLOCKWISE_WEIGHT_ONLY_CFG  no
+int8_wo      bfloat16     int8, 1 B    int8_linear         INT8_WEIGHT_ONLY_CFG            no
+int8_sq      bfloat16     int8, 1 B    int8_sq_linear      INT8_SMOOTHQUANT_CFG            yes
+===========  ===========  ===========  ==================  ==============================  ==========
 
 The build turns a checkpoint into the network by the entry's :class:`Quantization` method: the float
-weights as they are, FP8 amax calibration (:mod:`kilnlm.builder.quantize`), or a ModelOpt recipe whose
-unified checkpoint is read back (:mod:`kilnlm.builder.quantize_int`).
+weights as they are, FP8 amax calibration or FP8 rowwise quantization of the weights alone
+(:mod:`kilnlm.builder.quantize`), or a ModelOpt recipe whose unified checkpoint is read back
+(:mod:`kilnlm.builder.quantize_int`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from kilnlm.builder.errors import BuildError
-from kilnlm.builder.network.layers import Fp8Linear, Int4Linear, Int8Linear, Int8SqLinear, Linear
+from kilnlm.builder.network.layers import Fp8Linear, Fp8RowwiseLinear, Int4Linear, Int8Linear, Int8SqLinear, Linear
 
 # SmoothQuant alphas a per-tensor SmoothQuant build tries when --smoothquant-alpha is not given.
 SMOOTHQUANT_ALPHA_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -42,6 +44,7 @@ class Quantization(enum.Enum):
 
     NONE = "none"  # the float weights, cast to the activation dtype
     FP8_CALIBRATION = "fp8_calibration"  # ModelOpt FP8 amax calibration -> per-tensor scales (quantize.py)
+    FP8_ROWWISE = "fp8_rowwise"  # per-channel FP8 weights from each row's amax, no calibration (quantize.py)
     MODELOPT_EXPORT = "modelopt_export"  # a ModelOpt recipe, its unified HF checkpoint read back (quantize_int.py)
 
 
@@ -71,7 +74,9 @@ class QuantFormat:
     ``zero_point``: the ``--zero-point`` default of a format that offers zero points (None: refused);
     ``calib_size``: the ``--calib-size`` default (``calib_size_reason``: why, where it is not the usual
     one); ``smoothquant``: SmoothQuant's options
-    (``--per-token``, ``--smoothquant-alpha``) apply and its smoothing folds into the norms."""
+    (``--per-token``, ``--smoothquant-alpha``) apply and its smoothing folds into the norms.
+    ``fp8_rowwise_of``: TensorRT-LLM's other spelling of this format, ``--qformat <fp8_rowwise_of>
+    --use-fp8-rowwise`` (resolved to this entry, :func:`kilnlm.builder.config.resolve`)."""
 
     name: str
     summary: str  # the CLI's one-line description, e.g. "W4A16 group-wise, AWQ-calibrated"
@@ -94,6 +99,7 @@ class QuantFormat:
     calib_size: int = 24
     calib_size_reason: str = ""  # why calib_size differs from the usual default (for the CLI's help)
     smoothquant: bool = False
+    fp8_rowwise_of: str | None = None
 
     @property
     def bytes_per_weight(self) -> float:
@@ -134,6 +140,12 @@ FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
                 quantization=Quantization.FP8_CALIBRATION, scale_granularity=ScaleGranularity.TENSOR, scale_bytes=4,
                 linear_plugin="fp8_linear", modelopt_config="FP8_DEFAULT_CFG", calibrated=True,
                 quantizes_activations=True, lm_head_quantizable=True),
+    # TensorRT-LLM's --use_fp8_rowwise (quant_algo FP8_PER_CHANNEL_PER_TOKEN): no calibration text, so no
+    # static activation scale for SmolLM2's massive activations to break.
+    QuantFormat("fp8_rowwise", "E4M3 per-channel weights, per-token dynamic activations", "bfloat16", "float8_e4m3fn",
+                8, Fp8RowwiseLinear, quantization=Quantization.FP8_ROWWISE, scale_granularity=ScaleGranularity.CHANNEL,
+                scale_bytes=4, linear_plugin="fp8_rowwise_linear", modelopt_config="FP8_PER_CHANNEL_PER_TOKEN_CFG",
+                quantizes_activations=True, lm_head_quantizable=True, fp8_rowwise_of="fp8"),
     # int4_awq's search runs each sample through every linear once per candidate alpha (11 with ModelOpt's
     # alpha_step 0.1): 16 samples keep a SmolLM2 build to minutes on 2 cores. SmolLM2's perplexity moves by
     # +-1.5 points with the sample count (docs/quantization.md: 8 +13.9%, 16 +10.9%, 24 +12.9%).

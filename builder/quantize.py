@@ -1,4 +1,4 @@
-"""FP8 (E4M3) post-training quantization with NVIDIA ModelOpt's FP8 recipe.
+"""FP8 (E4M3) post-training quantization: fp8 with NVIDIA ModelOpt's FP8 recipe, fp8_rowwise from the weights.
 
 ModelOpt inserts max-calibrating quantizers into every linear of a transformers model
 (``mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)``); running real English text through it
@@ -6,7 +6,11 @@ records each linear's weight amax and input (activation) amax. The builder turns
 per-tensor scales ``amax / 448`` (see :class:`kilnlm.builder.network.layers.Fp8Linear`); each part of a
 fused linear keeps its own weight scale. Calibration text (:mod:`kilnlm.builder.calibration`) defaults to
 kilnlm's bundled general English text and the standard library's ``pydoc_data.topics`` (the Python
-language reference), so builds need no network and are deterministic. The integer formats live in
+language reference), so builds need no network and are deterministic.
+
+fp8_rowwise (TensorRT-LLM's ``--use_fp8_rowwise``, ModelOpt's ``FP8_PER_CHANNEL_PER_TOKEN_CFG``) reads no
+text: each weight row's scale is its own amax / 448 (:meth:`Fp8RowwiseLinear.quantize`), the activations'
+scales are computed per token at run time by the op. The integer formats live in
 :mod:`kilnlm.builder.quantize_int`.
 """
 
@@ -21,7 +25,8 @@ from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, f
 from kilnlm.builder.checkpoint import Checkpoint
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.formats import QuantFormat
-from kilnlm.builder.network.layers import Fp8Amax
+from kilnlm.builder.network.layers import Fp8Amax, Fp8RowwiseLinear, IntQuantization
+from kilnlm.builder.network.llama import DOWN_PROJ, GATE_UP_PROJS, O_PROJ, QKV_PROJS
 
 log = logging.getLogger(__name__)
 
@@ -76,4 +81,30 @@ def calibrate_fp8(ck: Checkpoint, fmt: QuantFormat, cfg: CalibrationConfig, quan
     return amax
 
 
-__all__ = ["CalibrationConfig", "calibration_batches", "calibrate_fp8"]
+def quantize_fp8_rowwise(ck: Checkpoint, fmt: QuantFormat, quantize_lm_head: bool = False
+                         ) -> tuple[dict[str, torch.Tensor], IntQuantization]:
+    """Per-channel FP8 quantization of every decoder linear of the checkpoint (fp8_rowwise), from the float
+    weights alone: ModelOpt's max calibrator with axis 0 records exactly each row's amax, so no model
+    forward and no calibration text are needed. With ``quantize_lm_head`` the LM head too (a tied one from
+    the embedding, which stays float in the network).
+
+    Returns (the checkpoint's state dict without the quantized linears' weights and biases, the quantized
+    linears by HF module name for :class:`~kilnlm.builder.network.llama.LlamaNetwork`'s ``quant``)."""
+    state = dict(ck.state_dict)
+    projections = (*QKV_PROJS, O_PROJ, *GATE_UP_PROJS, DOWN_PROJ)
+    names = [f"model.layers.{i}.{p}" for i in range(ck.config.num_hidden_layers) for p in projections]
+    linears = {name: Fp8RowwiseLinear.quantize(state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None))
+               for name in names if f"{name}.weight" in state}  # a missing one: LlamaNetwork names it
+    if quantize_lm_head:
+        tied = bool(getattr(ck.config, "tie_word_embeddings", False))
+        head = state.get("model.embed_tokens.weight") if tied else state.pop("lm_head.weight", None)
+        if head is None:
+            raise BuildError("checkpoint has no LM head weight (lm_head.weight, or model.embed_tokens.weight when "
+                             "tied) to quantize: drop --quantize-lm-head or re-export the checkpoint")
+        linears["lm_head"] = Fp8RowwiseLinear.quantize(head)
+    log.info("quantized %d linears to FP8 per channel (%s recipe, from the weights alone)", len(linears),
+             fmt.modelopt_config)
+    return state, IntQuantization(qformat=fmt.name, group_size=None, linears=linears)
+
+
+__all__ = ["CalibrationConfig", "calibration_batches", "calibrate_fp8", "quantize_fp8_rowwise"]

@@ -45,6 +45,8 @@ def _formats_help() -> dict[str, str]:
         "alpha_grid": f"{grid[0]}, {grid[1]}, ..., {grid[-1]}",
         "alpha_calibrations": str(len(grid) + 1),
         "per_token_alpha": str(PER_TOKEN_SMOOTHQUANT_ALPHA),
+        "fp8_rowwise": " / ".join(f"--qformat {f.fp8_rowwise_of} --use-fp8-rowwise = --qformat {f.name}"
+                                  for f in FORMATS.values() if f.fp8_rowwise_of),
     }
 
 
@@ -91,6 +93,9 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--per-token", action="store_true",
                    help=f"{h['smoothquant']}: quantize activations with dynamic per-token scales (each token's amax / "
                         "127, as TensorRT-LLM's --per_token) instead of one calibrated per-tensor scale (default: off)")
+    p.add_argument("--use-fp8-rowwise", action="store_true",
+                   help=f"TensorRT-LLM's spelling of FP8 rowwise (per-channel weight scales, per-token activation scales "
+                        f"computed at run time, no calibration): {h['fp8_rowwise']} (default: off)")
     p.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
                    help=f"{h['smoothquant']}: SmoothQuant's migration strength in [0, 1], how much of the activations' "
                         f"range moves into the weights (default: searched over {h['alpha_grid']} for the lowest loss "

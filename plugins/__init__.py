@@ -9,6 +9,8 @@ from kilnlm.plugins.cpu import KernelBuildError, load_cpu_kernels
 from kilnlm.plugins.reference import (
     apply_rope_reference,
     fp8_linear_reference,
+    fp8_rowwise_linear_reference,
+    fp8_token_scales_reference,
     gemm_reference,
     int4_linear_reference,
     int8_linear_reference,
@@ -29,6 +31,8 @@ __all__ = [
     "PLUGIN_VERSIONS",
     "apply_rope_reference",
     "fp8_linear_reference",
+    "fp8_rowwise_linear_reference",
+    "fp8_token_scales_reference",
     "gemm_reference",
     "int4_linear_reference",
     "int8_linear_reference",

@@ -140,8 +140,9 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def quantize_fp8_reference(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """Per-tensor activation quantization: ``fp8_e4m3(clamp(x / input_scale, -448, 448))``.
 
-    x: any shape, float32 / bfloat16; input_scale: 0-dim float32. The division is done in float32 (x is
-    upcast first), rounding to nearest even, saturating at ±448. Returns float8_e4m3fn, x's shape.
+    x: any shape, float32 / bfloat16; input_scale: 0-dim float32 (or broadcastable to x, e.g. ``[T, 1]``
+    per token). The division is done in float32 (x is upcast first), rounding to nearest even, saturating
+    at ±448. Returns float8_e4m3fn, x's shape.
     """
     return (x.float() / input_scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
@@ -162,6 +163,34 @@ def fp8_linear_reference(
     """
     x_q = quantize_fp8_reference(x, input_scale)
     y = (x_q.float() @ weight.float().T) * (input_scale.float() * weight_scale.float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_token_scales_reference(x: torch.Tensor) -> torch.Tensor:
+    """Per-token FP8 activation scales of ``kilnlm::fp8_rowwise_linear``: ``s_t = max_c |float(x[t, c])| / 448``
+    in float32, 1 where that amax is 0 (an all-zero row) or NaN. x: ``[T, in_features]`` float32 / bfloat16.
+    Returns ``[T, 1]`` float32."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True) if xf.shape[-1] else xf.new_zeros(xf.shape[0], 1)
+    return torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+
+
+def fp8_rowwise_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Reference of ``kilnlm::fp8_rowwise_linear`` (TensorRT-LLM's FP8 rowwise, FP8_PER_CHANNEL_PER_TOKEN).
+
+    x: ``[T, in_features]`` float32 / bfloat16; weight: ``[out_features, in_features]`` float8_e4m3fn;
+    weight_scale: ``[out_features]`` float32; bias ``[out_features]`` or None. Each token t is quantized
+    with its own scale ``s_t`` (:func:`fp8_token_scales_reference`) as :func:`quantize_fp8_reference` does
+    with a per-tensor one; ``y[t, o] = (x_q @ weight.T)[t, o] * (s_t * weight_scale[o]) + bias[o]``,
+    accumulated in float32, returned in x's dtype.
+    """
+    token_scale = fp8_token_scales_reference(x)  # [T, 1]
+    x_q = quantize_fp8_reference(x, token_scale)
+    y = (x_q.float() @ weight.float().T) * (token_scale * weight_scale.float())
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -37,6 +37,16 @@ block_tables, slot_mapping, scale, kv_scale=None) -> out``
     GEMM: ``x_q = fp8_e4m3(clamp(x / input_scale, -448, 448))`` (round to nearest even), ``y = (x_q @
     weight.T) * (input_scale * weight_scale[o]) + bias`` accumulated in float32, returned in x's dtype.
 
+``fp8_rowwise_linear(x, weight, weight_scale, bias?) -> y``   (fp8_rowwise: TensorRT-LLM's FP8_PER_CHANNEL_PER_TOKEN)
+    x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features] float8_e4m3fn``;
+    ``weight_scale [out_features]`` float32 (per output channel); ``bias [out_features]`` or None. The
+    activations are quantized per token with a scale computed at run time, in float32: ``s_t = max_c
+    |float(x[t, c])| / 448`` (1 where that amax is 0 -- an all-zero row -- or NaN), ``x_q[t] =
+    fp8_e4m3(clamp(float(x[t]) / s_t, -448, 448))`` (round to nearest even, as fp8_linear's), ``y[t, o] =
+    (x_q @ weight.T)[t, o] * (s_t * weight_scale[o]) + bias[o]``: float32 accumulation, one float32 product
+    of the two scales, returned in x's dtype. A new op rather than an argument of fp8_linear: compiled
+    engines call fp8_linear through a C shim whose signature is its schema's.
+
 ``int4_linear(x, weight, weight_scale, pre_quant_scale?, bias?, group_size, weight_zero_point?) -> y``   (W4A16: int4_awq, int4_wo)
     x ``[T, in_features]`` float32 / bfloat16; ``weight [out_features, in_features // 2] uint8``: two
     signed 4-bit values per byte, column ``2j`` in the low nibble and ``2j + 1`` in the high nibble, each
@@ -85,6 +95,7 @@ PLUGIN_VERSIONS: dict[str, int] = {
     "paged_attention": 3,  # 2: optional trailing kv_scale (8-bit KV pools); 3: C shim
     "gemm": 2,  # 2: C shim
     "fp8_linear": 3,  # 2: weight_scale may be [out_features] (per-part scales of fused linears); 3: C shim
+    "fp8_rowwise_linear": 1,
     "int4_linear": 4,  # 2: optional trailing weight_zero_point (asymmetric groups); 3: C shim; 4: float16 weight_scale
     "int8_linear": 2,  # 2: C shim
     "int8_sq_linear": 3,  # 2: optional trailing per_token (dynamic per-token activation scales); 3: C shim
@@ -98,6 +109,7 @@ PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
     "paged_attention": (1, 2, 3),
     "gemm": (1, 2),
     "fp8_linear": (1, 2, 3),  # version 1's 0-dim weight_scale is still accepted
+    "fp8_rowwise_linear": (1,),
     "int4_linear": (1, 2, 3, 4),  # version 1's calls (no weight_zero_point) and 3's float32 scales are unchanged
     "int8_linear": (1, 2),
     "int8_sq_linear": (1, 2, 3),  # version 1's calls (no per_token) are unchanged
@@ -111,6 +123,7 @@ _LIB.define(
 )
 _LIB.define("gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("fp8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor? bias) -> Tensor")
+_LIB.define("fp8_rowwise_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
 _LIB.define("int4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? pre_quant_scale, Tensor? bias, "
             "int group_size, Tensor? weight_zero_point=None) -> Tensor")
 _LIB.define("int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
@@ -131,6 +144,11 @@ def _gemm_fake(x, weight, bias):
 
 @torch.library.register_fake("kilnlm::fp8_linear")
 def _fp8_linear_fake(x, weight, weight_scale, input_scale, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("kilnlm::fp8_rowwise_linear")
+def _fp8_rowwise_linear_fake(x, weight, weight_scale, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 

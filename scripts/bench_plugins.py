@@ -7,6 +7,10 @@
   the same shapes. GB/s counts weight bytes read once per call (1 byte per FP8 weight, 2 per bf16, 4 per
   fp32): the generation phase (T=1) is memory bound, so GB/s is the figure of merit there; GFLOP/s is
   printed for the larger T.
+- fp8_rowwise_linear (``--only fp8_rowwise``; per-channel weight scales, per-token activation scales computed
+  per call) side by side with fp8_linear (per-tensor, static activation scale) on the same weights, SmolLM2's
+  shapes at T = 1 / 4 / 32 / 256 and a cold-weight decode sweep of 30 layers: what the per-token amax pass
+  and the per-token epilogue cost (minimum of repeats; "rowwise / fp8" is the time ratio).
 - paged_attention in the generation phase (batch 1 and 32, KV length 512) and for one 256-token context
   chunk, SmolLM2's heads (9 query / 3 KV heads, head_dim 64), against dense (unpaged) SDPA of the same
   problem. GB/s counts the K/V bytes read.
@@ -23,7 +27,7 @@
   per token for each pool dtype.
 
 Usage: python scripts/bench_plugins.py [--threads N] [--dtype float32|bfloat16] [--min-time-s 0.2]
-       [--only gemm|fp8|quant|attention|kv8]
+       [--only gemm|fp8|fp8_rowwise|quant|attention|kv8]
 """
 
 from __future__ import annotations
@@ -188,6 +192,38 @@ def bench_fp8_decode_sweep(min_time_s: float, num_layers: int = 30) -> None:
               f"{num_weights / t / 1e9:5.1f} G weights/s")
 
 
+def bench_fp8_rowwise(dtype: torch.dtype, min_time_s: float, num_layers: int = 30) -> None:
+    gen = torch.Generator().manual_seed(5)
+    w_scale, x_scale = torch.tensor(0.01), torch.tensor(0.05)
+    print(f"\nfp8_rowwise_linear vs fp8_linear, x {dtype} (weight GB/s = 1 B per weight / time; minimum of repeats)")
+    print(f"{'layer':>8} {'T':>4} | {'fp8 us':>8} {'GB/s':>6} | {'rowwise us':>10} {'GB/s':>6} | rowwise / fp8")
+    for name, (out_features, in_features) in SMOLLM2_LINEARS.items():
+        w = (torch.randn(out_features, in_features, generator=gen) * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+        row_scale = torch.rand(out_features, generator=gen) * 0.01 + 1e-3
+        for num_tokens in (1, 4, 32, 256):
+            x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+            t_fp8 = time_call_min(lambda: torch.ops.kilnlm.fp8_linear(x, w, w_scale, x_scale, None), min_time_s)
+            t_row = time_call_min(lambda: torch.ops.kilnlm.fp8_rowwise_linear(x, w, row_scale, None), min_time_s)
+            gbs = w.numel() / 1e9
+            print(f"{name:>8} {num_tokens:>4} | {t_fp8 * 1e6:8.1f} {gbs / t_fp8:6.1f} | {t_row * 1e6:10.1f} "
+                  f"{gbs / t_row:6.1f} | {t_row / t_fp8:5.3f}")
+    layers = [[((torch.randn(o, i, generator=gen) * 30).clamp(-448, 448).to(torch.float8_e4m3fn),
+                torch.rand(o, generator=gen) * 0.01 + 1e-3) for o, i in SMOLLM2_LINEARS.values()]
+              for _ in range(num_layers)]
+    xs = {i: torch.randn(1, i, generator=gen).to(dtype) for _, i in SMOLLM2_LINEARS.values()}
+    num_bytes = sum(w.numel() for layer in layers for w, _ in layer)
+    fp8 = lambda: [torch.ops.kilnlm.fp8_linear(xs[w.shape[1]], w, w_scale, x_scale, None) for l in layers for w, _ in l]
+    rowwise = lambda: [torch.ops.kilnlm.fp8_rowwise_linear(xs[w.shape[1]], w, s, None) for l in layers for w, s in l]
+    print(f"cold weights: {num_layers} layers x (qkv, o, gate_up, down) at T=1 ({num_bytes / 1e6:.0f} MB), alternating")
+    times = {"fp8": [], "rowwise": []}
+    for _ in range(3):  # alternate, so that both see the same machine load
+        times["fp8"].append(time_call_min(fp8, min_time_s))
+        times["rowwise"].append(time_call_min(rowwise, min_time_s))
+    t_fp8, t_row = min(times["fp8"]), min(times["rowwise"])
+    print(f"{'fp8':>8}: {t_fp8 * 1e3:7.2f} ms per step, {num_bytes / t_fp8 / 1e9:6.1f} GB/s")
+    print(f"{'rowwise':>8}: {t_row * 1e3:7.2f} ms per step, {num_bytes / t_row / 1e9:6.1f} GB/s, {t_row / t_fp8:5.3f}x fp8")
+
+
 def bench_gemm_sweep(min_time_s: float, num_layers: int = 30) -> None:
     """kilnlm::gemm against F.linear (oneDNN) on cold bf16 weights: SmolLM2's four projections of
     num_layers distinct layers plus the [49152, 576] LM head (~269 MB, far more than the L3 cache), at the
@@ -292,7 +328,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="attention / quantized-GEMM activation dtype")
     parser.add_argument("--min-time-s", type=float, default=0.2, help="measuring time per case")
-    parser.add_argument("--only", choices=["gemm", "fp8", "quant", "attention", "kv8"], default=None)
+    parser.add_argument("--only", choices=["gemm", "fp8", "fp8_rowwise", "quant", "attention", "kv8"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_cpu_kernels()
@@ -302,6 +338,8 @@ def main() -> None:
     if args.only in (None, "fp8"):
         bench_fp8_linear(args.min_time_s)
         bench_fp8_decode_sweep(args.min_time_s)
+    if args.only in (None, "fp8_rowwise"):
+        bench_fp8_rowwise(getattr(torch, args.dtype), args.min_time_s)
     if args.only in (None, "quant"):
         bench_quantized_linear(getattr(torch, args.dtype), args.min_time_s)
         bench_quantized_decode_sweep(getattr(torch, args.dtype), args.min_time_s)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kilnlm engines vs Hugging Face ``generate`` on SmolLM2-135M-Instruct, side by side on this machine.
 
-    python scripts/benchmark.py [--formats fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq] [--work-dir .work/bench]
+    python scripts/benchmark.py [--formats fp32,bf16,fp8,fp8_rowwise,int8_wo,int8_sq,int4_wo,int4_awq] [--work-dir .work/bench]
         [--num-requests 32] [--decode-only] [--no-transformers] [--decode-rounds N] [--malloc auto]
 
 Scenarios (greedy, EOS ignored, the same prompt token ids for both; prompts are real English text from the
@@ -21,7 +21,7 @@ ratio to bf16 is only meaningful within a round; the table then shows medians an
 Also the cold start: seconds from launching a fresh Python process to its first generated token from an
 already built engine (load + verify + first forward).
 
-Quantized engines (fp8, int8_wo, int8_sq, int4_wo, int4_awq; ``int4_awq+lm_head`` etc. build with
+Quantized engines (fp8, fp8_rowwise, int8_wo, int8_sq, int4_wo, int4_awq; ``int4_awq+lm_head`` etc. build with
 ``--quantize-lm-head``) run bf16 activations, so they are compared
 against transformers at bf16, and their batch-1 decode also against the kilnlm bf16 engine ("x bf16"). The
 machine's memory bandwidth is measured first (the best of several passes summing a 1 GiB tensor with all
@@ -52,7 +52,7 @@ import torch
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.memory import MALLOC_CHOICES, preload_malloc
 
-DEFAULT_FORMATS = "fp32,bf16,fp8,int8_wo,int8_sq,int4_wo,int4_awq"
+DEFAULT_FORMATS = "fp32,bf16,fp8,fp8_rowwise,int8_wo,int8_sq,int4_wo,int4_awq"
 INT4_GROUP_SIZE = 64  # group-wise formats: SmolLM2's hidden size 576 is not a multiple of the default 128
 
 

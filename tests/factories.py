@@ -107,6 +107,13 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.Pat
     return out
 
 
+def random_fp8_weight(out_features: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
+    """A random ``[out_features, in_features] float8_e4m3fn`` weight spread over E4M3's whole range,
+    subnormals included (one random power-of-two scale per call)."""
+    w = torch.randn(out_features, in_features, generator=gen) * torch.exp2(torch.randint(-10, 8, (1,), generator=gen))
+    return w.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
 def make_engine_inputs(seqs: list[tuple[list[int], int]], tokens_per_block: int, max_blocks_per_seq: int) -> EngineInputs:
     """Pack sequences into one :class:`EngineInputs`.
 

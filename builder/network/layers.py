@@ -131,9 +131,9 @@ class QuantizedWeights:
 
 @dataclass
 class IntQuantization:
-    """The integer-format linears of a whole network: ``linears`` by HF module name
-    (``model.layers.{i}.self_attn.q_proj``, ..., ``lm_head`` when the LM head is quantized); ``group_size``
-    for the int4 formats (None for int8)."""
+    """The quantized linears of a whole network built from per-linear weights (the integer formats and
+    fp8_rowwise): ``linears`` by HF module name (``model.layers.{i}.self_attn.q_proj``, ..., ``lm_head``
+    when the LM head is quantized); ``group_size`` for the int4 formats (None otherwise)."""
 
     qformat: str  # a kilnlm.builder.formats name whose linear_module builds these linears (from_parts)
     group_size: int | None
@@ -157,6 +157,19 @@ def _cat_bias(parts: list[QuantizedWeights], dtype: torch.dtype) -> torch.Tensor
     if all(p.bias is None for p in parts):
         return None
     return torch.cat([p.bias.float() if p.bias is not None else torch.zeros(p.weight.shape[0]) for p in parts]).to(dtype)
+
+
+def _register_per_channel(module: nn.Module, parts: list[QuantizedWeights], dtype: torch.dtype,
+                          weight_dtype: torch.dtype) -> None:
+    """Registers ``module``'s buffers of a per-output-channel linear (int8_wo, fp8_rowwise) from ``parts``:
+    ``weight [out_features, in_features]`` of ``weight_dtype`` and ``weight_scale [out_features]`` float32, the
+    parts' rows concatenated, and ``bias`` (in ``dtype``) or None."""
+    module.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())
+    module.register_buffer("weight_scale", torch.cat([p.weight_scale.float().reshape(-1) for p in parts]).contiguous())
+    module.register_buffer("bias", _cat_bias(parts, dtype))
+    if module.weight.dtype != weight_dtype or module.weight_scale.shape != (module.weight.shape[0],):
+        raise BuildError(f"{weight_dtype} weight {tuple(module.weight.shape)} {module.weight.dtype} / scales "
+                         f"{tuple(module.weight_scale.shape)} are not per output channel: report this as a kilnlm bug")
 
 
 def int4_engine_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -231,12 +244,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         if _shared_pre_quant_scale(parts) is not None:
             raise BuildError("int8_wo linears carry no pre_quant_scale: report this as a kilnlm bug")
-        self.register_buffer("weight", torch.cat([p.weight for p in parts]).contiguous())  # [out, in] int8
-        self.register_buffer("weight_scale", torch.cat([p.weight_scale.float().reshape(-1) for p in parts]).contiguous())
-        self.register_buffer("bias", _cat_bias(parts, dtype))
-        if self.weight.dtype != torch.int8 or self.weight_scale.shape != (self.weight.shape[0],):
-            raise BuildError(f"int8 weight {tuple(self.weight.shape)} {self.weight.dtype} / scales "
-                             f"{tuple(self.weight_scale.shape)} are not per output channel: report this as a kilnlm bug")
+        _register_per_channel(self, parts, dtype, torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kilnlm.int8_linear(x, self.weight, self.weight_scale, self.bias)
@@ -269,6 +277,40 @@ class Int8SqLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kilnlm.int8_sq_linear(x, self.weight, self.weight_scale, self.input_scale,
                                                self.pre_quant_scale, self.bias, self.per_token)
+
+
+class Fp8RowwiseLinear(nn.Module):
+    """FP8 rowwise linear through ``torch.ops.kilnlm.fp8_rowwise_linear`` (fp8_rowwise, TensorRT-LLM's
+    FP8_PER_CHANNEL_PER_TOKEN): float8_e4m3fn weight with one float32 scale per output channel; the
+    activations get a per-token scale at run time, so there is no input scale to calibrate. Fused parts
+    (QKV, gate/up) simply concatenate their rows and scales.
+
+    x: ``[T, in_features]`` float32 / bfloat16; returns ``[T, out_features]`` in x's dtype."""
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedWeights:
+        """Per-channel E4M3 quantization of a float ``[out_features, in_features]`` weight: row o's scale is
+        ``amax_o / 448`` (``amax_o = max |weight[o]|`` in float32; 1 for an all-zero row), ``q =
+        fp8_e4m3(clamp(weight / scale, -448, 448))`` (round to nearest even). This is what ModelOpt's
+        ``FP8_PER_CHANNEL_PER_TOKEN_CFG`` weight quantizer (max calibrator, axis 0) computes from the weights
+        alone, so it is computed here directly, without ModelOpt or calibration text."""
+        w = weight.float()
+        amax = w.abs().amax(dim=1) if w.shape[1] else w.new_zeros(w.shape[0])
+        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))  # [out] float32
+        q = (w / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return QuantizedWeights(weight=q.contiguous(), weight_scale=scale.contiguous(), bias=bias)
+
+    @classmethod
+    def from_parts(cls, parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> Fp8RowwiseLinear:
+        """The linear of ``parts`` (a fused projection's, or one)."""
+        return cls(parts, dtype)
+
+    def __init__(self, parts: list[QuantizedWeights], dtype: torch.dtype):
+        super().__init__()
+        _register_per_channel(self, parts, dtype, torch.float8_e4m3fn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kilnlm.fp8_rowwise_linear(x, self.weight, self.weight_scale, self.bias)
 
 
 class GatedMLP(nn.Module):

@@ -93,7 +93,8 @@ class LlamaNetwork(nn.Module):
     ``dtype``: activation and KV-cache dtype. ``fp8_amax``: HF linear name (e.g.
     ``model.layers.0.self_attn.q_proj``) -> calibrated amax; when given, the decoder's linears are FP8
     and the embedding stays in ``dtype`` (bfloat16), the LM head too unless ``lm_head`` is there (fp8
-    ``--quantize-lm-head``). ``quant``: integer-format linears (int4 / int8, see :class:`IntQuantization`);
+    ``--quantize-lm-head``). ``quant``: linears quantized per linear (int4 / int8 / fp8_rowwise, see
+    :class:`IntQuantization`);
     every linear named there is built from it instead of from ``state_dict`` (the LM head too when
     ``lm_head`` is there; the embedding then stays in ``dtype``)."""
 

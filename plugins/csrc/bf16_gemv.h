@@ -39,16 +39,18 @@ struct PlainRows {  // [rows, k] elements of W::elem_t, row-major, natural colum
   inline const void* address(int64_t r, int64_t i) const { return w + r * k + i; }
 };
 
-// What happens to a dot product: y[t, r] = sum * row_scale[r] + bias[r] (each factor
-// optional, in this order: the rounding steps of the ops' references), stored as bfloat16 (round to nearest
-// even) or float32 at out[t * out_stride + r]. Sixteen outputs at a time in vector registers.
+// What happens to a dot product: y[t, r] = sum * row_scale[r] + bias[r], or with per-token scales
+// (fp8_rowwise_linear) sum * (token_scale[t] * row_scale[r]) + bias[r] -- each factor optional, in this order:
+// the rounding steps of the ops' references -- stored as bfloat16 (round to nearest even) or float32 at
+// out[t * out_stride + r]. Sixteen outputs at a time in vector registers.
 struct GemvEpilogue {
   GemvEpilogue(void* out_, int64_t out_stride_, const float* bias_, const float* row_scale_ = nullptr,
-               bool out_bf16_ = true)
-      : row_scale(row_scale_), bias(bias_), out(out_), out_bf16(out_bf16_),
+               bool out_bf16_ = true, const float* token_scale_ = nullptr)
+      : row_scale(row_scale_), bias(bias_), token_scale(token_scale_), out(out_), out_bf16(out_bf16_),
         out_stride(out_stride_) {}
-  const float* row_scale;  // [rows] per-row factor, or null
-  const float* bias;       // [rows], or null
+  const float* row_scale;    // [rows] per-row factor, or null
+  const float* bias;         // [rows], or null
+  const float* token_scale;  // [T] per-token factor (needs row_scale), or null
   void* out;
   bool out_bf16;
   int64_t out_stride;
@@ -57,11 +59,21 @@ struct GemvEpilogue {
   template <int NR>
   inline void store16(int64_t t0, int64_t r0, __m512 v) const {
     constexpr int NT = 16 / NR;
-    const __m512i row_of_lane = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                 _mm512_set1_epi32(NR - 1));
+    constexpr int kLog2NR = __builtin_ctz(NR);
+    static_assert((1 << kLog2NR) == NR, "NR is a power of two");
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i row_of_lane = _mm512_and_si512(lane, _mm512_set1_epi32(NR - 1));
     const __mmask16 row_mask = static_cast<__mmask16>((1u << NR) - 1u);
-    if (row_scale != nullptr)
-      v = _mm512_mul_ps(v, _mm512_permutexvar_ps(row_of_lane, _mm512_maskz_loadu_ps(row_mask, row_scale + r0)));
+    if (row_scale != nullptr) {
+      __m512 factor = _mm512_permutexvar_ps(row_of_lane, _mm512_maskz_loadu_ps(row_mask, row_scale + r0));
+      if (token_scale != nullptr) {  // token_scale[t] * row_scale[r], one float32 product as the reference
+        const __m512i token_of_lane = _mm512_srli_epi32(lane, kLog2NR);
+        const __mmask16 token_mask = static_cast<__mmask16>((1u << NT) - 1u);
+        factor = _mm512_mul_ps(_mm512_permutexvar_ps(token_of_lane, _mm512_maskz_loadu_ps(token_mask, token_scale + t0)),
+                               factor);
+      }
+      v = _mm512_mul_ps(v, factor);
+    }
     if (bias != nullptr)
       v = _mm512_add_ps(v, _mm512_permutexvar_ps(row_of_lane, _mm512_maskz_loadu_ps(row_mask, bias + r0)));
     if (out_bf16) {
@@ -79,7 +91,8 @@ struct GemvEpilogue {
 
   inline void store1(int64_t t, int64_t r, float sum) const {  // the rows past the last whole block
     float y = sum;
-    if (row_scale != nullptr) y = y * row_scale[r];
+    if (token_scale != nullptr) y = y * (token_scale[t] * row_scale[r]);
+    else if (row_scale != nullptr) y = y * row_scale[r];
     if (bias != nullptr) y = y + bias[r];
     if (out_bf16) {
       static_cast<uint16_t*>(out)[t * out_stride + r] = kiln::bf16_bits(y);  // bf16_bits.h

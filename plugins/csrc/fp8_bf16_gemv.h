@@ -79,12 +79,14 @@ struct Fp8Rows64 : Fp8TableRows {
   }
 };
 
-// y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), bfloat16 or float32 out: the sums are those of
+// y[t, o] = sum * scale[o] (+ bias[o]) for rows [r0, r1), or with token_scale (per-token activation scales,
+// else null) sum * (token_scale[t] * scale[o]) (+ bias[o]); bfloat16 or float32 out: the sums are those of
 // the reference's float32 accumulation (exact products, another order), and the epilogue rounds as the
-// reference does (see `epilogue` below). xb in Fp8Rows64's order when in is a multiple of 64, else natural.
+// reference does (GemvEpilogue). xb in Fp8Rows64's order when in is a multiple of 64, else natural.
 void gemv_fp8_rows(const uint16_t* xb, int64_t num_tokens, const uint8_t* w, int64_t out_features, int64_t in,
-                   const float* scale, const float* bias, void* out, bool out_bf16, int64_t r0, int64_t r1) {
-  const GemvEpilogue epilogue(out, out_features, bias, scale, out_bf16);
+                   const float* scale, const float* token_scale, const float* bias, void* out, bool out_bf16, int64_t r0,
+                   int64_t r1) {
+  const GemvEpilogue epilogue(out, out_features, bias, scale, out_bf16, token_scale);
   if (in % Fp8Rows64::kCols == 0) return gemv_any_rows(xb, num_tokens, in, Fp8Rows64(w, in), out_features, in, r0, r1, epilogue);
   gemv_any_rows(xb, num_tokens, in, Fp8Rows(w, in), out_features, in, r0, r1, epilogue);
 }

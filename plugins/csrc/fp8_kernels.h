@@ -46,6 +46,21 @@ static inline float quantize_e4m3_scalar(float x, float scale) {
   return out;
 }
 
+// Per-token activation scales (fp8_rowwise_linear): max_i |x[i]|, NaN when any x[i] is NaN (as torch's
+// amax), 0 for an empty or all-zero row. One element at a time: `amax` the running maximum, `nan` sticky.
+static inline void amax_step(float v, float& amax, bool& nan) {
+  const float a = __builtin_fabsf(v);
+  nan |= a != a;
+  amax = a > amax ? a : amax;
+}
+
+static inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // dot(fp8 row, x) for `num_rows` consecutive rows starting at row `row`, against `NT` activation rows.
 // w: [rows, in] bytes (row-major); x: NT rows of `in` floats, `x_stride` apart; y: NT rows, `y_stride`
 // apart, written at column `row + r`. `lut` maps a byte to its exact float value (scalar tails).
@@ -289,6 +304,42 @@ static void quantize_bf16(const uint16_t* x, float scale, float* out, int64_t n)
   }
 }
 
+// max_i |x[i]| (amax_step's contract), eight lanes at a time.
+static inline float amax_finish(__m256 m, __m256 nan_mask, const float* tail, const uint16_t* tail_bf16, int64_t n) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.f;
+  bool nan = _mm256_movemask_ps(nan_mask) != 0;
+  for (float v : lanes) amax_step(v, amax, nan);
+  for (int64_t i = 0; i < n; ++i) amax_step(tail != nullptr ? tail[i] : bf16_bits_to_float(tail_bf16[i]), amax, nan);
+  return nan ? __builtin_nanf("") : amax;
+}
+
+static float amax_f32(const float* x, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    m = _mm256_max_ps(a, m);  // a NaN `a` leaves m as it was: `nan` records it
+  }
+  return amax_finish(m, nan, x + i, nullptr, n - i);
+}
+
+static float amax_bf16(const uint16_t* x, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    const __m256 a = _mm256_and_ps(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)), abs_mask);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    m = _mm256_max_ps(a, m);
+  }
+  return amax_finish(m, nan, nullptr, x + i, n - i);
+}
+
 #else  // portable scalar path: 256-entry lookup table, four partial sums
 
 static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
@@ -340,6 +391,20 @@ static void dequant_rows_bf16(const uint8_t* w, int64_t in, int64_t row_begin, i
       __builtin_memcpy(&bits, &lut[w[r * in + i]], sizeof(bits));
       dst[(r - row_begin) * dst_stride + i] = static_cast<uint16_t>(bits >> 16);
     }
+}
+
+static float amax_f32(const float* x, int64_t n) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) amax_step(x[i], amax, nan);
+  return nan ? __builtin_nanf("") : amax;
+}
+
+static float amax_bf16(const uint16_t* x, int64_t n) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) amax_step(bf16_bits_to_float(x[i]), amax, nan);
+  return nan ? __builtin_nanf("") : amax;
 }
 
 #endif  // KILN_ISA == KILN_ISA_AVX2

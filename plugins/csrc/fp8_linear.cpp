@@ -1,9 +1,11 @@
-// kilnlm::fp8_linear, CPU kernel (schema and numerics: kilnlm/plugins/schema.py).
+// kilnlm::fp8_linear and kilnlm::fp8_rowwise_linear, CPU kernels (schema and numerics: kilnlm/plugins/schema.py).
 //
-//   x [T, in] f32/bf16 --quantize (x / input_scale, clamp ±448, RNE to E4M3)--> x_q (held as exact floats)
-//   y [T, out] = (x_q @ weight.T) * (input_scale * weight_scale[o]) + bias, accumulated in float32
-//   (weight_scale 0-dim: one per-tensor scale; [out]: one per output row, e.g. each part of a fused QKV
-//   keeps its own per-tensor scale)
+//   x [T, in] f32/bf16 --quantize (x / s, clamp ±448, RNE to E4M3)--> x_q (held as exact floats)
+//   y [T, out] = (x_q @ weight.T) * (s * weight_scale[o]) + bias, accumulated in float32
+//   fp8_linear:         s = input_scale, static per tensor (weight_scale 0-dim: one per-tensor scale;
+//                       [out]: one per output row, e.g. each part of a fused QKV keeps its own scale)
+//   fp8_rowwise_linear: s = s_t = amax_t / 448 per token, computed here (1 for an all-zero row);
+//                       weight_scale [out] per output channel
 //
 // The weight [out, in] float8_e4m3fn is read directly as bytes, never dequantized as a whole:
 // - few tokens (generation phase): a fused dequantize-and-multiply GEMV over output rows, each byte read
@@ -79,52 +81,57 @@ DequantFn dequant_fn() {
   return generic::dequant_rows;
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                  const at::Tensor& input_scale, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "kilnlm::fp8_linear (CPU kernel): x and weight must be CPU tensors");
-  TORCH_CHECK(x.dim() == 2, "kilnlm::fp8_linear: x must be [num_tokens, in_features], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "kilnlm::fp8_linear: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat8_e4m3fn,
-              "kilnlm::fp8_linear: weight must be a 2-D float8_e4m3fn tensor [out_features, in_features], got ",
-              weight.scalar_type(), " ", weight.sizes());
-  TORCH_CHECK(weight.is_contiguous(), "kilnlm::fp8_linear: weight must be contiguous (call .contiguous() when building)");
-  TORCH_CHECK(weight.size(1) == x.size(1), "kilnlm::fp8_linear: x has ", x.size(1), " features but weight expects ",
-              weight.size(1));
-  TORCH_CHECK(input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat && input_scale.device().is_cpu(),
-              "kilnlm::fp8_linear: input_scale must be a 0-dim float32 CPU tensor, got ", input_scale.scalar_type(), " ",
-              input_scale.sizes());
+void check_weight_scale(const char* op, const at::Tensor& weight_scale, const at::Tensor& weight, bool allow_0dim) {
   const bool per_row = weight_scale.dim() == 1 && weight_scale.size(0) == weight.size(0);
-  TORCH_CHECK((weight_scale.dim() == 0 || per_row) && weight_scale.scalar_type() == at::kFloat &&
+  TORCH_CHECK((per_row || (allow_0dim && weight_scale.dim() == 0)) && weight_scale.scalar_type() == at::kFloat &&
                   weight_scale.device().is_cpu(),
-              "kilnlm::fp8_linear: weight_scale must be a 0-dim or [out_features=", weight.size(0),
+              op, ": weight_scale must be a ", allow_0dim ? "0-dim or " : "", "[out_features=", weight.size(0),
               "] float32 CPU tensor, got ", weight_scale.scalar_type(), " ", weight_scale.sizes());
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->device().is_cpu(),
-                "kilnlm::fp8_linear: bias must be [out_features=", weight.size(0), "], got ", bias->sizes());
-  }
 }
 
-// x_q[t, i] = float(fp8_e4m3(clamp(float(x[t, i]) / input_scale, -448, 448))), bit-exact with torch's
+using AmaxF32Fn = float (*)(const float*, int64_t);
+using AmaxBf16Fn = float (*)(const uint16_t*, int64_t);
+
+// x_q[t, i] = float(fp8_e4m3(clamp(float(x[t, i]) / s, -448, 448))), bit-exact with torch's
 // `(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)` (see quantize_e4m3_scalar in fp8_kernels.h).
+// s = input_scale, or with token_scale (per-token dynamic scales) s = token_scale[t] = amax_t / 448, written
+// by this function, amax_t = max_c |float(x[t, c])| (1 where amax_t is 0 or NaN, as the reference).
 template <typename scalar_t>
-void quantize_activations(const at::Tensor& x, float input_scale, float* xq) {
+void quantize_activations(const at::Tensor& x, float input_scale, float* xq, float* token_scale = nullptr) {
   const int64_t num_tokens = x.size(0), in = x.size(1);
   const scalar_t* src = x.data_ptr<scalar_t>();
   const bool vec = kiln::cpu_has_avx2_fma_f16c();
-  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
+#if defined(__x86_64__)
+  const AmaxF32Fn amax_f32 = vec ? avx2::amax_f32 : generic::amax_f32;
+  const AmaxBf16Fn amax_bf16 = vec ? avx2::amax_bf16 : generic::amax_bf16;
+#else
+  const AmaxF32Fn amax_f32 = generic::amax_f32;
+  const AmaxBf16Fn amax_bf16 = generic::amax_bf16;
+#endif
+  // rows [t0, t1) with one scale
+  auto quantize = [&](int64_t t0, int64_t t1, float scale) {
     const int64_t n = (t1 - t0) * in;
     if constexpr (std::is_same_v<scalar_t, float>) {
 #if defined(__x86_64__)
-      if (vec) return avx2::quantize_f32(src + t0 * in, input_scale, xq + t0 * in, n);
+      if (vec) return avx2::quantize_f32(src + t0 * in, scale, xq + t0 * in, n);
 #endif
-      generic::quantize_f32(src + t0 * in, input_scale, xq + t0 * in, n);
+      generic::quantize_f32(src + t0 * in, scale, xq + t0 * in, n);
     } else {
       const uint16_t* bits = reinterpret_cast<const uint16_t*>(src + t0 * in);
 #if defined(__x86_64__)
-      if (vec) return avx2::quantize_bf16(bits, input_scale, xq + t0 * in, n);
+      if (vec) return avx2::quantize_bf16(bits, scale, xq + t0 * in, n);
 #endif
-      generic::quantize_bf16(bits, input_scale, xq + t0 * in, n);
+      generic::quantize_bf16(bits, scale, xq + t0 * in, n);
+    }
+  };
+  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
+    if (token_scale == nullptr) return quantize(t0, t1, input_scale);
+    for (int64_t t = t0; t < t1; ++t) {
+      float amax;
+      if constexpr (std::is_same_v<scalar_t, float>) amax = amax_f32(src + t * in, in);
+      else amax = amax_bf16(reinterpret_cast<const uint16_t*>(src + t * in), in);
+      token_scale[t] = amax > 0.f ? amax / 448.f : 1.f;  // NaN compares false: 1
+      quantize(t, t + 1, token_scale[t]);
     }
   });
 }
@@ -161,7 +168,7 @@ struct Fp8Format {
   const uint8_t* w;  // [out, in] E4M3 bytes
   kiln::LinearShape shape;
   const float* xq;   // [T, in] float32 holding exact E4M3 values
-  kiln::Epilogue epilogue;           // * input_scale * weight_scale[o] (+ bias)
+  kiln::Epilogue epilogue;           // * (token_scale[t] *) scale[o] (+ bias)
   kiln::Epilogue f32_tile_epilogue;  // the same: the tiles hold q exactly
 
   // E4M3 values are exact bfloat16, whatever x's dtype.
@@ -180,8 +187,8 @@ struct Fp8Format {
         if (in % avx512vbmi::Fp8Rows64::kCols == 0) pairs64_order(xb.data() + t * in, in);
       }
       kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-        avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, epilogue.row_scale, epilogue.bias, out,
-                                  std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
+        avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, epilogue.row_scale, epilogue.token_scale,
+                                  epilogue.bias, out, std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
       });
       return;
     }
@@ -222,48 +229,75 @@ struct Fp8Format {
   }
 };
 
-}  // namespace
-
-at::Tensor fp8_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& weight_scale,
-                          const at::Tensor& input_scale, const std::optional<at::Tensor>& bias_in) {
-  check_inputs(x_in, weight, weight_scale, input_scale, bias_in);
+// The body of both ops, inputs checked: scale[o] the per-row factor (input_scale * weight_scale[o], or
+// weight_scale[o] alone with per_token, where the epilogue multiplies it by each token's scale first).
+at::Tensor run_fp8_linear(const at::Tensor& x_in, const at::Tensor& weight, std::vector<float> scale,
+                          float input_scale, bool per_token, const std::optional<at::Tensor>& bias_in) {
   const at::Tensor x = x_in.contiguous();
   const int64_t num_tokens = x.size(0), in = x.size(1), out_features = weight.size(0);
   at::Tensor out = at::empty({num_tokens, out_features}, x.options());
   if (num_tokens == 0 || out_features == 0) return out;
-
-  const float s_in = *input_scale.data_ptr<float>();  // checked 0-dim float32 CPU; item() dispatches (~1 us)
-  // scale[o] = input_scale * weight_scale[o], one float32 product per output row as the reference.
-  std::vector<float> scale_buf(static_cast<size_t>(out_features));
-  const at::Tensor w_scale = weight_scale.contiguous();
-  const float* ws = w_scale.data_ptr<float>();
-  for (int64_t o = 0; o < out_features; ++o) scale_buf[o] = s_in * ws[weight_scale.dim() == 0 ? 0 : o];
-  const float* scale = scale_buf.data();
   at::Tensor bias;
   if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
   const float* bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(weight.data_ptr());
 
-  // x_q: [T, in] float32 holding exact E4M3 values.
-  std::vector<float> xq_buf(static_cast<size_t>(num_tokens * in));
-  const kiln::Epilogue epilogue{scale, bias_ptr};
+  std::vector<float> xq_buf(static_cast<size_t>(num_tokens * in));  // x_q: [T, in] float32 holding exact E4M3 values
+  std::vector<float> token_scale(per_token ? static_cast<size_t>(num_tokens) : 0);  // [T]
+  float* ts = per_token ? token_scale.data() : nullptr;
+  const kiln::Epilogue epilogue{scale.data(), bias_ptr, ts};
   const Fp8Format format{w, kiln::LinearShape{num_tokens, in, out_features, /*row_bytes=*/in}, xq_buf.data(), epilogue,
                          epilogue};
-  AT_DISPATCH_SWITCH(x.scalar_type(), "kilnlm::fp8_linear",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        quantize_activations<float>(x, s_in, xq_buf.data());
-        kiln::run_quantized_linear(format, format.shape, out.data_ptr<float>());
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        quantize_activations<at::BFloat16>(x, s_in, xq_buf.data());
-        kiln::run_quantized_linear(format, format.shape, out.data_ptr<at::BFloat16>());
-      }));
+  auto run = [&](auto* out_ptr) {  // float or at::BFloat16 (x's dtype, checked)
+    using scalar_t = std::remove_pointer_t<decltype(out_ptr)>;
+    quantize_activations<scalar_t>(x, input_scale, xq_buf.data(), ts);
+    kiln::run_quantized_linear(format, format.shape, out_ptr);
+  };
+  if (x.scalar_type() == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<at::BFloat16>());
   return out;
+}
+
+// weight_scale's values, one per output row (a 0-dim scale repeated).
+std::vector<float> row_scales(const at::Tensor& weight_scale, int64_t out_features) {
+  const at::Tensor w_scale = weight_scale.contiguous();
+  const float* ws = w_scale.data_ptr<float>();  // once: data_ptr<T>() checks the dtype on every call
+  if (weight_scale.dim() == 0) return std::vector<float>(static_cast<size_t>(out_features), ws[0]);
+  return std::vector<float>(ws, ws + out_features);
+}
+
+}  // namespace
+
+at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                          const at::Tensor& input_scale, const std::optional<at::Tensor>& bias) {
+  const char* op = "kilnlm::fp8_linear";
+  kiln::check_linear_inputs(op, x, weight, at::kFloat8_e4m3fn, "float8_e4m3fn", bias);
+  TORCH_CHECK(input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat && input_scale.device().is_cpu(), op,
+              ": input_scale must be a 0-dim float32 CPU tensor, got ", input_scale.scalar_type(), " ",
+              input_scale.sizes());
+  check_weight_scale(op, weight_scale, weight, /*allow_0dim=*/true);
+  const float s_in = *input_scale.data_ptr<float>();  // checked 0-dim float32 CPU; item() dispatches (~1 us)
+  // scale[o] = input_scale * weight_scale[o], one float32 product per output row as the reference.
+  std::vector<float> scale = row_scales(weight_scale, weight.size(0));
+  for (float& s : scale) s = s_in * s;
+  return run_fp8_linear(x, weight, std::move(scale), s_in, /*per_token=*/false, bias);
+}
+
+at::Tensor fp8_rowwise_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                                  const std::optional<at::Tensor>& bias) {
+  const char* op = "kilnlm::fp8_rowwise_linear";
+  kiln::check_linear_inputs(op, x, weight, at::kFloat8_e4m3fn, "float8_e4m3fn", bias);
+  check_weight_scale(op, weight_scale, weight, /*allow_0dim=*/false);
+  return run_fp8_linear(x, weight, row_scales(weight_scale, weight.size(0)), /*input_scale=*/1.f,
+                        /*per_token=*/true, bias);
 }
 
 }  // namespace kiln_fp8
 
-TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("fp8_linear", &kiln_fp8::fp8_linear_cpu); }
+TORCH_LIBRARY_IMPL(kilnlm, CPU, m) {
+  m.impl("fp8_linear", &kiln_fp8::fp8_linear_cpu);
+  m.impl("fp8_rowwise_linear", &kiln_fp8::fp8_rowwise_linear_cpu);
+}
 
 KILN_C_SHIM aoti_torch_cpu_fp8_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle weight_scale,
                                       AtenTensorHandle input_scale, AtenTensorHandle* bias, AtenTensorHandle* ret0) {
@@ -271,5 +305,13 @@ KILN_C_SHIM aoti_torch_cpu_fp8_linear(AtenTensorHandle x, AtenTensorHandle weigh
   return call(ret0, [&] {
     return kiln_fp8::fp8_linear_cpu(tensor(x), tensor(weight), tensor(weight_scale), tensor(input_scale),
                                     optional_tensor(bias));
+  });
+}
+
+KILN_C_SHIM aoti_torch_cpu_fp8_rowwise_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle weight_scale,
+                                              AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+  using namespace kiln_shim;
+  return call(ret0, [&] {
+    return kiln_fp8::fp8_rowwise_linear_cpu(tensor(x), tensor(weight), tensor(weight_scale), optional_tensor(bias));
   });
 }

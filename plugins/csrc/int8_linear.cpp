@@ -76,24 +76,12 @@ GemmI32Fn gemm_i32_fn() {
 
 void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                   const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && weight_scale.device().is_cpu(), op,
-              " (CPU kernel): x, weight and weight_scale must be CPU tensors");
-  TORCH_CHECK(x.dim() == 2, op, ": x must be [num_tokens, in_features], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, op,
-              ": weight must be a 2-D int8 tensor [out_features, in_features], got ", weight.scalar_type(), " ",
-              weight.sizes());
-  TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous (call .contiguous() when building)");
-  TORCH_CHECK(weight.size(1) == x.size(1), op, ": x has ", x.size(1), " features but weight expects ", weight.size(1));
+  kiln::check_linear_inputs(op, x, weight, at::kChar, "int8", bias);
   const int64_t out_features = weight.size(0);
-  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.dim() == 1 && weight_scale.size(0) == out_features,
-              op, ": weight_scale must be float32 [out_features=", out_features, "] (per output channel), got ",
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.dim() == 1 && weight_scale.size(0) == out_features &&
+                  weight_scale.device().is_cpu(),
+              op, ": weight_scale must be float32 [out_features=", out_features, "] (per output channel) on the CPU, got ",
               weight_scale.scalar_type(), " ", weight_scale.sizes());
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->device().is_cpu(), op,
-                ": bias must be [out_features=", out_features, "], got ", bias->sizes());
-  }
 }
 
 // x [T, in] (f32 / bf16) -> float32 copy, times pre_quant_scale when given.

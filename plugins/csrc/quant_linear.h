@@ -31,11 +31,31 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "row_blocks.h"
 
 namespace kiln {
+
+// What every W8 linear op requires of x, weight and bias: x [T, in] float32 / bfloat16, weight [out, in]
+// contiguous of weight_dtype (named weight_name in the messages), bias [out] or none, all on the CPU. `op`:
+// the op's name, which every message starts with.
+inline void check_linear_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight, at::ScalarType weight_dtype,
+                                const char* weight_name, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, " (CPU kernel): x and weight must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [num_tokens, in_features], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == weight_dtype, op, ": weight must be a 2-D ", weight_name,
+              " tensor [out_features, in_features], got ", weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous (call .contiguous() when building)");
+  TORCH_CHECK(weight.size(1) == x.size(1), op, ": x has ", x.size(1), " features but weight expects ", weight.size(1));
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->device().is_cpu(), op,
+                ": bias must be [out_features=", weight.size(0), "], got ", bias->sizes());
+  }
+}
 
 // Output rows per context-phase tile: dequantized into a per-thread buffer, never the whole weight.
 constexpr int64_t kTileRows = 64;

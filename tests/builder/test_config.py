@@ -80,8 +80,21 @@ def test_resolved_options_are_frozen_and_describe_the_manifest():
     assert {f.name for f in dataclasses.fields(ResolvedBuildOptions)} == {f.name for f in dataclasses.fields(BuildOptions)}
 
 
+def test_use_fp8_rowwise_is_the_same_build_as_qformat_fp8_rowwise():
+    """TensorRT-LLM's spelling (``--qformat fp8 --use_fp8_rowwise``) resolves to exactly the options of
+    ``--qformat fp8_rowwise``, through the CLI too; fp8 itself is another build."""
+    rowwise = resolve(options(qformat="fp8_rowwise"))
+    assert resolve(options(qformat="fp8", use_fp8_rowwise=True)) == rowwise
+    assert resolve(build_options(parse("--qformat", "fp8", "--use-fp8-rowwise"))) == rowwise
+    assert (rowwise.qformat, rowwise.use_fp8_rowwise, rowwise.dtype) == ("fp8_rowwise", True, "bfloat16")
+    assert rowwise.plugins_used() == ["paged_attention", "gemm", "fp8_rowwise_linear"]
+    assert resolve(options(qformat="fp8")).use_fp8_rowwise is False
+    # no calibration text, but an 8-bit KV cache still calibrates its scales
+    assert resolve(options(qformat="fp8_rowwise", kv_cache_dtype="fp8", calib_size=8)).calib_size == 8
+
+
 @pytest.mark.parametrize("given, fragment", [
-    (dict(qformat="int5"), "--qformat 'int5' is not supported: choose one of fp32, bf16, fp8, int4_awq"),
+    (dict(qformat="int5"), "--qformat 'int5' is not supported: choose one of fp32, bf16, fp8, fp8_rowwise, int4_awq"),
     (dict(qformat="fp32", dtype="bfloat16"), "--qformat fp32 runs float32 activations, not bfloat16: drop --dtype or "
                                              "pick --qformat bf16"),
     (dict(qformat="bf16", dtype="float32"), "pick --qformat fp32"),
@@ -91,6 +104,11 @@ def test_resolved_options_are_frozen_and_describe_the_manifest():
     (dict(calib_size=8), "--calib-size given but --qformat fp32 does not calibrate"),
     (dict(qformat="fp8", calib_max_seq_len=0), "--calib-max-seq-len is 0: it must be at least 1"),
     (dict(qformat="int8_sq", per_token=True, smoothquant_alpha=2.0), "--smoothquant-alpha 2.0: it must be within [0, 1]"),
+    (dict(qformat="int8_wo", use_fp8_rowwise=True), "--use-fp8-rowwise applies to --qformat fp8, not int8_wo: drop it, "
+                                                    "or pick --qformat fp8_rowwise"),
+    (dict(qformat="fp8", use_fp8_rowwise=True, calib_size=8), "--calib-size given but --qformat fp8_rowwise does not "
+                                                              "calibrate"),
+    (dict(qformat="fp8_rowwise", calib_data="x.txt"), "--calib-data given but --qformat fp8_rowwise does not calibrate"),
 ])
 def test_resolve_refuses_with_what_to_change(given, fragment):
     with pytest.raises(BuildError) as info:

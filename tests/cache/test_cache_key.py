@@ -30,6 +30,7 @@ ENGINE_CHANGES = {
     "calib_max_seq_len": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_max_seq_len": 64}),
     "quantize_lm_head": ({"qformat": "int4_wo"}, {"qformat": "int4_wo", "quantize_lm_head": True}),
     "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": True}),
+    "use_fp8_rowwise": ({"qformat": "fp8"}, {"qformat": "fp8", "use_fp8_rowwise": True}),  # fp8 -> fp8_rowwise
     "smoothquant_alpha": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "smoothquant_alpha": 0.5}),
     "zero_point": ({"qformat": "int4_awq"}, {"qformat": "int4_awq", "zero_point": False}),
     "compile": ({}, {"compile": CompileOptions(inductor_configs={"freezing": False})}),
@@ -92,6 +93,10 @@ def test_options_that_do_not_change_the_engine_keep_the_key(checkpoint, tmp_path
     sq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq", per_token=True, **extra)).key
           for extra in ({}, {"smoothquant_alpha": 0.5})]
     assert len(set(sq)) == 1  # --per-token's alpha
+    rowwise = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "g", **spelling)).key
+               for spelling in ({"qformat": "fp8_rowwise"}, {"qformat": "fp8", "use_fp8_rowwise": True},
+                                {"qformat": "fp8_rowwise", "use_fp8_rowwise": True})]
+    assert len(set(rowwise)) == 1  # TensorRT-LLM's spelling and kilnlm's
 
 
 def test_checkpoint_digest_is_content_based(checkpoint, tmp_path):

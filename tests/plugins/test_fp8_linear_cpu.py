@@ -7,17 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from factories import random_fp8_weight
+
 from kilnlm.plugins.reference import fp8_linear_reference, quantize_fp8_reference
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 fp8_linear = torch.ops.kilnlm.fp8_linear
-
-
-def random_fp8_weight(out_features: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
-    # Spread over E4M3's whole range, subnormals included.
-    w = torch.randn(out_features, in_features, generator=gen) * torch.exp2(torch.randint(-10, 8, (1,), generator=gen))
-    return w.clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 17, 130])
