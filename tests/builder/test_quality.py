@@ -1,25 +1,28 @@
 """Quantization quality on the real model: SmolLM2-135M perplexity of each format relative to the fp32
-engine, through the engines themselves (:mod:`kilnlm.runtime.perplexity`, what ``kilnlm eval`` runs).
+engine, through the engines themselves (:mod:`kilnlm.runtime.perplexity`, what ``kilnlm eval`` runs), on
+several held-out texts of different kinds.
 
-Held-out text: the first ``NUM_TOKENS`` tokens of Debian's GPL-3 licence text
-(``/usr/share/common-licenses/GPL-3``, ~7,650 SmolLM2 tokens in all), never the calibration text
-(the builder's default: kilnlm's general English text and ``pydoc_data.topics``). Windows of
+Held-out texts (``HELD_OUT_TEXTS``; none is ever calibration text -- the builder calibrates on kilnlm's
+general English text and ``pydoc_data.topics`` -- and no calibration default was chosen by its score on
+them): two licences of different drafting that Debian's base-files ships (GPL-3, Apache-2.0), a third
+(MPL-2.0), and documentation: chapter 2 of the Vim user manual (``usr_02.txt``, "The first steps in Vim",
+vim-runtime). The first ``NUM_TOKENS`` tokens of each (Apache-2.0 holds ~2,200), windows of
 ``CONTEXT_LEN`` tokens every ``STRIDE`` tokens.
 
-Bounds (issue 3, item 9), perplexity relative to fp32 on the same tokens and windows: fp8 <= +3%,
-int8_sq <= +5%, int8_wo <= +2%, int4_awq <= +12%, and int4_awq below int4_wo. The 8-bit KV caches
-(fp8 / int8 pool with calibrated per-layer scales) are measured on the fp8-weight engine against the same
-engine with a bfloat16 KV cache; bound: <= +4% (KV_CACHE_BOUND, kilnlm's own: issue 3 sets none).
-Measured on SmolLM2: int8 KV +1.0% (AMD Zen 2, AVX2); fp8 KV +2.5% there, and on an Intel Xeon with
-AVX-512 +3.2% through the AVX-512 kernels but +2.1% with the same two engines on the AVX2 kernels
-(``KILNLM_CPU_ISA=avx2``): the fp8 engine's perplexity moves by ~0.5% with the kernels' arithmetic alone,
-both ways. 4% leaves room for that without hiding a broken scale (which costs tens of percent). Each engine is built once per
-session (the ``smollm2_format_engine`` factory in tests/conftest.py).
+Bounds (issue 29, item 3), perplexity relative to fp32 on the same tokens and windows, on every text:
+fp8 and fp8_rowwise <= +3%, int8_sq <= +5%, int8_wo <= +2%, int4_awq <= +12%, and int4_awq below int4_wo. The 8-bit KV
+caches (fp8 / int8 pool with calibrated per-layer scales) are measured on the fp8-weight engine against the
+same engine with a bfloat16 KV cache; bound: <= +4% (KV_CACHE_BOUND, kilnlm's own). The fp8 engine's
+perplexity moves by ~0.5% with its kernels' arithmetic alone (AVX-512 against AVX2 kernels on one Intel
+Xeon), which 4% leaves room for without hiding a broken scale (which costs tens of percent). Each engine is
+built once per session (the ``smollm2_format_engine`` factory in tests/conftest.py) and evaluated once per
+text.
 
 Factual recall (``FACT_PROBES``): perplexity on licence text does not show whether a quantized model still
-recalls facts. Each 8-bit format must keep the answer of six one-line factual questions its most likely
-next token (probability above 1/2), as fp32 does. int8_sq calibrated on the language reference alone
-failed four of them (e.g. " Paris" at log-probability -2.28 after "The capital of France is").
+recalls facts. Every format is held to six one-line factual questions: each 8-bit format must keep each
+answer its most likely next token (probability above 1/2), as fp32 does; the int4 formats must keep it
+above 1/10 (``FACT_MIN_PROB``). int8_sq calibrated on the language reference alone failed four of them
+(e.g. " Paris" at log-probability -2.28 after "The capital of France is").
 """
 
 from __future__ import annotations
@@ -34,48 +37,83 @@ from kilnlm.runtime.perplexity import PerplexityConfig, PerplexityResult, evalua
 
 pytestmark = [pytest.mark.e2e]
 
-HELD_OUT_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+def _vim_user_manual() -> Path:
+    """Chapter 2 of the Vim user manual as Debian's vim-runtime installs it (the directory is versioned:
+    vim90 on Debian 12, vim91 on 13)."""
+    found = sorted(Path("/usr/share/vim").glob("vim[0-9]*/doc/usr_02.txt"))
+    return found[-1] if found else Path("/usr/share/vim/vim90/doc/usr_02.txt")
+
+
+# name -> file: the texts every format is held to (the order of the tables in docs/quantization.md)
+HELD_OUT_TEXTS = {"GPL-3": Path("/usr/share/common-licenses/GPL-3"),
+                  "Apache-2.0": Path("/usr/share/common-licenses/Apache-2.0"),
+                  "MPL-2.0": Path("/usr/share/common-licenses/MPL-2.0"),
+                  "vim usr_02": _vim_user_manual()}
+REFERENCE_TEXT = "GPL-3"  # the one text of the checks that need only one (transformers' perplexity)
 NUM_TOKENS = 3072
 CONTEXT_LEN = 512
-STRIDE = 384  # 8 windows: ~4,100 tokens through each engine
+STRIDE = 384  # 8 windows of a 3,072-token text: ~4,100 tokens through each engine
 EVAL = PerplexityConfig(context_len=CONTEXT_LEN, stride=STRIDE, max_tokens=NUM_TOKENS)
 
-# qformat -> largest allowed perplexity / fp32 perplexity
-FORMAT_BOUNDS = {"fp8": 1.03, "int8_sq": 1.05, "int8_wo": 1.02, "int4_awq": 1.12}
+# qformat -> largest allowed perplexity / fp32 perplexity, on every held-out text
+FORMAT_BOUNDS = {"fp8": 1.03, "fp8_rowwise": 1.03, "int8_sq": 1.05, "int8_wo": 1.02, "int4_awq": 1.12}
 KV_CACHE_BOUND = 1.04
 KV_CACHE_BASE_QFORMAT = "fp8"
 
 
 @pytest.fixture(scope="module")
-def held_out_ids(smollm2_hf_dir) -> list[int]:
+def held_out_ids(smollm2_hf_dir) -> dict[str, list[int]]:
+    """Text name -> its first ``NUM_TOKENS`` SmolLM2 token ids (all of a shorter text's)."""
     from kilnlm.runtime.tokenizer import Tokenizer
 
-    if not HELD_OUT_TEXT.is_file():
-        pytest.skip(f"held-out evaluation text {HELD_OUT_TEXT} is missing (Debian's base-files ships it)")
-    ids = Tokenizer.from_dir(smollm2_hf_dir).encode(HELD_OUT_TEXT.read_text(encoding="utf-8"))
-    assert len(ids) >= NUM_TOKENS
-    return ids[:NUM_TOKENS]
+    missing = [str(path) for path in HELD_OUT_TEXTS.values() if not path.is_file()]
+    if missing:
+        pytest.skip(f"held-out evaluation texts {', '.join(missing)} are missing (Debian's base-files and "
+                    "vim-runtime ship them)")
+    tokenizer = Tokenizer.from_dir(smollm2_hf_dir)
+    ids = {name: tokenizer.encode(path.read_text(encoding="utf-8"))[:NUM_TOKENS] for name, path in HELD_OUT_TEXTS.items()}
+    assert all(len(t) >= 2 * CONTEXT_LEN for t in ids.values()), {name: len(t) for name, t in ids.items()}
+    return ids
 
 
 @pytest.fixture(scope="module")
 def perplexity(smollm2_format_engine, held_out_ids):
-    """``perplexity(qformat, kv_cache_dtype="auto", **options) -> PerplexityResult``, each engine evaluated
-    once (``options``: further build options, e.g. int8_sq's per_token)."""
+    """``perplexity(qformat, kv_cache_dtype="auto", **options) -> {text name: PerplexityResult}``, each engine
+    evaluated once on every held-out text (``options``: further build options, e.g. int8_sq's per_token)."""
     from kilnlm.runtime.engine import Engine
 
-    results: dict[tuple, PerplexityResult] = {}
+    results: dict[tuple, dict[str, PerplexityResult]] = {}
 
-    def get(qformat: str, kv_cache_dtype: str = "auto", **options) -> PerplexityResult:
+    def get(qformat: str, kv_cache_dtype: str = "auto", **options) -> dict[str, PerplexityResult]:
         key = (qformat, kv_cache_dtype, *sorted(options.items()))
         if key not in results:
             engine = Engine.load(smollm2_format_engine(qformat, kv_cache_dtype, **options))
-            results[key] = evaluate_perplexity(engine, held_out_ids, EVAL)
-            r = results[key]
-            print(f"\n[quality] {qformat:<9} kv {kv_cache_dtype:<5} perplexity {r.perplexity:.4f} over {r.tokens} tokens "
-                  f"({r.seconds:.1f} s, {r.tokens_per_s:.0f} tokens/s through the engine)")
+            results[key] = {name: evaluate_perplexity(engine, ids, EVAL) for name, ids in held_out_ids.items()}
+            print(f"\n[quality] {qformat:<9} kv {kv_cache_dtype:<5} {options or ''} perplexity "
+                  + ", ".join(f"{name} {r.perplexity:.4f}" for name, r in results[key].items()))
         return results[key]
 
     return get
+
+
+def assert_within(measured: dict[str, PerplexityResult], base: dict[str, PerplexityResult], bound: float, what: str):
+    """``measured`` / ``base`` perplexity <= ``bound`` on each text of ``measured``, except the known misses of
+    ``what`` (``KNOWN_MISSES``), which xfail while they stay within their own limit; the message lists every
+    text."""
+    ratios = {name: measured[name].perplexity / base[name].perplexity for name in measured}
+    report = ", ".join(f"{name} {100 * (r - 1):+.2f}%" for name, r in ratios.items())
+    print(f"[quality] {what}: {report}; bound {100 * (bound - 1):+.0f}%")
+    misses = {name: r for name, r in ratios.items() if r > bound}
+    unexpected = {name: r for name, r in misses.items() if r > KNOWN_MISSES.get((what, name), (bound, ""))[0]}
+    assert not unexpected, (f"{what}: {report}, allowed {100 * (bound - 1):+.0f}% on every text"
+                            + "".join(f"; {name} is a known miss (measured {KNOWN_MISSES[(what, name)][1]}), allowed "
+                                      f"up to {100 * (KNOWN_MISSES[(what, name)][0] - 1):+.1f}%"
+                                      for name in unexpected if (what, name) in KNOWN_MISSES))
+    if misses:
+        pytest.xfail(f"known misses of {what}: " + ", ".join(f"{name} {100 * (r - 1):+.2f}% (measured "
+                                                              f"{KNOWN_MISSES[(what, name)][1]})" for name, r in misses.items())
+                     + f", bound {100 * (bound - 1):+.0f}%; docs/quantization.md")
 
 
 def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_fp32_dir, smollm2_hf_dir, held_out_ids):
@@ -86,8 +124,8 @@ def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_
     from kilnlm.runtime.engine import Engine
     from kilnlm.runtime.perplexity import token_nlls
 
-    assert math.isfinite(perplexity("fp32").perplexity)
-    ids = held_out_ids[:1024]
+    assert all(math.isfinite(r.perplexity) for r in perplexity("fp32").values())
+    ids = held_out_ids[REFERENCE_TEXT][:1024]
     nlls, _ = token_nlls(Engine.load(smollm2_engine_fp32_dir), ids, EVAL)
     model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
     expected = torch.empty(len(ids) - 1, dtype=torch.float64)
@@ -100,48 +138,50 @@ def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_
     assert math.isclose(math.exp(nlls.mean()), math.exp(expected.mean()), rel_tol=1e-3)
 
 
-# Formats that miss issue 3's bound (format -> the measured miss, as the xfail reason). Strict: a format that
-# starts meeting its bound fails here until its marker is removed. None today: int4_awq met its bound once
-# it rounded with zero points (measured 2026-11-22: +10.76% with 16 calibration samples; ModelOpt's
-# symmetric rounding +24.5%, its simulation +20% to +22% with every AWQ variant tried; docs/quantization.md).
-KNOWN_MISSES: dict[str, str] = {}
+# (engine, held-out text) -> (the largest ratio still accepted, the measured miss): the pairs that miss their bound
+# (engine: a qformat, or the ``what`` of a test below). Such a pair xfails (reported, never hidden) while it stays
+# within its own limit, and fails beyond it; a pair that meets its bound passes, whichever ISA's kernels ran (the
+# engines' perplexity moves by ~0.5% between AVX-512 and AVX2 kernels).
+KNOWN_MISSES: dict[tuple[str, str], tuple[float, str]] = {
+    # FP8 itself on this 135M model: ModelOpt's own fake-quant simulation of each recipe (fp32 activations, the
+    # same windows) misses +3% on Apache-2.0 too (docs/quantization.md, "What limits quality").
+    ("fp8", "Apache-2.0"): (1.075, "+5.75% on an AMD Zen 4 (AVX-512 kernels); ModelOpt's simulation +5.3%"),
+    ("fp8", "MPL-2.0"): (1.05, "+3.63% on an AMD Zen 4; ModelOpt's simulation +2.9%"),
+    ("fp8_rowwise", "Apache-2.0"): (1.05, "+3.68% on an AMD Zen 4; ModelOpt's simulation +3.6%"),
+    ("fp8_rowwise", "vim usr_02"): (1.05, "+3.14% on an AMD Zen 4; ModelOpt's simulation +2.95%"),
+    # int8_sq's one static per-tensor activation scale per linear, calibrated on text unlike these (its
+    # --per-token variant, dynamic scales, stays within +2.3% on every text).
+    ("int8_sq", "Apache-2.0"): (1.13, "+10.13% on an AMD Zen 4 (alpha 0.9 searched on the calibration text)"),
+    ("int8_sq", "vim usr_02"): (1.08, "+6.11% on an AMD Zen 4"),
+    # int4 on a 135M model: kilnlm's zero-point rounding of ModelOpt's awq_lite simulated in fp32 gives +20.6%
+    # on Apache-2.0 and +12.3% on MPL-2.0, ModelOpt's own symmetric W4A16_AWQ +41.2% / +21.9%, and no
+    # ModelOpt AWQ variant had a lower loss on the calibration text's validation windows.
+    ("int4_awq", "Apache-2.0"): (1.24, "+20.28% on an AMD Zen 4"),
+    ("int4_awq", "MPL-2.0"): (1.15, "+12.05% on an AMD Zen 4"),
+}
 
 
-@pytest.mark.parametrize("qformat", [
-    pytest.param(q, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[q])) if q in KNOWN_MISSES else q
-    for q in FORMAT_BOUNDS
-])
-def test_format_perplexity_within_bound(perplexity, qformat):
-    base, quant = perplexity("fp32"), perplexity(qformat)
-    ratio = quant.perplexity / base.perplexity
-    print(f"[quality] {qformat}: perplexity {quant.perplexity:.4f} = {ratio:.4f} x fp32 ({base.perplexity:.4f}); "
-          f"bound {FORMAT_BOUNDS[qformat]:.2f}")
-    assert ratio <= FORMAT_BOUNDS[qformat], (
-        f"{qformat} perplexity {quant.perplexity:.4f} is {100 * (ratio - 1):+.2f}% over fp32 {base.perplexity:.4f}; "
-        f"allowed {100 * (FORMAT_BOUNDS[qformat] - 1):+.0f}%")
+@pytest.mark.parametrize("text", HELD_OUT_TEXTS)
+@pytest.mark.parametrize("qformat", FORMAT_BOUNDS)
+def test_format_perplexity_within_bound(perplexity, qformat, text):
+    assert_within({text: perplexity(qformat)[text]}, perplexity("fp32"), FORMAT_BOUNDS[qformat], qformat)
 
 
 def test_int8_sq_per_token_within_the_int8_sq_bound(perplexity):
     """int8_sq with TensorRT-LLM's recipe for outlier-heavy models (``--per-token --smoothquant-alpha 0.5``:
     dynamic per-token activation scales, half the activations' range migrated into the weights) meets
-    int8_sq's bound too. Measured on SmolLM2: +1.58% (the per-tensor default with its searched alpha 0.9:
-    +3.20%; docs/quantization.md)."""
-    base = perplexity("fp32")
-    sq = perplexity("int8_sq", per_token=True, smoothquant_alpha=0.5)
-    ratio = sq.perplexity / base.perplexity
-    print(f"[quality] int8_sq --per-token --smoothquant-alpha 0.5: perplexity {sq.perplexity:.4f} = {ratio:.4f} x fp32")
-    assert ratio <= FORMAT_BOUNDS["int8_sq"], f"{100 * (ratio - 1):+.2f}% over fp32"
+    int8_sq's bound too."""
+    assert_within(perplexity("int8_sq", per_token=True, smoothquant_alpha=0.5), perplexity("fp32"),
+                  FORMAT_BOUNDS["int8_sq"], "int8_sq --per-token --smoothquant-alpha 0.5")
 
 
 def test_int8_sq_quantized_lm_head_within_the_int8_sq_bound(perplexity):
     """int8_sq ``--quantize-lm-head`` (the LM head W8A8 too, its smoothing folded into the final norm;
-    what takes int8_sq past issue 3's 1.6x decode target on CPU) keeps int8_sq's bound. Measured on
-    SmolLM2: +4.16%, the same with the CLI's and the benchmark's engine limits (docs/quantization.md)."""
-    base = perplexity("fp32")
-    sq = perplexity("int8_sq", quantize_lm_head=True)
-    ratio = sq.perplexity / base.perplexity
-    print(f"[quality] int8_sq --quantize-lm-head: perplexity {sq.perplexity:.4f} = {ratio:.4f} x fp32")
-    assert ratio <= FORMAT_BOUNDS["int8_sq"], f"{100 * (ratio - 1):+.2f}% over fp32"
+    what takes int8_sq past issue 3's 1.6x decode target on CPU) keeps int8_sq's bound on GPL-3 (measured
+    +4.16%). Held to the one text: the per-tensor int8_sq it extends misses its bound on two others."""
+    measured = perplexity("int8_sq", quantize_lm_head=True)
+    assert_within({REFERENCE_TEXT: measured[REFERENCE_TEXT]}, perplexity("fp32"), FORMAT_BOUNDS["int8_sq"],
+                  "int8_sq --quantize-lm-head")
 
 
 # (question, answer prefix, answer's first token): fp32 gives each answer token a log-probability of -0.02 to
@@ -152,17 +192,25 @@ FACT_PROBES = [("What is the capital of France?", "The capital of France is", " 
                ("What is the capital of Germany?", "The capital of Germany is", " Berlin"),
                ("Who wrote Romeo and Juliet?", "Romeo and Juliet was written by", " William"),
                ("What is the chemical symbol for gold?", "The chemical symbol for gold is", " Au")]
-FACT_QFORMATS = ("fp32", "fp8", "int8_sq", "int8_wo")
+# qformat -> the probability each probe's answer must keep. 8-bit formats: above 1/2, so greedy decoding picks it
+# as fp32's does. int4 on a 135M model loses some recall by itself (int4_wo, which calibrates nothing, as much as
+# int4_awq; docs/quantization.md): held to keeping each answer among the likeliest tokens, above 1/10.
+FACT_MIN_PROB = {"fp32": 0.5, "fp8": 0.5, "fp8_rowwise": 0.5, "int8_sq": 0.5, "int8_wo": 0.5, "int4_awq": 0.1,
+                 "int4_wo": 0.1}
 
 
-@pytest.mark.parametrize("qformat", FACT_QFORMATS)
-def test_8bit_formats_keep_factual_answers_most_likely(smollm2_format_engine, qformat):
-    """After the chat-templated question and the answer's prefix, the answer's first token has probability
-    above 1/2 (so greedy decoding picks it) through the engine. Measured 2026-11-22, log-probabilities
-    Paris / Tokyo / Rome / Berlin / William / Au: fp32 -0.05 / -0.07 / -0.16 / -0.04 / -0.04 / -0.02;
-    int8_sq -0.16 / -0.22 / -0.27 / -0.11 / -0.43 / -0.08 (calibrated on the language reference alone,
-    ModelOpt's simulation: -2.28 / -1.61 / -3.42 / -2.14 / -0.28 / -0.15). int4 formats are not held to
-    it (int4_awq: Rome -1.97, Tokyo -0.81; docs/quantization.md)."""
+def test_every_format_is_held_to_the_factual_probes():
+    from kilnlm.builder.formats import FORMATS
+
+    assert set(FACT_MIN_PROB) == set(FORMATS) - {"bf16"}  # bf16: fp32's weights rounded, measured in the tables
+
+
+@pytest.mark.parametrize("qformat", FACT_MIN_PROB)
+def test_formats_keep_factual_answers(smollm2_format_engine, qformat):
+    """After the chat-templated question and the answer's prefix, the answer's first token keeps probability
+    above ``FACT_MIN_PROB[qformat]`` through the engine. Log-probabilities per format: docs/quantization.md.
+    int8_sq calibrated on the language reference alone failed four probes (ModelOpt's simulation: Paris
+    -2.28, Tokyo -1.61, Rome -3.42, Berlin -2.14)."""
     from kilnlm.runtime.engine import Engine
     from kilnlm.runtime.perplexity import PerplexityConfig, token_nlls
     from kilnlm.runtime.tokenizer import Tokenizer
@@ -178,19 +226,17 @@ def test_8bit_formats_keep_factual_answers_most_likely(smollm2_format_engine, qf
         log_probs[answer.strip()] = -float(nlls[-1])
     print(f"\n[quality] {qformat} factual answers' log-probabilities: "
           + " ".join(f"{a} {lp:.2f}" for a, lp in log_probs.items()))
-    assert {a: lp for a, lp in log_probs.items() if lp <= math.log(0.5)} == {}
+    assert {a: lp for a, lp in log_probs.items() if lp <= math.log(FACT_MIN_PROB[qformat])} == {}
 
 
-def test_int4_awq_better_than_int4_wo(perplexity):
+def test_int4_awq_better_than_int4_wo_on_every_text(perplexity):
     awq, rtn = perplexity("int4_awq"), perplexity("int4_wo")
-    print(f"[quality] int4_awq {awq.perplexity:.4f} vs int4_wo {rtn.perplexity:.4f}")
-    assert awq.perplexity < rtn.perplexity
+    print("[quality] int4_awq vs int4_wo: "
+          + ", ".join(f"{name} {awq[name].perplexity:.4f} / {rtn[name].perplexity:.4f}" for name in HELD_OUT_TEXTS))
+    assert all(awq[name].perplexity < rtn[name].perplexity for name in HELD_OUT_TEXTS)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_8bit_kv_cache_perplexity_within_bound(perplexity, kv_cache_dtype):
-    base, kv8 = perplexity(KV_CACHE_BASE_QFORMAT), perplexity(KV_CACHE_BASE_QFORMAT, kv_cache_dtype)
-    ratio = kv8.perplexity / base.perplexity
-    print(f"[quality] {KV_CACHE_BASE_QFORMAT} weights, {kv_cache_dtype} KV cache: perplexity {kv8.perplexity:.4f} = "
-          f"{ratio:.4f} x the bfloat16 KV cache ({base.perplexity:.4f}); bound {KV_CACHE_BOUND:.2f}")
-    assert ratio <= KV_CACHE_BOUND
+    assert_within(perplexity(KV_CACHE_BASE_QFORMAT, kv_cache_dtype), perplexity(KV_CACHE_BASE_QFORMAT), KV_CACHE_BOUND,
+                  f"{KV_CACHE_BASE_QFORMAT} --kv-cache-dtype {kv_cache_dtype}")
