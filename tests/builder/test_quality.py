@@ -4,8 +4,8 @@ several held-out texts of different kinds.
 
 Held-out texts (``HELD_OUT_TEXTS``; none is ever calibration text -- the builder calibrates on kilnlm's
 general English text and ``pydoc_data.topics`` -- and no calibration default was chosen by its score on
-them): two licences of different drafting that Debian's base-files ships (GPL-3, Apache-2.0), a third
-(MPL-2.0), and documentation: chapter 2 of the Vim user manual (``usr_02.txt``, "The first steps in Vim",
+them): three licences of different drafting that Debian's base-files ships (GPL-3, Apache-2.0, MPL-2.0)
+and documentation: chapter 2 of the Vim user manual (``usr_02.txt``, "The first steps in Vim",
 vim-runtime). The first ``NUM_TOKENS`` tokens of each (Apache-2.0 holds ~2,200), windows of
 ``CONTEXT_LEN`` tokens every ``STRIDE`` tokens.
 
