@@ -10,6 +10,7 @@ leaves a half-written engine behind::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -80,7 +81,7 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
              time.perf_counter() - t_start)
 
     network = build_network(opts, ck, model_cfg)
-    build_cfg = opts.manifest_build_config()
+    build_cfg = dataclasses.replace(opts.manifest_build_config(), exclude_modules=list(network.float_linears))
     if opts.quantizes_kv_cache:
         quantize_kv_cache(opts, ck, network)
 
@@ -94,7 +95,7 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
         del network
         ck.tokenizer.save_pretrained(tmp / "tokenizer")
         manifest = Manifest(model=model_cfg, build=build_cfg, generation=_generation_defaults(ck),
-                            plugins={name: PLUGIN_VERSIONS[name] for name in opts.plugins_used()},
+                            plugins={name: PLUGIN_VERSIONS[name] for name in opts.plugins_used(bool(build_cfg.exclude_modules))},
                             toolchain=target.toolchain_versions(), source_checkpoint_digest=ck.digest,
                             engine_file=target.engine_file, cache_key=cache_key.key, cache_key_inputs=cache_key.inputs)
         write_manifest(tmp, manifest)
@@ -112,18 +113,29 @@ def _float_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelC
     return LlamaNetwork(model_cfg, ck.state_dict, opts.torch_dtype)
 
 
+def _float_linears(opts: ResolvedBuildOptions, ck: Checkpoint) -> tuple[str, ...]:
+    """The decoder linears ``--auto-quantize-bits`` keeps in the activation dtype (none without the search)."""
+    if not opts.searches_precision:
+        return ()
+    from kilnlm.builder.auto_quantize import search_float_linears
+
+    return search_float_linears(ck, opts.format, opts.calibration, opts.auto_quantize_bits)
+
+
 def _fp8_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:
     from kilnlm.builder.quantize import calibrate_fp8
 
+    float_linears = _float_linears(opts, ck)
     fp8_amax = calibrate_fp8(ck, opts.format, opts.calibration, opts.quantize_lm_head)
-    return LlamaNetwork(model_cfg, ck.state_dict, opts.torch_dtype, fp8_amax)
+    return LlamaNetwork(model_cfg, ck.state_dict, opts.torch_dtype, fp8_amax, float_linears=float_linears)
 
 
 def _fp8_rowwise_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:
     from kilnlm.builder.quantize import quantize_fp8_rowwise
 
-    state, quant = quantize_fp8_rowwise(ck, opts.format, opts.quantize_lm_head)
-    return LlamaNetwork(model_cfg, state, opts.torch_dtype, quant=quant)
+    float_linears = _float_linears(opts, ck)
+    state, quant = quantize_fp8_rowwise(ck, opts.format, opts.quantize_lm_head, float_linears)
+    return LlamaNetwork(model_cfg, state, opts.torch_dtype, quant=quant, float_linears=float_linears)
 
 
 def _modelopt_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:

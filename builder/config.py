@@ -34,6 +34,7 @@ from kilnlm.runtime.manifest import BuildConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_CALIB_MAX_SEQ_LEN = 256  # tokens per calibration sample
+MAX_AUTO_QUANTIZE_BITS = 16  # --auto-quantize-bits at which every linear stays in bfloat16
 LIMIT_FIELDS = ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block")
 
 
@@ -64,6 +65,7 @@ class BuildOptions:
     per_token: bool = False  # SmoothQuant: dynamic per-token activation scales instead of the calibrated per-tensor one
     use_fp8_rowwise: bool = False  # TensorRT-LLM's spelling of fp8_rowwise: --qformat fp8 --use-fp8-rowwise
     smoothquant_alpha: float | None = None  # SmoothQuant's alpha (None: searched; 0.5 with per_token)
+    auto_quantize_bits: float | None = None  # FP8 formats: mean bits per decoder linear weight (None: the format's)
     export_checkpoint: Path | None = None  # ModelOpt formats: also write ModelOpt's unified HF checkpoint here
     compile: Any = None  # the target's compile options (None: the target's defaults)
 
@@ -82,7 +84,9 @@ class ResolvedBuildOptions:
     where it divides every linear of the model, else the largest of 64 / 32 / 16 that does (decided when the
     checkpoint is read, :func:`kilnlm.builder.quantize_int.default_group_size`). ``zero_point``: the
     format's default where it offers zero points, else None. ``calib_data``: None = the default texts.
-    ``smoothquant_alpha``: None = searched (per-tensor SmoothQuant only). ``use_fp8_rowwise``: whether the
+    ``smoothquant_alpha``: None = searched (per-tensor SmoothQuant only). ``auto_quantize_bits``: the
+    mixed-precision search's budget where the format offers it, else None; ``weight_bits`` means no search
+    (:attr:`searches_precision`). ``use_fp8_rowwise``: whether the
     format is an FP8 rowwise one (``qformat`` already names it: both spellings resolve alike). ``compile``:
     the target's options."""
 
@@ -107,6 +111,7 @@ class ResolvedBuildOptions:
     per_token: bool
     use_fp8_rowwise: bool
     smoothquant_alpha: float | None
+    auto_quantize_bits: float | None
     export_checkpoint: Path | None
     compile: Any
 
@@ -127,11 +132,17 @@ class ResolvedBuildOptions:
     def quantizes_kv_cache(self) -> bool:
         return self.kv_cache_dtype in KV_QUANT_MAX
 
-    def plugins_used(self) -> list[str]:
+    @property
+    def searches_precision(self) -> bool:
+        """Whether the build runs the mixed-precision search (:mod:`kilnlm.builder.auto_quantize`)."""
+        return self.auto_quantize_bits is not None and self.auto_quantize_bits > self.format.weight_bits
+
+    def plugins_used(self, float_linears: bool = False) -> list[str]:
         """The plugin ops the engine calls: paged attention, ``gemm`` for the float linears and a 16-bit LM
-        head (every engine but a quantized one with ``--quantize-lm-head``), the format's linear op."""
+        head (every engine but a quantized one with ``--quantize-lm-head`` whose ``--auto-quantize-bits``
+        search kept no linear in 16 bits: ``float_linears`` False), the format's linear op."""
         linear = [self.format.linear_plugin] if self.format.linear_plugin else []
-        return ["paged_attention"] + ([] if self.quantize_lm_head else ["gemm"]) + linear
+        return ["paged_attention"] + ([] if self.quantize_lm_head and not float_linears else ["gemm"]) + linear
 
     def manifest_build_config(self) -> BuildConfig:
         """The manifest's build section."""
@@ -162,10 +173,18 @@ def check_quant_options(options: BuildOptions, fmt: QuantFormat) -> None:
     q = fmt.name
     calib_given = [flag for flag, value in (("--calib-data", options.calib_data), ("--calib-size", options.calib_size),
                                             ("--calib-max-seq-len", options.calib_max_seq_len)) if value is not None]
-    if calib_given and not fmt.calibrated and options.kv_cache_dtype == "auto":
+    bits = options.auto_quantize_bits
+    if bits is not None and fmt.auto_quantize_bits is None:
+        raise BuildError(f"--auto-quantize-bits applies to --qformat "
+                         f"{' / '.join(format_names(lambda f: f.auto_quantize_bits is not None))}, not {q}: drop it")
+    if bits is not None and not fmt.weight_bits <= bits <= MAX_AUTO_QUANTIZE_BITS:
+        raise BuildError(f"--auto-quantize-bits {bits}: it must be within [{fmt.weight_bits}, {MAX_AUTO_QUANTIZE_BITS}] "
+                         f"for --qformat {q} ({fmt.weight_bits}: every linear in {q}, no search)")
+    searches = (bits if bits is not None else fmt.auto_quantize_bits or 0) > fmt.weight_bits
+    if calib_given and not fmt.calibrated and not searches and options.kv_cache_dtype == "auto":
         raise BuildError(f"{', '.join(calib_given)} given but --qformat {q} does not calibrate: drop them, or pick a "
-                         f"calibrated format ({', '.join(format_names(lambda f: f.calibrated))}) or an 8-bit "
-                         f"--kv-cache-dtype ({', '.join(KV_QUANT_MAX)})")
+                         f"calibrated format ({', '.join(format_names(lambda f: f.calibrated))}), a mixed-precision "
+                         f"--auto-quantize-bits or an 8-bit --kv-cache-dtype ({', '.join(KV_QUANT_MAX)})")
     for flag, value in (("--calib-size", options.calib_size), ("--calib-max-seq-len", options.calib_max_seq_len)):
         if value is not None and value < 1:
             raise BuildError(f"{flag} is {value}: it must be at least 1")
@@ -234,6 +253,7 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
                            else DEFAULT_CALIB_MAX_SEQ_LEN),
         quantize_lm_head=options.quantize_lm_head, per_token=options.per_token,
         use_fp8_rowwise=fmt.fp8_rowwise_of is not None, smoothquant_alpha=alpha,
+        auto_quantize_bits=options.auto_quantize_bits if options.auto_quantize_bits is not None else fmt.auto_quantize_bits,
         export_checkpoint=None if options.export_checkpoint is None else Path(options.export_checkpoint),
         compile=options.compile if options.compile is not None else target.default_compile_options(),
     )

@@ -37,6 +37,10 @@ from kilnlm.builder.network.layers import Fp8Linear, Fp8RowwiseLinear, Int4Linea
 SMOOTHQUANT_ALPHA_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # SmoothQuant --per-token without --smoothquant-alpha: TensorRT-LLM's recipe for per-token activations.
 PER_TOKEN_SMOOTHQUANT_ALPHA = 0.5
+# --auto-quantize-bits default of the FP8 formats: at most 1/16 of the decoder's linear weights stay 16-bit,
+# the ones ModelOpt's auto_quantize scores most sensitive on the calibration text (+6% weight bytes at most).
+# Fixed before it was measured on any held-out text (docs/quantization.md has what it buys).
+FP8_AUTO_QUANTIZE_BITS = 8.5
 
 
 class Quantization(enum.Enum):
@@ -76,7 +80,10 @@ class QuantFormat:
     one); ``smoothquant``: SmoothQuant's options
     (``--per-token``, ``--smoothquant-alpha``) apply and its smoothing folds into the norms.
     ``fp8_rowwise_of``: TensorRT-LLM's other spelling of this format, ``--qformat <fp8_rowwise_of>
-    --use-fp8-rowwise`` (resolved to this entry, :func:`kilnlm.builder.config.resolve`)."""
+    --use-fp8-rowwise`` (resolved to this entry, :func:`kilnlm.builder.config.resolve`).
+    ``auto_quantize_bits``: the ``--auto-quantize-bits`` default of a format that offers the mixed-precision
+    search (:mod:`kilnlm.builder.auto_quantize`; None: not offered, the option is refused); a value above
+    ``weight_bits`` reads calibration text even where the format itself does not."""
 
     name: str
     summary: str  # the CLI's one-line description, e.g. "W4A16 group-wise, AWQ-calibrated"
@@ -100,6 +107,7 @@ class QuantFormat:
     calib_size_reason: str = ""  # why calib_size differs from the usual default (for the CLI's help)
     smoothquant: bool = False
     fp8_rowwise_of: str | None = None
+    auto_quantize_bits: float | None = None
 
     @property
     def bytes_per_weight(self) -> float:
@@ -139,13 +147,14 @@ FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
     QuantFormat("fp8", "E4M3 per-tensor, calibrated", "bfloat16", "float8_e4m3fn", 8, Fp8Linear,
                 quantization=Quantization.FP8_CALIBRATION, scale_granularity=ScaleGranularity.TENSOR, scale_bytes=4,
                 linear_plugin="fp8_linear", modelopt_config="FP8_DEFAULT_CFG", calibrated=True,
-                quantizes_activations=True, lm_head_quantizable=True),
+                quantizes_activations=True, lm_head_quantizable=True, auto_quantize_bits=FP8_AUTO_QUANTIZE_BITS),
     # TensorRT-LLM's --use_fp8_rowwise (quant_algo FP8_PER_CHANNEL_PER_TOKEN): no calibration text, so no
     # static activation scale for SmolLM2's massive activations to break.
     QuantFormat("fp8_rowwise", "E4M3 per-channel weights, per-token dynamic activations", "bfloat16", "float8_e4m3fn",
                 8, Fp8RowwiseLinear, quantization=Quantization.FP8_ROWWISE, scale_granularity=ScaleGranularity.CHANNEL,
                 scale_bytes=4, linear_plugin="fp8_rowwise_linear", modelopt_config="FP8_PER_CHANNEL_PER_TOKEN_CFG",
-                quantizes_activations=True, lm_head_quantizable=True, fp8_rowwise_of="fp8"),
+                quantizes_activations=True, lm_head_quantizable=True, fp8_rowwise_of="fp8",
+                auto_quantize_bits=FP8_AUTO_QUANTIZE_BITS),
     # int4_awq's search runs each sample through every linear once per candidate alpha (11 with ModelOpt's
     # alpha_step 0.1): 16 samples keep a SmolLM2 build to minutes on 2 cores. SmolLM2's perplexity moves by
     # +-1.5 points with the sample count (docs/quantization.md: 8 +13.9%, 16 +10.9%, 24 +12.9%).
@@ -175,5 +184,5 @@ def format_names(predicate=lambda fmt: True) -> tuple[str, ...]:
     return tuple(name for name, fmt in FORMATS.items() if predicate(fmt))
 
 
-__all__ = ["FORMATS", "PER_TOKEN_SMOOTHQUANT_ALPHA", "Quantization", "QuantFormat", "SMOOTHQUANT_ALPHA_GRID",
+__all__ = ["FORMATS", "FP8_AUTO_QUANTIZE_BITS", "PER_TOKEN_SMOOTHQUANT_ALPHA", "Quantization", "QuantFormat", "SMOOTHQUANT_ALPHA_GRID",
            "ScaleGranularity", "format_names", "get_format"]

@@ -81,12 +81,13 @@ def calibrate_fp8(ck: Checkpoint, fmt: QuantFormat, cfg: CalibrationConfig, quan
     return amax
 
 
-def quantize_fp8_rowwise(ck: Checkpoint, fmt: QuantFormat, quantize_lm_head: bool = False
-                         ) -> tuple[dict[str, torch.Tensor], IntQuantization]:
-    """Per-channel FP8 quantization of every decoder linear of the checkpoint (fp8_rowwise), from the float
-    weights alone: ModelOpt's max calibrator with axis 0 records exactly each row's amax, so no model
-    forward and no calibration text are needed. With ``quantize_lm_head`` the LM head too (a tied one from
-    the embedding, which stays float in the network).
+def quantize_fp8_rowwise(ck: Checkpoint, fmt: QuantFormat, quantize_lm_head: bool = False,
+                         float_linears: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], IntQuantization]:
+    """Per-channel FP8 quantization of every decoder linear of the checkpoint (fp8_rowwise) but
+    ``float_linears`` (HF names, left in the state dict), from the float weights alone: ModelOpt's max
+    calibrator with axis 0 records exactly each row's amax, so no model forward and no calibration text
+    are needed. With ``quantize_lm_head`` the LM head too (a tied one from the embedding, which stays
+    float in the network).
 
     Returns (the checkpoint's state dict without the quantized linears' weights and biases, the quantized
     linears by HF module name for :class:`~kilnlm.builder.network.llama.LlamaNetwork`'s ``quant``)."""
@@ -94,7 +95,7 @@ def quantize_fp8_rowwise(ck: Checkpoint, fmt: QuantFormat, quantize_lm_head: boo
     projections = (*QKV_PROJS, O_PROJ, *GATE_UP_PROJS, DOWN_PROJ)
     names = [f"model.layers.{i}.{p}" for i in range(ck.config.num_hidden_layers) for p in projections]
     linears = {name: Fp8RowwiseLinear.quantize(state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None))
-               for name in names if f"{name}.weight" in state}  # a missing one: LlamaNetwork names it
+               for name in names if f"{name}.weight" in state and name not in float_linears}  # a missing one: LlamaNetwork names it
     if quantize_lm_head:
         tied = bool(getattr(ck.config, "tie_word_embeddings", False))
         head = state.get("model.embed_tokens.weight") if tied else state.pop("lm_head.weight", None)

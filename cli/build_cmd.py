@@ -45,6 +45,9 @@ def _formats_help() -> dict[str, str]:
         "alpha_grid": f"{grid[0]}, {grid[1]}, ..., {grid[-1]}",
         "alpha_calibrations": str(len(grid) + 1),
         "per_token_alpha": str(PER_TOKEN_SMOOTHQUANT_ALPHA),
+        "auto_quantize": names(lambda f: f.auto_quantize_bits is not None),
+        "auto_quantize_default": ", ".join(f"{f.auto_quantize_bits:g} for {f.name}" for f in FORMATS.values()
+                                           if f.auto_quantize_bits is not None),
         "fp8_rowwise": " / ".join(f"--qformat {f.fp8_rowwise_of} --use-fp8-rowwise = --qformat {f.name}"
                                   for f in FORMATS.values() if f.fp8_rowwise_of),
     }
@@ -95,7 +98,12 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                         "127, as TensorRT-LLM's --per_token) instead of one calibrated per-tensor scale (default: off)")
     p.add_argument("--use-fp8-rowwise", action="store_true",
                    help=f"TensorRT-LLM's spelling of FP8 rowwise (per-channel weight scales, per-token activation scales "
-                        f"computed at run time, no calibration): {h['fp8_rowwise']} (default: off)")
+                        f"computed at run time): {h['fp8_rowwise']} (default: off)")
+    p.add_argument("--auto-quantize-bits", type=float, default=None, metavar="BITS",
+                   help=f"{h['auto_quantize']}: mean bits per weight of the decoder's linears; ModelOpt's auto_quantize "
+                        "keeps the linears most sensitive on the calibration text in bfloat16 within that budget "
+                        "(8 = every linear quantized, no search; the LM head is not counted, --quantize-lm-head "
+                        f"decides it) (default: {h['auto_quantize_default']})")
     p.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
                    help=f"{h['smoothquant']}: SmoothQuant's migration strength in [0, 1], how much of the activations' "
                         f"range moves into the weights (default: searched over {h['alpha_grid']} for the lowest loss "

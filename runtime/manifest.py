@@ -64,6 +64,9 @@ class BuildConfig:
     max_seq_len: int  # prompt + generated tokens of one sequence
     tokens_per_block: int  # tokens per paged-KV block
     target: str  # a --target name; selects the runtime backend (kilnlm.runtime.backends.ENGINE_BACKENDS)
+    # HF names of the decoder linears left in `dtype` by --auto-quantize-bits (TensorRT-LLM's
+    # quantization.exclude_modules); empty when every linear is in the format
+    exclude_modules: list[str] = field(default_factory=list)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -96,22 +96,29 @@ class LlamaNetwork(nn.Module):
     ``--quantize-lm-head``). ``quant``: linears quantized per linear (int4 / int8 / fp8_rowwise, see
     :class:`IntQuantization`);
     every linear named there is built from it instead of from ``state_dict`` (the LM head too when
-    ``lm_head`` is there; the embedding then stays in ``dtype``)."""
+    ``lm_head`` is there; the embedding then stays in ``dtype``). ``float_linears``: HF names of decoder
+    linears kept in ``dtype`` although the format quantizes the others (``--auto-quantize-bits``); every
+    part of a fused linear or none, and none of them in ``quant``."""
 
     def __init__(self, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 fp8_amax: dict[str, Fp8Amax] | None = None, quant: IntQuantization | None = None):
+                 fp8_amax: dict[str, Fp8Amax] | None = None, quant: IntQuantization | None = None,
+                 float_linears: tuple[str, ...] = ()):
         super().__init__()
         self.cfg = cfg
+        self.float_linears = tuple(sorted(float_linears))
         shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         sd = _WeightReader(state_dict)
 
         def linear(prefix: str, names: tuple[str, ...], bias: bool) -> nn.Module:
             full = [f"{prefix}.{n}" for n in names]
-            if quant is not None and full[0] in quant.linears:
+            kept_float = [n in float_linears for n in full]
+            if any(kept_float) and not all(kept_float):
+                raise BuildError(f"{', '.join(full)} form one fused linear: keep all of them in {dtype} or none")
+            if quant is not None and full[0] in quant.linears and not kept_float[0]:
                 return _quantized_linear([_quantized_of(quant, n) for n in full], quant, dtype)
             weights = [sd.take(f"{n}.weight") for n in full]
             biases = [sd.take(f"{n}.bias") if bias else None for n in full]
-            amax = None if fp8_amax is None else [_amax_of(fp8_amax, n) for n in full]
+            amax = None if fp8_amax is None or kept_float[0] else [_amax_of(fp8_amax, n) for n in full]
             return make_linear(weights, biases, dtype, amax)
 
         layers = []

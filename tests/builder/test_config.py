@@ -89,8 +89,23 @@ def test_use_fp8_rowwise_is_the_same_build_as_qformat_fp8_rowwise():
     assert (rowwise.qformat, rowwise.use_fp8_rowwise, rowwise.dtype) == ("fp8_rowwise", True, "bfloat16")
     assert rowwise.plugins_used() == ["paged_attention", "gemm", "fp8_rowwise_linear"]
     assert resolve(options(qformat="fp8")).use_fp8_rowwise is False
-    # no calibration text, but an 8-bit KV cache still calibrates its scales
-    assert resolve(options(qformat="fp8_rowwise", kv_cache_dtype="fp8", calib_size=8)).calib_size == 8
+    # no calibration text for the format itself, but an 8-bit KV cache still calibrates its scales, and
+    # the mixed-precision search (on by default) scores the linears on it
+    assert resolve(options(qformat="fp8_rowwise", kv_cache_dtype="fp8", calib_size=8, auto_quantize_bits=8)).calib_size == 8
+    assert resolve(options(qformat="fp8_rowwise", calib_size=8)).calib_size == 8
+
+
+@pytest.mark.parametrize("qformat", [f.name for f in FORMATS.values() if f.auto_quantize_bits is not None])
+def test_auto_quantize_bits_default_and_off(qformat):
+    """The formats that offer the mixed-precision search run it by default at their registry budget;
+    ``--auto-quantize-bits`` at the format's own weight bits turns it off; other formats resolve None."""
+    fmt = FORMATS[qformat]
+    on = resolve(options(qformat=qformat))
+    assert (on.auto_quantize_bits, on.searches_precision) == (fmt.auto_quantize_bits, True)
+    off = resolve(options(qformat=qformat, auto_quantize_bits=fmt.weight_bits))
+    assert (off.auto_quantize_bits, off.searches_precision) == (fmt.weight_bits, False)
+    assert resolve(build_options(parse("--qformat", qformat, "--auto-quantize-bits", "9"))).auto_quantize_bits == 9.0
+    assert resolve(options(qformat="int8_wo")).auto_quantize_bits is None
 
 
 @pytest.mark.parametrize("given, fragment", [
@@ -106,9 +121,14 @@ def test_use_fp8_rowwise_is_the_same_build_as_qformat_fp8_rowwise():
     (dict(qformat="int8_sq", per_token=True, smoothquant_alpha=2.0), "--smoothquant-alpha 2.0: it must be within [0, 1]"),
     (dict(qformat="int8_wo", use_fp8_rowwise=True), "--use-fp8-rowwise applies to --qformat fp8, not int8_wo: drop it, "
                                                     "or pick --qformat fp8_rowwise"),
-    (dict(qformat="fp8", use_fp8_rowwise=True, calib_size=8), "--calib-size given but --qformat fp8_rowwise does not "
-                                                              "calibrate"),
-    (dict(qformat="fp8_rowwise", calib_data="x.txt"), "--calib-data given but --qformat fp8_rowwise does not calibrate"),
+    (dict(qformat="fp8", use_fp8_rowwise=True, calib_size=8, auto_quantize_bits=8),
+     "--calib-size given but --qformat fp8_rowwise does not calibrate"),
+    (dict(qformat="fp8_rowwise", calib_data="x.txt", auto_quantize_bits=8.0),
+     "--calib-data given but --qformat fp8_rowwise does not calibrate"),
+    (dict(qformat="int8_wo", auto_quantize_bits=8.5), "--auto-quantize-bits applies to --qformat fp8 / fp8_rowwise, "
+                                                      "not int8_wo: drop it"),
+    (dict(qformat="fp8", auto_quantize_bits=7.5), "--auto-quantize-bits 7.5: it must be within [8, 16] for --qformat fp8"),
+    (dict(qformat="fp8_rowwise", auto_quantize_bits=17), "--auto-quantize-bits 17: it must be within [8, 16]"),
 ])
 def test_resolve_refuses_with_what_to_change(given, fragment):
     with pytest.raises(BuildError) as info:

@@ -23,6 +23,7 @@ from factories import make_engine_inputs, make_tiny_checkpoint
 
 from kilnlm.builder.config import BuildOptions
 from kilnlm.builder.formats import FORMATS, Quantization, format_names
+from kilnlm.builder.network.llama import DOWN_PROJ, GATE_UP_PROJS, O_PROJ, QKV_PROJS
 from kilnlm.cli.main import main
 from kilnlm.plugins import PLUGIN_VERSIONS
 from kilnlm.runtime.abi import kv_cache_shape
@@ -58,7 +59,8 @@ def format_options(qformat: str, **extra) -> dict:
     opts = dict(TINY_LIMITS, qformat=qformat, dtype=fmt.activation_dtype if fmt.fixed_dtype else "float32")
     if fmt.group_wise:
         opts["group_size"] = 32
-    if fmt.calibrated:
+    searches = (extra.get("auto_quantize_bits") or fmt.auto_quantize_bits or 0) > fmt.weight_bits
+    if fmt.calibrated or searches:  # the mixed-precision search reads calibration text too
         opts.update(calib_size=4, calib_max_seq_len=64)
     opts.update(extra)
     return opts
@@ -281,7 +283,7 @@ def test_fp8_quantized_lm_head(tiny_llama_dir, tmp_path):
     from kilnlm.builder.network.layers import Fp8Linear
     from kilnlm.runtime.manifest import read_manifest
 
-    options = dict(TINY_LIMITS, qformat="fp8", calib_size=4, calib_max_seq_len=64)
+    options = dict(TINY_LIMITS, qformat="fp8", calib_size=4, calib_max_seq_len=64, auto_quantize_bits=8)
     network = eager_network(tiny_llama_dir, **options, quantize_lm_head=True)
     assert isinstance(network.lm_head, Fp8Linear) and network.lm_head.weight.shape == (49152, 64)
     assert network.lm_head.weight.dtype == torch.float8_e4m3fn and float(network.lm_head.input_scale) > 0
@@ -305,7 +307,7 @@ def test_fp8_rowwise_scales_are_each_rows_amax(tiny_llama_dir):
     from kilnlm.builder.checkpoint import load_checkpoint
     from kilnlm.builder.network.layers import Fp8RowwiseLinear
 
-    network = eager_network(tiny_llama_dir, **format_options("fp8_rowwise"))
+    network = eager_network(tiny_llama_dir, **format_options("fp8_rowwise", auto_quantize_bits=8))
     state = load_checkpoint(tiny_llama_dir).state_dict
     layer = network.layers[1]
     p = "model.layers.1"
@@ -337,7 +339,8 @@ def test_fp8_rowwise_bfloat16_engine_with_quantized_lm_head(tiny_llama_dir, tiny
     require_kernel("fp8_rowwise")
     engine_dir = tmp_path / "engine"
     status, err = run_build(capsys, "--checkpoint", str(tiny_llama_dir), "--output", str(engine_dir), "--quiet",
-                            "--qformat", "fp8", "--use-fp8-rowwise", "--quantize-lm-head", "--max-seq-len", "256",
+                            "--qformat", "fp8", "--use-fp8-rowwise", "--quantize-lm-head", "--auto-quantize-bits", "8",
+                            "--max-seq-len", "256",
                             "--max-num-tokens", "256", "--max-batch-size", "8", "--tokens-per-block", "16")
     assert status == 0, err
     manifest = read_manifest(engine_dir)
@@ -347,7 +350,8 @@ def test_fp8_rowwise_bfloat16_engine_with_quantized_lm_head(tiny_llama_dir, tiny
         (wrapper,) = [package.read(n).decode() for n in package.namelist() if n.endswith(".wrapper.cpp")]
     assert wrapper.count("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_fp8_rowwise_linear(") == 4 * 2 + 1  # + LM head
     assert "aoti_torch_proxy_executor_call_function(" not in wrapper
-    network = eager_network(tiny_llama_dir, **dict(TINY_LIMITS, qformat="fp8_rowwise", quantize_lm_head=True))
+    network = eager_network(tiny_llama_dir, **dict(TINY_LIMITS, qformat="fp8_rowwise", quantize_lm_head=True,
+                                                   auto_quantize_bits=8))
     assert isinstance(network.lm_head, Fp8RowwiseLinear) and network.lm_head.weight.shape == (49152, 64)
     assert network.embed_tokens.dtype == torch.bfloat16 and network.lm_head_weight is None
     logits = engine_logits(engine_dir)
@@ -495,6 +499,100 @@ def run_build(capsys, *args: str) -> tuple[int, str]:
     return status, capsys.readouterr().err
 
 
+# ---- --auto-quantize-bits: ModelOpt's auto_quantize chooses, on calibration text, which decoder linears of an
+# FP8 engine stay 16-bit (kilnlm.builder.auto_quantize); SmolLM2's quality with the formats' default budgets
+# is measured in tests/builder/test_quality.py.
+FUSED_GROUPS = (QKV_PROJS, (O_PROJ,), GATE_UP_PROJS, (DOWN_PROJ,))
+
+
+def decoder_linears(checkpoint) -> dict[str, int]:
+    """HF name -> weight count of every decoder linear of ``checkpoint``."""
+    from kilnlm.builder.checkpoint import load_checkpoint
+
+    state = load_checkpoint(checkpoint).state_dict
+    return {k.removesuffix(".weight"): v.numel() for k, v in state.items()
+            if k.startswith("model.layers.") and k.endswith("_proj.weight")}
+
+
+def search_float_linears(checkpoint, qformat: str, bits: float) -> tuple[str, ...]:
+    from kilnlm.builder.auto_quantize import search_float_linears as search
+    from kilnlm.builder.checkpoint import load_checkpoint
+    from kilnlm.builder.config import resolve
+
+    opts = resolve(BuildOptions(checkpoint=checkpoint, output=checkpoint / "unused",
+                                **format_options(qformat, auto_quantize_bits=bits)))
+    return search(load_checkpoint(checkpoint), opts.format, opts.calibration, bits)
+
+
+def mean_bits(kept, linears: dict[str, int], weight_bits: int = 8) -> float:
+    return weight_bits + (16 - weight_bits) * sum(linears[n] for n in kept) / sum(linears.values())
+
+
+def test_modelopt_budget_counts_the_lm_head_at_16_bits():
+    from kilnlm.builder.auto_quantize import modelopt_effective_bits
+
+    assert modelopt_effective_bits(8.0, 100, 0) == 8.0
+    assert modelopt_effective_bits(8.5, 300, 100) == (8.5 * 300 + 16 * 100) / 400
+    assert modelopt_effective_bits(16.0, 300, 100) == 16.0
+
+
+@pytest.mark.parametrize("qformat", ["fp8", "fp8_rowwise"])
+def test_search_keeps_whole_fused_linears_within_the_budget(tiny_llama_dir, qformat):
+    """At 10 bits (a quarter of the weights may stay 16-bit) the search keeps some linears, every part of a
+    fused one or none, within the budget, the same ones on a second run; at 16 bits it keeps them all."""
+    linears = decoder_linears(tiny_llama_dir)
+    kept = search_float_linears(tiny_llama_dir, qformat, 10.0)
+    assert kept and mean_bits(kept, linears) <= 10.0, kept
+    assert kept == tuple(sorted(kept)) and set(kept) <= set(linears)
+    for name in kept:
+        layer = ".".join(name.split(".")[:3])  # model.layers.{i}
+        group = next(g for g in FUSED_GROUPS if name.removeprefix(layer + ".") in g)
+        assert {f"{layer}.{p}" for p in group} <= set(kept), f"{name} kept without its fused parts"
+    assert search_float_linears(tiny_llama_dir, qformat, 10.0) == kept
+    assert search_float_linears(tiny_llama_dir, qformat, 16.0) == tuple(sorted(linears))
+
+
+@pytest.mark.parametrize("qformat", ["fp8", "fp8_rowwise"])
+def test_engine_keeps_the_searched_linears_float(tiny_llama_dir, tmp_path, qformat):
+    """The engine built at 10 bits: the searched linears are float linears (kilnlm::gemm) in the network and
+    listed in the manifest's ``exclude_modules``, the rest in the format's op; the engine equals the
+    network on the reference ops."""
+    from kilnlm.builder.build import build_engine
+    from kilnlm.builder.network.layers import Linear
+    from kilnlm.runtime.manifest import read_manifest
+
+    require_kernel(qformat)
+    options = format_options(qformat, auto_quantize_bits=10.0)
+    build_engine(BuildOptions(checkpoint=tiny_llama_dir, output=tmp_path / "engine", **options))
+    manifest = read_manifest(tmp_path / "engine")
+    kept = search_float_linears(tiny_llama_dir, qformat, 10.0)
+    assert manifest.build.exclude_modules == list(kept) and "gemm" in manifest.plugins
+    network = eager_network(tiny_llama_dir, **options)
+    assert network.float_linears == kept
+    modules = dict(network.named_modules())
+    fused = {"q_proj": "attn.qkv", "o_proj": "attn.o_proj", "gate_proj": "mlp.gate_up", "down_proj": "mlp.down"}
+    linear_module = FORMATS[qformat].linear_module
+    for i in range(2):
+        for first, module in fused.items():
+            name = f"model.layers.{i}.{'self_attn' if module.startswith('attn') else 'mlp'}.{first}"
+            expected = Linear if name in kept else linear_module
+            assert type(modules[f"layers.{i}.{module}"]) is expected, name
+    torch.testing.assert_close(engine_logits(tmp_path / "engine"), reference_logits(network, manifest),
+                               atol=REF_ATOL, rtol=0)
+
+
+def test_no_search_at_the_formats_own_bits(tiny_llama_dir, monkeypatch):
+    """``--auto-quantize-bits 8`` on an FP8 format: no search runs and every decoder linear is FP8."""
+    import kilnlm.builder.auto_quantize as auto_quantize
+    from kilnlm.builder.network.layers import Fp8RowwiseLinear
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the search ran at --auto-quantize-bits 8")
+
+    monkeypatch.setattr(auto_quantize, "search_float_linears", fail)
+    network = eager_network(tiny_llama_dir, **format_options("fp8_rowwise", auto_quantize_bits=8))
+    assert network.float_linears == () and sum(isinstance(m, Fp8RowwiseLinear) for m in network.modules()) == 2 * 4
+
 @pytest.mark.parametrize("args, fragments", [
     (["--qformat", "int4_wo", "--group-size", "48"], ["--group-size 48 does not divide", "valid group sizes for this model: 16, 32, 64"]),
     (["--qformat", "int4_wo", "--calib-data", "x.txt"], ["--calib-data given but --qformat int4_wo does not calibrate"]),
@@ -506,8 +604,10 @@ def run_build(capsys, *args: str) -> tuple[int, str]:
     (["--qformat", "int8_sq", "--smoothquant-alpha", "1.5"], ["--smoothquant-alpha 1.5: it must be within [0, 1]"]),
     (["--qformat", "fp8", "--export-checkpoint", "exp"], ["--export-checkpoint writes ModelOpt's unified checkpoint"]),
     (["--qformat", "int8_wo", "--use-fp8-rowwise"], ["--use-fp8-rowwise applies to --qformat fp8, not int8_wo"]),
-    (["--qformat", "fp8", "--use-fp8-rowwise", "--calib-size", "4"],
+    (["--qformat", "fp8", "--use-fp8-rowwise", "--calib-size", "4", "--auto-quantize-bits", "8"],
      ["--calib-size given but --qformat fp8_rowwise does not calibrate"]),
+    (["--qformat", "int8_wo", "--auto-quantize-bits", "9"], ["--auto-quantize-bits applies to --qformat fp8 / fp8_rowwise"]),
+    (["--qformat", "fp8", "--auto-quantize-bits", "4"], ["--auto-quantize-bits 4.0: it must be within [8, 16]"]),
     (["--qformat", "int8_sq", "--calib-data", "missing.txt"], ["--calib-data missing.txt does not exist"]),
 ])
 def test_cli_refusals(tiny_llama_dir, tmp_path, capsys, monkeypatch, args, fragments):

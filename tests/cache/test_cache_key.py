@@ -31,6 +31,7 @@ ENGINE_CHANGES = {
     "quantize_lm_head": ({"qformat": "int4_wo"}, {"qformat": "int4_wo", "quantize_lm_head": True}),
     "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": True}),
     "use_fp8_rowwise": ({"qformat": "fp8"}, {"qformat": "fp8", "use_fp8_rowwise": True}),  # fp8 -> fp8_rowwise
+    "auto_quantize_bits": ({"qformat": "fp8"}, {"qformat": "fp8", "auto_quantize_bits": 8}),
     "smoothquant_alpha": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "smoothquant_alpha": 0.5}),
     "zero_point": ({"qformat": "int4_awq"}, {"qformat": "int4_awq", "zero_point": False}),
     "compile": ({}, {"compile": CompileOptions(inductor_configs={"freezing": False})}),
@@ -85,7 +86,7 @@ def test_options_that_do_not_change_the_engine_keep_the_key(checkpoint, tmp_path
     ]
     assert all(_compute(opts).key == key for opts in same)
     fp8 = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "d", qformat="fp8", **extra)).key
-           for extra in ({}, {"calib_size": 24, "calib_max_seq_len": 256})]
+           for extra in ({}, {"calib_size": 24, "calib_max_seq_len": 256, "auto_quantize_bits": 8.5})]
     assert len(set(fp8)) == 1  # unset options and their defaults
     awq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", qformat="int4_awq", **extra)).key
            for extra in ({}, {"calib_size": 16, "zero_point": True})]
