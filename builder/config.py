@@ -62,7 +62,7 @@ class BuildOptions:
     calib_size: int | None = None  # calibrated formats: samples
     calib_max_seq_len: int | None = None  # calibrated formats: tokens per sample
     quantize_lm_head: bool = False  # quantized formats: the LM head through the same format
-    per_token: bool = False  # SmoothQuant: dynamic per-token activation scales instead of the calibrated per-tensor one
+    per_token: bool | None = None  # SmoothQuant: dynamic per-token activation scales, else one calibrated per tensor (None: the format's)
     use_fp8_rowwise: bool = False  # TensorRT-LLM's spelling of fp8_rowwise: --qformat fp8 --use-fp8-rowwise
     smoothquant_alpha: float | None = None  # SmoothQuant's alpha (None: searched; 0.5 with per_token)
     auto_quantize_bits: float | None = None  # FP8 formats: mean bits per decoder linear weight (None: the format's)
@@ -199,7 +199,7 @@ def check_quant_options(options: BuildOptions, fmt: QuantFormat) -> None:
     if options.zero_point is not None and fmt.zero_point is None:
         raise BuildError(f"--zero-point / --no-zero-point apply to the int4 formats "
                          f"({', '.join(format_names(lambda f: f.zero_point is not None))}), not --qformat {q}: drop it")
-    if (options.per_token or options.smoothquant_alpha is not None) and not fmt.smoothquant:
+    if (options.per_token is not None or options.smoothquant_alpha is not None) and not fmt.smoothquant:
         raise BuildError(f"--per-token / --smoothquant-alpha apply to --qformat "
                          f"{' / '.join(format_names(lambda f: f.smoothquant))}, not {q}: drop them")
     if options.smoothquant_alpha is not None and not 0.0 <= options.smoothquant_alpha <= 1.0:
@@ -238,8 +238,9 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
         if getattr(options, name) < 1:
             raise BuildError(f"--{name.replace('_', '-')} is {getattr(options, name)}: it must be at least 1")
     target = get_target(options.target)
+    per_token = fmt.smoothquant and (options.per_token if options.per_token is not None else fmt.per_token)
     alpha = options.smoothquant_alpha
-    if fmt.smoothquant and options.per_token and alpha is None:
+    if per_token and alpha is None:
         alpha = PER_TOKEN_SMOOTHQUANT_ALPHA
     return ResolvedBuildOptions(
         checkpoint=Path(options.checkpoint), output=Path(options.output), qformat=fmt.name, dtype=dtype,
@@ -251,7 +252,7 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
         calib_size=options.calib_size if options.calib_size is not None else fmt.calib_size,
         calib_max_seq_len=(options.calib_max_seq_len if options.calib_max_seq_len is not None
                            else DEFAULT_CALIB_MAX_SEQ_LEN),
-        quantize_lm_head=options.quantize_lm_head, per_token=options.per_token,
+        quantize_lm_head=options.quantize_lm_head, per_token=per_token,
         use_fp8_rowwise=fmt.fp8_rowwise_of is not None, smoothquant_alpha=alpha,
         auto_quantize_bits=options.auto_quantize_bits if options.auto_quantize_bits is not None else fmt.auto_quantize_bits,
         export_checkpoint=None if options.export_checkpoint is None else Path(options.export_checkpoint),

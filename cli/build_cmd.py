@@ -45,6 +45,8 @@ def _formats_help() -> dict[str, str]:
         "alpha_grid": f"{grid[0]}, {grid[1]}, ..., {grid[-1]}",
         "alpha_calibrations": str(len(grid) + 1),
         "per_token_alpha": str(PER_TOKEN_SMOOTHQUANT_ALPHA),
+        "per_token_default": ", ".join(f"{'on' if f.per_token else 'off'} for {f.name}" for f in FORMATS.values()
+                                       if f.smoothquant),
         "auto_quantize": names(lambda f: f.auto_quantize_bits is not None),
         "auto_quantize_default": ", ".join(f"{f.auto_quantize_bits:g} for {f.name}" for f in FORMATS.values()
                                            if f.auto_quantize_bits is not None),
@@ -93,9 +95,10 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                         "over the group's [min, max] (AWQ's own quantizer, Lin et al. 2023) instead of symmetric "
                         f"[-amax, amax] (default: {h['zero_point_default']}, TensorRT-LLM's round-to-nearest; "
                         "--no-zero-point keeps ModelOpt's symmetric W4A16_AWQ checkpoint exactly)")
-    p.add_argument("--per-token", action="store_true",
+    p.add_argument("--per-token", action=argparse.BooleanOptionalAction, default=None,
                    help=f"{h['smoothquant']}: quantize activations with dynamic per-token scales (each token's amax / "
-                        "127, as TensorRT-LLM's --per_token) instead of one calibrated per-tensor scale (default: off)")
+                        "127, as TensorRT-LLM's --per_token); --no-per-token: one per-tensor scale calibrated on the "
+                        f"text (default: {h['per_token_default']})")
     p.add_argument("--use-fp8-rowwise", action="store_true",
                    help=f"TensorRT-LLM's spelling of FP8 rowwise (per-channel weight scales, per-token activation scales "
                         f"computed at run time): {h['fp8_rowwise']} (default: off)")
@@ -106,9 +109,9 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                         f"decides it) (default: {h['auto_quantize_default']})")
     p.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
                    help=f"{h['smoothquant']}: SmoothQuant's migration strength in [0, 1], how much of the activations' "
-                        f"range moves into the weights (default: searched over {h['alpha_grid']} for the lowest loss "
-                        f"on held-out windows of the calibration text, {h['alpha_calibrations']} calibrations; "
-                        f"{h['per_token_alpha']} with --per-token, TensorRT-LLM's recipe)")
+                        f"range moves into the weights (default: {h['per_token_alpha']} with per-token scales, "
+                        f"TensorRT-LLM's recipe; with --no-per-token searched over {h['alpha_grid']} for the lowest "
+                        f"loss on held-out windows of the calibration text, {h['alpha_calibrations']} calibrations)")
     p.add_argument("--export-checkpoint", type=Path, default=None, metavar="DIR",
                    help="integer formats: also write the quantized checkpoint in ModelOpt's unified Hugging Face "
                         "format (config.json with quantization_config, hf_quant_config.json, safetensors with "

@@ -22,7 +22,7 @@ Also the cold start: seconds from launching a fresh Python process to its first 
 already built engine (load + verify + first forward).
 
 Quantized engines (fp8, fp8_rowwise, int8_wo, int8_sq, int4_wo, int4_awq; ``int4_awq+lm_head`` etc. build with
-``--quantize-lm-head``) run bf16 activations, so they are compared
+``--quantize-lm-head``, ``fp8:auto_quantize_bits=8`` etc. with the options given) run bf16 activations, so they are compared
 against transformers at bf16, and their batch-1 decode also against the kilnlm bf16 engine ("x bf16"). The
 machine's memory bandwidth is measured first (the best of several passes summing a 1 GiB tensor with all
 threads: the rate at which weights can possibly stream from DRAM); "% BW" is the weight GB/s a format's
@@ -57,11 +57,27 @@ INT4_GROUP_SIZE = 64  # group-wise formats: SmolLM2's hidden size 576 is not a m
 
 
 LM_HEAD_SUFFIX = "+lm_head"  # a format spec "int4_awq+lm_head" builds with --quantize-lm-head
+OPTIONS_SEP = ":"  # a format spec "fp8_rowwise:auto_quantize_bits=8" builds with --auto-quantize-bits 8
 
 
-def split_spec(spec: str) -> tuple[str, bool]:
-    """``"int4_awq+lm_head"`` -> ``("int4_awq", True)``: the qformat and whether the LM head is quantized."""
-    return spec.removesuffix(LM_HEAD_SUFFIX), spec.endswith(LM_HEAD_SUFFIX)
+def split_spec(spec: str) -> tuple[str, dict]:
+    """A ``--formats`` entry -> (qformat, further build options): ``"int4_awq+lm_head"`` -> ``("int4_awq",
+    {"quantize_lm_head": True})``; ``"int8_sq:per_token=false,smoothquant_alpha=0.8"`` -> ``("int8_sq",
+    {"per_token": False, "smoothquant_alpha": 0.8})`` (any :class:`~kilnlm.builder.config.BuildOptions`
+    field; true / false, numbers, else the string)."""
+    spec, _, given = spec.partition(OPTIONS_SEP)
+    options = {"quantize_lm_head": True} if spec.endswith(LM_HEAD_SUFFIX) else {}
+    for item in filter(None, given.split(",")):
+        key, _, value = item.partition("=")
+        lowered = value.lower()
+        if lowered in ("true", "false"):
+            options[key] = lowered == "true"
+        else:
+            try:
+                options[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+            except ValueError:
+                options[key] = value
+    return spec.removesuffix(LM_HEAD_SUFFIX), options
 
 
 def hf_dtype(spec: str) -> torch.dtype:
@@ -94,14 +110,13 @@ def prepare_engine(work_dir: Path, hf_dir: Path, spec: str) -> Path:
     from kilnlm.builder.config import BuildOptions
     from kilnlm.builder.formats import FORMATS
 
-    qformat, quantize_lm_head = split_spec(spec)
-    engine_dir = work_dir / f"engine-{spec.replace('+', '-')}"
+    qformat, options = split_spec(spec)
+    engine_dir = work_dir / ("engine-" + "".join(c if c.isalnum() or c in "._" else "-" for c in spec))
     if not (engine_dir / "manifest.json").exists():
         t0 = time.perf_counter()
         extra = {"group_size": INT4_GROUP_SIZE} if FORMATS[qformat].group_wise else {}
         build_engine(BuildOptions(checkpoint=hf_dir, output=engine_dir, qformat=qformat, max_batch_size=32,
-                                  max_seq_len=512, max_num_tokens=2048, overwrite=True,
-                                  quantize_lm_head=quantize_lm_head, **extra))
+                                  max_seq_len=512, max_num_tokens=2048, overwrite=True, **extra | options))
         print(f"[bench] built {spec} engine in {time.perf_counter() - t0:.1f} s", flush=True)
     return engine_dir
 
@@ -127,21 +142,24 @@ def linear_bytes(qformat: str, out_features: int, in_features: int) -> float:
 
 
 def decode_weight_bytes(manifest, spec: str) -> int:
-    """Bytes of weights one decode step reads: every linear layer (packed weights + their scales), the norms
-    and the LM head (16-bit for every format but fp32 unless ``+lm_head``; the embedding row gather is
-    negligible)."""
-    qformat, quantize_lm_head = split_spec(spec)
+    """Bytes of weights one decode step reads: every linear layer (packed weights + their scales; 16-bit for
+    the linears ``--auto-quantize-bits`` kept, the manifest's ``exclude_modules``), the norms and the LM
+    head (16-bit for every format but fp32 unless ``+lm_head``; the embedding row gather is negligible)."""
+    qformat, options = split_spec(spec)
+    quantize_lm_head = options.get("quantize_lm_head", False)
     m = manifest.model
     float_bytes = torch.empty((), dtype=getattr(torch, manifest.build.dtype)).element_size()  # norms, 16-bit LM head
     q_out = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-    # (out_features, in_features) of qkv, o, gate/up, down
-    shapes = [(q_out, m.hidden_size), (m.hidden_size, m.num_heads * m.head_dim),
-              (2 * m.intermediate_size, m.hidden_size), (m.hidden_size, m.intermediate_size)]
-    per_layer = sum(linear_bytes(qformat, o, i) for o, i in shapes)
+    # the first HF part of qkv, o, gate/up, down -> their fused (out_features, in_features)
+    shapes = {"self_attn.q_proj": (q_out, m.hidden_size), "self_attn.o_proj": (m.hidden_size, m.num_heads * m.head_dim),
+              "mlp.gate_proj": (2 * m.intermediate_size, m.hidden_size), "mlp.down_proj": (m.hidden_size, m.intermediate_size)}
+    kept = set(manifest.build.exclude_modules)
+    linears = sum(o * i * float_bytes if f"model.layers.{layer}.{name}" in kept else linear_bytes(qformat, o, i)
+                  for layer in range(m.num_layers) for name, (o, i) in shapes.items())
     norms = (2 * m.num_layers + 1) * m.hidden_size * float_bytes
     lm_head = (linear_bytes(qformat, m.vocab_size, m.hidden_size) if quantize_lm_head
                else m.vocab_size * m.hidden_size * float_bytes)
-    return int(m.num_layers * per_layer) + norms + lm_head
+    return int(linears) + norms + lm_head
 
 
 def measure_read_bandwidth_gbs(num_bytes: int = 1 << 30, num_passes: int = 7) -> float:
@@ -277,7 +295,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default=DEFAULT_FORMATS,
                         help=f"engine qformats to run; QFORMAT{LM_HEAD_SUFFIX} also quantizes the LM head "
-                             f"(--quantize-lm-head) (default: {DEFAULT_FORMATS})")
+                             f"(--quantize-lm-head), QFORMAT{OPTIONS_SEP}FIELD=VALUE,... sets other build options "
+                             f"(e.g. int8_sq{OPTIONS_SEP}per_token=false) (default: {DEFAULT_FORMATS})")
     parser.add_argument("--work-dir", type=Path, default=Path(".work/bench"), help="where engines are built and kept (default: .work/bench)")
     parser.add_argument("--num-requests", type=int, default=32, help="requests in scenario (b) (default: 32)")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(128, 256), metavar=("A", "B"),
@@ -310,7 +329,8 @@ def main() -> int:
     unknown = [f for f in formats if split_spec(f)[0] not in FORMATS]
     if unknown:
         parser.error(f"--formats {','.join(unknown)}: this kilnlm builds {', '.join(FORMATS)} "
-                     f"(append {LM_HEAD_SUFFIX} to a weight-only format to quantize the LM head too)")
+                     f"(append {LM_HEAD_SUFFIX} to quantize the LM head too, {OPTIONS_SEP}FIELD=VALUE,... for "
+                     "other build options)")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     bandwidth_gbs = measure_read_bandwidth_gbs()
     print(f"[bench] measured memory read bandwidth: {bandwidth_gbs:.1f} GB/s", flush=True)

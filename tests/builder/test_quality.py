@@ -143,16 +143,15 @@ def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_
 # within its own limit, and fails beyond it; a pair that meets its bound passes, whichever ISA's kernels ran (the
 # engines' perplexity moves by ~0.5% between AVX-512 and AVX2 kernels).
 KNOWN_MISSES: dict[tuple[str, str], tuple[float, str]] = {
-    # FP8 itself on this 135M model: ModelOpt's own fake-quant simulation of each recipe (fp32 activations, the
-    # same windows) misses +3% on Apache-2.0 too (docs/quantization.md, "What limits quality").
-    ("fp8", "Apache-2.0"): (1.075, "+5.75% on an AMD Zen 4 (AVX-512 kernels); ModelOpt's simulation +5.3%"),
-    ("fp8", "MPL-2.0"): (1.05, "+3.63% on an AMD Zen 4; ModelOpt's simulation +2.9%"),
-    ("fp8_rowwise", "Apache-2.0"): (1.05, "+3.68% on an AMD Zen 4; ModelOpt's simulation +3.6%"),
-    ("fp8_rowwise", "vim usr_02"): (1.05, "+3.14% on an AMD Zen 4; ModelOpt's simulation +2.95%"),
-    # int8_sq's one static per-tensor activation scale per linear, calibrated on text unlike these (its
-    # --per-token variant, dynamic scales, stays within +2.3% on every text).
-    ("int8_sq", "Apache-2.0"): (1.13, "+10.13% on an AMD Zen 4 (alpha 0.9 searched on the calibration text)"),
-    ("int8_sq", "vim usr_02"): (1.08, "+6.11% on an AMD Zen 4"),
+    # Per-tensor FP8 on this 135M model, with the default mixed-precision search (--auto-quantize-bits 8.5): one
+    # static activation scale per linear, set by SmolLM2's massive activations on the calibration text, flushes
+    # a text's smaller activations towards E4M3's subnormals (only ~100 of them clip in 512 tokens). ModelOpt's
+    # simulation of the same recipe misses Apache-2.0 too (+4.8%) and is within +3% on the other two by less
+    # than the engine's bfloat16 activations cost (docs/quantization.md, "What limits quality"). fp8_rowwise,
+    # TensorRT-LLM's answer to it, meets +3% on every text.
+    ("fp8", "Apache-2.0"): (1.055, "+3.97% on an AMD Zen 4 (AVX-512 kernels); ModelOpt's simulation +4.82%"),
+    ("fp8", "MPL-2.0"): (1.05, "+3.26% on an AMD Zen 4; ModelOpt's simulation +2.77%"),
+    ("fp8", "vim usr_02"): (1.05, "+3.27% on an AMD Zen 4; ModelOpt's simulation +2.75%"),
     # int4 on a 135M model: kilnlm's zero-point rounding of ModelOpt's awq_lite simulated in fp32 gives +20.6%
     # on Apache-2.0 and +12.3% on MPL-2.0, ModelOpt's own symmetric W4A16_AWQ +41.2% / +21.9%, and no
     # ModelOpt AWQ variant had a lower loss on the calibration text's validation windows.
@@ -165,14 +164,6 @@ KNOWN_MISSES: dict[tuple[str, str], tuple[float, str]] = {
 @pytest.mark.parametrize("qformat", FORMAT_BOUNDS)
 def test_format_perplexity_within_bound(perplexity, qformat, text):
     assert_within({text: perplexity(qformat)[text]}, perplexity("fp32"), FORMAT_BOUNDS[qformat], qformat)
-
-
-def test_int8_sq_per_token_within_the_int8_sq_bound(perplexity):
-    """int8_sq with TensorRT-LLM's recipe for outlier-heavy models (``--per-token --smoothquant-alpha 0.5``:
-    dynamic per-token activation scales, half the activations' range migrated into the weights) meets
-    int8_sq's bound too."""
-    assert_within(perplexity("int8_sq", per_token=True, smoothquant_alpha=0.5), perplexity("fp32"),
-                  FORMAT_BOUNDS["int8_sq"], "int8_sq --per-token --smoothquant-alpha 0.5")
 
 
 def test_int8_sq_quantized_lm_head_within_the_int8_sq_bound(perplexity):
