@@ -17,10 +17,9 @@ int8_wo      bfloat16     int8, 1 B    int8_linear         INT8_WEIGHT_ONLY_CFG 
 int8_sq      bfloat16     int8, 1 B    int8_sq_linear      INT8_SMOOTHQUANT_CFG            yes
 ===========  ===========  ===========  ==================  ==============================  ==========
 
-fp8 and fp8_rowwise keep the decoder linears most sensitive on the calibration text in bfloat16 by default
-(the search reads calibration text: "search" above)
-(``auto_quantize_bits``, :mod:`kilnlm.builder.auto_quantize`); int8_sq quantizes activations per token by
-default (``per_token``).
+By default fp8 and fp8_rowwise keep the decoder linears most sensitive on the calibration text in bfloat16
+(``auto_quantize_bits``, :mod:`kilnlm.builder.auto_quantize`: the search is all the calibration text
+fp8_rowwise reads), and int8_sq quantizes activations per token (``per_token``).
 
 The build turns a checkpoint into the network by the entry's :class:`Quantization` method: the float
 weights as they are, FP8 amax calibration or FP8 rowwise quantization of the weights alone
