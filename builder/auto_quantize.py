@@ -17,8 +17,11 @@ quantizes it outside the search), so the budget is converted (:func:`modelopt_ef
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import time
+import warnings
 
 import torch
 
@@ -38,6 +41,20 @@ def modelopt_effective_bits(bits: float, searched_weights: int, fixed_float_weig
     """ModelOpt's ``effective_bits`` constraint for a budget of ``bits`` per weight over ``searched_weights``
     decoder-linear weights, when ``fixed_float_weights`` more (the LM head) stay 16-bit outside the search."""
     return (bits * searched_weights + FLOAT_BITS * fixed_float_weights) / (searched_weights + fixed_float_weights)
+
+
+@contextlib.contextmanager
+def _quiet_unless(show: bool):
+    """ModelOpt's search prints unconditionally (tqdm bars for every pass, the quantizers it inserts, warnings
+    about its own settings): without ``show`` (a ``--quiet`` build) its output is dropped; an exception still
+    propagates."""
+    if show:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def search_float_linears(ck: Checkpoint, fmt: QuantFormat, calibration: CalibrationConfig, bits: float) -> tuple[str, ...]:
@@ -64,11 +81,12 @@ def search_float_linears(ck: Checkpoint, fmt: QuantFormat, calibration: Calibrat
              len(batches), batches[0].shape[1], calibration.describe(), bits)
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    model, _ = mtq.auto_quantize(
-        model, constraints={"effective_bits": target}, quantization_formats=[getattr(mtq, fmt.modelopt_config)],
-        data_loader=loader, forward_step=lambda m, ids: m(ids, labels=ids), loss_func=lambda out, ids: out.loss,
-        disabled_layers=[f"*{name}*" for name in linears if name not in searched],
-        num_calib_steps=len(loader), num_score_steps=len(loader), method="gradient")
+    with _quiet_unless(log.isEnabledFor(logging.INFO)):
+        model, _ = mtq.auto_quantize(
+            model, constraints={"effective_bits": target}, quantization_formats=[getattr(mtq, fmt.modelopt_config)],
+            data_loader=loader, forward_step=lambda m, ids: m(ids, labels=ids), loss_func=lambda out, ids: out.loss,
+            disabled_layers=[f"*{name}*" for name in linears if name not in searched],
+            num_calib_steps=len(loader), num_score_steps=len(loader), method="gradient")
     kept = tuple(sorted(name for name, m in model.named_modules()
                         if name in searched and not m.weight_quantizer.is_enabled))
     kept_bits = fmt.weight_bits + (FLOAT_BITS - fmt.weight_bits) * sum(searched[n] for n in kept) / sum(searched.values())
