@@ -154,8 +154,8 @@ FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
                 quantization=Quantization.FP8_CALIBRATION, scale_granularity=ScaleGranularity.TENSOR, scale_bytes=4,
                 linear_plugin="fp8_linear", modelopt_config="FP8_DEFAULT_CFG", calibrated=True,
                 quantizes_activations=True, lm_head_quantizable=True, auto_quantize_bits=FP8_AUTO_QUANTIZE_BITS),
-    # TensorRT-LLM's --use_fp8_rowwise (quant_algo FP8_PER_CHANNEL_PER_TOKEN): no calibration text, so no
-    # static activation scale for SmolLM2's massive activations to break.
+    # TensorRT-LLM's --use_fp8_rowwise (quant_algo FP8_PER_CHANNEL_PER_TOKEN): activation scales computed per
+    # token at run time, so no static scale for SmolLM2's massive activations to break.
     QuantFormat("fp8_rowwise", "E4M3 per-channel weights, per-token dynamic activations", "bfloat16", "float8_e4m3fn",
                 8, Fp8RowwiseLinear, quantization=Quantization.FP8_ROWWISE, scale_granularity=ScaleGranularity.CHANNEL,
                 scale_bytes=4, linear_plugin="fp8_rowwise_linear", modelopt_config="FP8_PER_CHANNEL_PER_TOKEN_CFG",
