@@ -63,10 +63,11 @@ def test_resolve_applies_each_default_once():
     awq = resolve(options(qformat="int4_awq"))
     assert (awq.dtype, awq.zero_point, awq.calib_size, awq.group_size) == ("bfloat16", True, 16, None)
     assert resolve(options(qformat="int4_wo")).zero_point is False
-    sq = resolve(options(qformat="int8_sq"))  # per-token scales by default, TensorRT-LLM's alpha for them
-    assert (sq.per_token, sq.smoothquant_alpha) == (True, PER_TOKEN_SMOOTHQUANT_ALPHA) and FORMATS["int8_sq"].per_token
-    per_tensor = resolve(build_options(parse("--qformat", "int8_sq", "--no-per-token")))
-    assert (per_tensor.per_token, per_tensor.smoothquant_alpha) == (False, None)  # searched
+    sq = resolve(options(qformat="int8_sq"))  # one calibrated scale per tensor by default, alpha searched
+    assert (sq.per_token, sq.smoothquant_alpha) == (False, None) and not FORMATS["int8_sq"].per_token
+    per_token = resolve(build_options(parse("--qformat", "int8_sq", "--per-token")))
+    assert (per_token.per_token, per_token.smoothquant_alpha) == (True, PER_TOKEN_SMOOTHQUANT_ALPHA)
+    assert resolve(build_options(parse("--qformat", "int8_sq", "--no-per-token"))) == sq
     assert resolve(options(qformat="int8_wo")).per_token is False
     assert resolve(options(kv_cache_dtype="fp8")).kv_cache_dtype == "fp8"
 
@@ -100,11 +101,15 @@ def test_use_fp8_rowwise_is_the_same_build_as_qformat_fp8_rowwise():
 
 @pytest.mark.parametrize("qformat", [f.name for f in FORMATS.values() if f.auto_quantize_bits is not None])
 def test_auto_quantize_bits_default_and_off(qformat):
-    """The formats that offer the mixed-precision search run it by default at their registry budget;
-    ``--auto-quantize-bits`` at the format's own weight bits turns it off; other formats resolve None."""
+    """The formats that offer the mixed-precision search resolve their registry budget by default (a search
+    where it exceeds the format's weight bits: fp8_rowwise's, not fp8's); ``--auto-quantize-bits`` at the
+    format's own weight bits turns it off, above them on; other formats resolve None."""
     fmt = FORMATS[qformat]
-    on = resolve(options(qformat=qformat))
-    assert (on.auto_quantize_bits, on.searches_precision) == (fmt.auto_quantize_bits, True)
+    default = resolve(options(qformat=qformat))
+    assert (default.auto_quantize_bits, default.searches_precision) == (fmt.auto_quantize_bits,
+                                                                        fmt.auto_quantize_bits > fmt.weight_bits)
+    assert resolve(options(qformat="fp8_rowwise")).searches_precision and not resolve(options(qformat="fp8")).searches_precision
+    assert resolve(options(qformat=qformat, auto_quantize_bits=9)).searches_precision
     off = resolve(options(qformat=qformat, auto_quantize_bits=fmt.weight_bits))
     assert (off.auto_quantize_bits, off.searches_precision) == (fmt.weight_bits, False)
     assert resolve(build_options(parse("--qformat", qformat, "--auto-quantize-bits", "9"))).auto_quantize_bits == 9.0

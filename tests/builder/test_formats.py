@@ -182,8 +182,8 @@ def test_engine_stays_close_to_the_fp32_engine(int_engine, tiny_engine_dir, qfor
 
 @pytest.mark.parametrize("per_token", [True, False])
 def test_int8_sq_engine_matches_the_network_on_reference_ops(tiny_llama_dir, tiny_engine_dir, tmp_path, per_token):
-    """int8_sq with per-token activation scales (the default, alpha 0.5) and ``--no-per-token`` (one
-    calibrated scale per tensor, alpha searched): every int8_sq_linear call of the engine carries the
+    """int8_sq with one calibrated scale per activation tensor (the default, alpha searched) and with
+    ``--per-token`` (dynamic per-token scales, alpha 0.5): every int8_sq_linear call of the engine carries the
     choice (the engine equals the eager network on the reference), and it stays within int8_sq's error
     bound of the fp32 engine."""
     from kilnlm.builder.build import build_engine
@@ -365,14 +365,14 @@ def test_int8_sq_quantized_lm_head(tiny_llama_dir, tiny_engine_dir, tmp_path):
     """int8_sq --quantize-lm-head: the (tied) LM head is a W8A8 int8_sq_linear with its own calibrated
     input scale, SmoothQuant's smoothing of its input folded into the final norm (no pre_quant_scale left);
     the engine needs no kilnlm::gemm, equals the eager network on the reference ops and stays within
-    int8_sq's error bound of the fp32 engine. Per-token scales (the default) reach the head too."""
+    int8_sq's error bound of the fp32 engine. With --per-token the head takes per-token scales too."""
     from kilnlm.builder.build import build_engine
     from kilnlm.builder.checkpoint import load_checkpoint
     from kilnlm.builder.network.layers import Int8SqLinear
     from kilnlm.runtime.manifest import read_manifest
 
     require_kernel("int8_sq")
-    options = format_options("int8_sq", quantize_lm_head=True, per_token=False)
+    options = format_options("int8_sq", quantize_lm_head=True)
     network = eager_network(tiny_llama_dir, **options)
     head = network.lm_head
     assert isinstance(head, Int8SqLinear) and head.weight.shape == (49152, 64) and head.weight.dtype == torch.int8
@@ -390,7 +390,7 @@ def test_int8_sq_quantized_lm_head(tiny_llama_dir, tiny_engine_dir, tmp_path):
     fp32 = engine_logits(tiny_engine_dir)
     assert float(((logits - fp32).norm(dim=-1) / fp32.norm(dim=-1)).max()) < FP32_REL_ERR["int8_sq"]
 
-    per_token = eager_network(tiny_llama_dir, **options | dict(per_token=None))
+    per_token = eager_network(tiny_llama_dir, **options | dict(per_token=True))
     assert isinstance(per_token.lm_head, Int8SqLinear) and per_token.lm_head.per_token
 
 

@@ -29,9 +29,9 @@ ENGINE_CHANGES = {
     "calib_size": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_size": 8}),
     "calib_max_seq_len": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_max_seq_len": 64}),
     "quantize_lm_head": ({"qformat": "int4_wo"}, {"qformat": "int4_wo", "quantize_lm_head": True}),
-    "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": False}),
+    "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": True}),
     "use_fp8_rowwise": ({"qformat": "fp8"}, {"qformat": "fp8", "use_fp8_rowwise": True}),  # fp8 -> fp8_rowwise
-    "auto_quantize_bits": ({"qformat": "fp8"}, {"qformat": "fp8", "auto_quantize_bits": 8}),
+    "auto_quantize_bits": ({"qformat": "fp8_rowwise"}, {"qformat": "fp8_rowwise", "auto_quantize_bits": 8}),
     "smoothquant_alpha": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "smoothquant_alpha": 0.6}),
     "zero_point": ({"qformat": "int4_awq"}, {"qformat": "int4_awq", "zero_point": False}),
     "compile": ({}, {"compile": CompileOptions(inductor_configs={"freezing": False})}),
@@ -86,14 +86,16 @@ def test_options_that_do_not_change_the_engine_keep_the_key(checkpoint, tmp_path
     ]
     assert all(_compute(opts).key == key for opts in same)
     fp8 = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "d", qformat="fp8", **extra)).key
-           for extra in ({}, {"calib_size": 24, "calib_max_seq_len": 256, "auto_quantize_bits": 8.5})]
+           for extra in ({}, {"calib_size": 24, "calib_max_seq_len": 256, "auto_quantize_bits": 8})]
     assert len(set(fp8)) == 1  # unset options and their defaults
     awq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", qformat="int4_awq", **extra)).key
            for extra in ({}, {"calib_size": 16, "zero_point": True})]
     assert len(set(awq)) == 1  # the format's own defaults
-    sq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq", **extra)).key
-          for extra in ({}, {"per_token": True}, {"per_token": True, "smoothquant_alpha": 0.5})]
-    assert len(set(sq)) == 1  # int8_sq's per-token default and its alpha
+    sq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq", per_token=True, **extra)).key
+          for extra in ({}, {"smoothquant_alpha": 0.5})]
+    assert len(set(sq)) == 1  # --per-token's alpha
+    assert _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq", per_token=False)).key \
+        == _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq")).key  # the default
     rowwise = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "g", **spelling)).key
                for spelling in ({"qformat": "fp8_rowwise"}, {"qformat": "fp8", "use_fp8_rowwise": True},
                                 {"qformat": "fp8_rowwise", "use_fp8_rowwise": True})]
