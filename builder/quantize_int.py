@@ -9,19 +9,19 @@ int4_awq   ``INT4_AWQ_CFG`` (awq_lite), block size =         activation-aware sc
            ``--group-size`` along the input dimension        (Lin et al., AWQ, 2023)
 int4_wo    ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``, same blocks   none: round-to-nearest, scale = amax / 7
 int8_wo    ``INT8_WEIGHT_ONLY_CFG`` (per output channel)     none: round-to-nearest, scale = amax / 127
-int8_sq    ``INT8_SMOOTHQUANT_CFG`` (per-channel weights;    SmoothQuant (Xiao et al., 2023): smoothing
-           kilnlm's op quantizes the activations per token   factors and activation amax on the text;
-           at run time, or per tensor with --no-per-token)   alpha 0.5, or searched (below)
+int8_sq    ``INT8_SMOOTHQUANT_CFG`` (per-channel weights,    SmoothQuant (Xiao et al., 2023): smoothing
+           per-tensor activations; with --per-token kilnlm's factors and activation amax on the text;
+           op quantizes them per token at run time)          alpha searched (below), or 0.5
 =========  ===============================================  ==========================================
 
 SmoothQuant's migration strength alpha decides how much of the activations' range moves into the weights;
 its paper tunes it per model (0.5 for most, up to 0.8-0.85 for GLM / Llama-class models with stronger
-activation outliers). Without ``--smoothquant-alpha``, a per-tensor int8_sq build (``--no-per-token``) tries each alpha of
+activation outliers). Without ``--smoothquant-alpha``, a per-tensor int8_sq build tries each alpha of
 :data:`~kilnlm.builder.formats.SMOOTHQUANT_ALPHA_GRID` and keeps the quantized model with the lowest next-token loss on validation
 windows of the calibration text (disjoint from the calibration windows; never the evaluation text). The
 calibration windows themselves would favour the alpha whose activation ranges fit them best: on SmolLM2
-they ranked 0.9 above 0.8, against held-out text (docs/quantization.md). With per-token scales (int8_sq's
-default) it is :data:`~kilnlm.builder.formats.PER_TOKEN_SMOOTHQUANT_ALPHA`, TensorRT-LLM's documented recipe
+they ranked 0.9 above 0.8, against held-out text (docs/quantization.md). With ``--per-token`` it is
+:data:`~kilnlm.builder.formats.PER_TOKEN_SMOOTHQUANT_ALPHA`, TensorRT-LLM's documented recipe
 (``--smoothquant 0.5 --per_token``).
 
 Symmetric integers: int4 in [-8, 7] with ``scale = amax / 7`` per group, int8 in [-128, 127] with
