@@ -135,7 +135,7 @@ class ResolvedBuildOptions:
     @property
     def searches_precision(self) -> bool:
         """Whether the build runs the mixed-precision search (:mod:`kilnlm.builder.auto_quantize`)."""
-        return self.auto_quantize_bits is not None and self.auto_quantize_bits > self.format.weight_bits
+        return self.format.searches_precision(self.auto_quantize_bits)
 
     def plugins_used(self, float_linears: bool = False) -> list[str]:
         """The plugin ops the engine calls: paged attention, ``gemm`` for the float linears and a 16-bit LM
@@ -180,7 +180,7 @@ def check_quant_options(options: BuildOptions, fmt: QuantFormat) -> None:
     if bits is not None and not fmt.weight_bits <= bits <= MAX_AUTO_QUANTIZE_BITS:
         raise BuildError(f"--auto-quantize-bits {bits}: it must be within [{fmt.weight_bits}, {MAX_AUTO_QUANTIZE_BITS}] "
                          f"for --qformat {q} ({fmt.weight_bits}: every linear in {q}, no search)")
-    searches = (bits if bits is not None else fmt.auto_quantize_bits or 0) > fmt.weight_bits
+    searches = fmt.searches_precision(resolve_auto_quantize_bits(options, fmt))
     if calib_given and not fmt.calibrated and not searches and options.kv_cache_dtype == "auto":
         raise BuildError(f"{', '.join(calib_given)} given but --qformat {q} does not calibrate: drop them, or pick a "
                          f"calibrated format ({', '.join(format_names(lambda f: f.calibrated))}), a mixed-precision "
@@ -209,6 +209,11 @@ def check_quant_options(options: BuildOptions, fmt: QuantFormat) -> None:
         raise BuildError(f"--export-checkpoint writes ModelOpt's unified checkpoint for "
                          f"{', '.join(format_names(lambda f: f.exports_checkpoint))}, not --qformat {q}: drop it or "
                          "pick one of those")
+
+
+def resolve_auto_quantize_bits(options: BuildOptions, fmt: QuantFormat) -> float | None:
+    """``--auto-quantize-bits``, else the format's default (None where the format offers no search)."""
+    return options.auto_quantize_bits if options.auto_quantize_bits is not None else fmt.auto_quantize_bits
 
 
 def resolve_format(options: BuildOptions) -> QuantFormat:
@@ -254,11 +259,11 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
                            else DEFAULT_CALIB_MAX_SEQ_LEN),
         quantize_lm_head=options.quantize_lm_head, per_token=per_token,
         use_fp8_rowwise=fmt.fp8_rowwise_of is not None, smoothquant_alpha=alpha,
-        auto_quantize_bits=options.auto_quantize_bits if options.auto_quantize_bits is not None else fmt.auto_quantize_bits,
+        auto_quantize_bits=resolve_auto_quantize_bits(options, fmt),
         export_checkpoint=None if options.export_checkpoint is None else Path(options.export_checkpoint),
         compile=options.compile if options.compile is not None else target.default_compile_options(),
     )
 
 
-__all__ = ["BuildOptions", "DEFAULT_CALIB_MAX_SEQ_LEN", "DTYPES", "ResolvedBuildOptions", "check_quant_options",
+__all__ = ["BuildOptions", "DEFAULT_CALIB_MAX_SEQ_LEN", "DTYPES", "ResolvedBuildOptions", "check_quant_options", "resolve_auto_quantize_bits",
            "option_default", "resolve", "resolve_dtype", "resolve_format"]

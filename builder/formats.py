@@ -123,6 +123,11 @@ class QuantFormat:
         """Bytes one weight takes in the engine, scales not counted (int4: 0.5)."""
         return self.weight_bits / 8
 
+    def searches_precision(self, auto_quantize_bits: float | None) -> bool:
+        """Whether a build at ``auto_quantize_bits`` (None: not offered) runs the mixed-precision search: a
+        budget above the format's own weight bits."""
+        return auto_quantize_bits is not None and auto_quantize_bits > self.weight_bits
+
     @property
     def group_wise(self) -> bool:
         return self.group_size is not None

@@ -22,7 +22,7 @@ Also the cold start: seconds from launching a fresh Python process to its first 
 already built engine (load + verify + first forward).
 
 Quantized engines (fp8, fp8_rowwise, int8_wo, int8_sq, int4_wo, int4_awq; ``int4_awq+lm_head`` etc. build with
-``--quantize-lm-head``, ``fp8:auto_quantize_bits=8`` etc. with the options given) run bf16 activations, so they are compared
+``--quantize-lm-head``, ``fp8:auto_quantize_bits=8.5`` etc. with the options given) run bf16 activations, so they are compared
 against transformers at bf16, and their batch-1 decode also against the kilnlm bf16 engine ("x bf16"). The
 machine's memory bandwidth is measured first (the best of several passes summing a 1 GiB tensor with all
 threads: the rate at which weights can possibly stream from DRAM); "% BW" is the weight GB/s a format's
@@ -57,13 +57,13 @@ INT4_GROUP_SIZE = 64  # group-wise formats: SmolLM2's hidden size 576 is not a m
 
 
 LM_HEAD_SUFFIX = "+lm_head"  # a format spec "int4_awq+lm_head" builds with --quantize-lm-head
-OPTIONS_SEP = ":"  # a format spec "fp8_rowwise:auto_quantize_bits=8" builds with --auto-quantize-bits 8
+OPTIONS_SEP = ":"  # a format spec "fp8:auto_quantize_bits=8.5" builds with --auto-quantize-bits 8.5
 
 
 def split_spec(spec: str) -> tuple[str, dict]:
     """A ``--formats`` entry -> (qformat, further build options): ``"int4_awq+lm_head"`` -> ``("int4_awq",
-    {"quantize_lm_head": True})``; ``"int8_sq:per_token=false,smoothquant_alpha=0.8"`` -> ``("int8_sq",
-    {"per_token": False, "smoothquant_alpha": 0.8})`` (any :class:`~kilnlm.builder.config.BuildOptions`
+    {"quantize_lm_head": True})``; ``"int8_sq:per_token=true,smoothquant_alpha=0.8"`` -> ``("int8_sq",
+    {"per_token": True, "smoothquant_alpha": 0.8})`` (any :class:`~kilnlm.builder.config.BuildOptions`
     field; true / false, numbers, else the string)."""
     spec, _, given = spec.partition(OPTIONS_SEP)
     options = {"quantize_lm_head": True} if spec.endswith(LM_HEAD_SUFFIX) else {}
@@ -145,14 +145,16 @@ def decode_weight_bytes(manifest, spec: str) -> int:
     """Bytes of weights one decode step reads: every linear layer (packed weights + their scales; 16-bit for
     the linears ``--auto-quantize-bits`` kept, the manifest's ``exclude_modules``), the norms and the LM
     head (16-bit for every format but fp32 unless ``+lm_head``; the embedding row gather is negligible)."""
+    from kilnlm.builder.network.llama import DOWN_PROJ, GATE_UP_PROJS, O_PROJ, QKV_PROJS
+
     qformat, options = split_spec(spec)
     quantize_lm_head = options.get("quantize_lm_head", False)
     m = manifest.model
     float_bytes = torch.empty((), dtype=getattr(torch, manifest.build.dtype)).element_size()  # norms, 16-bit LM head
     q_out = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
     # the first HF part of qkv, o, gate/up, down -> their fused (out_features, in_features)
-    shapes = {"self_attn.q_proj": (q_out, m.hidden_size), "self_attn.o_proj": (m.hidden_size, m.num_heads * m.head_dim),
-              "mlp.gate_proj": (2 * m.intermediate_size, m.hidden_size), "mlp.down_proj": (m.hidden_size, m.intermediate_size)}
+    shapes = {QKV_PROJS[0]: (q_out, m.hidden_size), O_PROJ: (m.hidden_size, m.num_heads * m.head_dim),
+              GATE_UP_PROJS[0]: (2 * m.intermediate_size, m.hidden_size), DOWN_PROJ: (m.hidden_size, m.intermediate_size)}
     kept = set(manifest.build.exclude_modules)
     linears = sum(o * i * float_bytes if f"model.layers.{layer}.{name}" in kept else linear_bytes(qformat, o, i)
                   for layer in range(m.num_layers) for name, (o, i) in shapes.items())
@@ -296,7 +298,7 @@ def main() -> int:
     parser.add_argument("--formats", default=DEFAULT_FORMATS,
                         help=f"engine qformats to run; QFORMAT{LM_HEAD_SUFFIX} also quantizes the LM head "
                              f"(--quantize-lm-head), QFORMAT{OPTIONS_SEP}FIELD=VALUE,... sets other build options "
-                             f"(e.g. int8_sq{OPTIONS_SEP}per_token=false) (default: {DEFAULT_FORMATS})")
+                             f"(e.g. int8_sq{OPTIONS_SEP}per_token=true) (default: {DEFAULT_FORMATS})")
     parser.add_argument("--work-dir", type=Path, default=Path(".work/bench"), help="where engines are built and kept (default: .work/bench)")
     parser.add_argument("--num-requests", type=int, default=32, help="requests in scenario (b) (default: 32)")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(128, 256), metavar=("A", "B"),

@@ -59,7 +59,7 @@ def format_options(qformat: str, **extra) -> dict:
     opts = dict(TINY_LIMITS, qformat=qformat, dtype=fmt.activation_dtype if fmt.fixed_dtype else "float32")
     if fmt.group_wise:
         opts["group_size"] = 32
-    searches = (extra.get("auto_quantize_bits") or fmt.auto_quantize_bits or 0) > fmt.weight_bits
+    searches = fmt.searches_precision(extra.get("auto_quantize_bits", fmt.auto_quantize_bits))
     if fmt.calibrated or searches:  # the mixed-precision search reads calibration text too
         opts.update(calib_size=4, calib_max_seq_len=64)
     opts.update(extra)
