@@ -16,4 +16,4 @@ fi
     --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port "$METRICS_PORT" &
 server_pid=$!
 trap 'kill -TERM "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true' EXIT
-"$KILNLM_PY" scripts/ask.py --url "localhost:$GRPC_PORT" --wait-s 180 "${QUESTION:-What is the capital of France?}"
+"$KILNLM_PY" scripts/ask.py --url "localhost:$GRPC_PORT" --wait-s 180 "${QUESTION:-Name the capital city of France.}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import greedy_generate
+from factories import CAPITAL_QUESTION, greedy_generate
 
 from kilnlm.builder.network.layers import FP8_E4M3_MAX, Fp8Amax, make_linear
 
@@ -76,7 +76,7 @@ def test_fp8_smollm2_knows_the_capital_of_france(smollm2_engine_fp8_dir):
 
     engine = Engine.load(smollm2_engine_fp8_dir)
     tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
-    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": CAPITAL_QUESTION}],
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
     generated = greedy_generate(engine, list(prompt_ids), 24, engine.manifest.generation.eos_token_ids)
     answer = tokenizer.decode(generated, skip_special_tokens=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from factories import greedy_generate, make_engine_inputs
+from factories import CAPITAL_QUESTION, greedy_generate, make_engine_inputs
 
 from kilnlm.plugins import PLUGIN_VERSIONS
 
@@ -216,7 +216,7 @@ def test_smollm2_fp8_weights_fp8_kv_answers_paris(smollm2_format_engine):
     engine = Engine.load(smollm2_format_engine("fp8", "fp8"))
     assert engine.manifest.build.kv_cache_dtype == "fp8" and engine.kv_cache_dtype == torch.float8_e4m3fn
     tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir)
-    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": CAPITAL_QUESTION}],
                                                 add_generation_prompt=True, tokenize=True, return_dict=False))
     generated = greedy_generate(engine, prompt, 24, engine.manifest.generation.eos_token_ids)
     assert "Paris" in tokenizer.decode(generated)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import greedy_generate, make_engine_inputs
+from factories import CAPITAL_QUESTION, greedy_generate, make_engine_inputs
 
 # 30 layers in float32 with kernels that sum in a different order than PyTorch's: measured max abs
 # difference 6e-5 on logits of magnitude ~25; the bound leaves room for other CPUs' summation orders.
@@ -46,7 +46,7 @@ def test_manifest_describes_smollm2(engine):
 
 
 def test_packed_prompts_then_decode_match_hf(engine, hf):
-    prompts = [chat_ids(engine, "What is the capital of France?"), chat_ids(engine, "Write a haiku about compilers.")]
+    prompts = [chat_ids(engine, CAPITAL_QUESTION), chat_ids(engine, "Write a haiku about compilers.")]
     build = engine.manifest.build
     tpb, max_blocks = build.tokens_per_block, build.max_blocks_per_seq
     kv_cache = engine.allocate_kv_cache(len(prompts) * max_blocks)
@@ -65,7 +65,7 @@ def test_packed_prompts_then_decode_match_hf(engine, hf):
 
 
 def test_fp32_answers_paris(engine):
-    generated = greedy_generate(engine, chat_ids(engine, "What is the capital of France?"), 24,
+    generated = greedy_generate(engine, chat_ids(engine, CAPITAL_QUESTION), 24,
                                 engine.manifest.generation.eos_token_ids)
     from transformers import AutoTokenizer
 

@@ -18,15 +18,16 @@ from kilnlm.runtime.engine import verify_engine
 from kilnlm.runtime.distribution.cache import EngineCache
 from kilnlm.runtime.distribution.engine_source import ENGINE_CACHE_DIR_ENV
 
+from factories import CAPITAL_QUESTION
+
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
-QUESTION = "What is the capital of France?"
 VERSION_SWITCH_TIMEOUT_S = 180.0
 
 
 def _generate(server, model: str) -> str:
     """Triton's HTTP generate endpoint on a text model of the set (ensemble or tensorrt_llm_bls)."""
-    body = json.dumps({"text_input": QUESTION, "max_tokens": 24, "apply_chat_template": True,
+    body = json.dumps({"text_input": CAPITAL_QUESTION, "max_tokens": 24, "apply_chat_template": True,
                        "exclude_input_in_output": True}).encode()
     request = urllib.request.Request(f"{server.http_url}/v2/models/{model}/generate", data=body,
                                      headers={"Content-Type": "application/json"})

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from factories import hf_greedy, make_engine_inputs, reference_penalised, run_in_flight
+from factories import CAPITAL_QUESTION, hf_greedy, make_engine_inputs, reference_penalised, run_in_flight
 
 from kilnlm.builder.targets.cpu import example_inputs
 from kilnlm.runtime.abi import EngineInputs
@@ -77,7 +77,7 @@ def test_smollm2_fp32_in_flight_greedy_equals_transformers(smollm2_engine_fp32_d
 def test_smollm2_stop_string_and_chat_answer(smollm2_engine_fp32_dir):
     with Executor.from_engine_dir(smollm2_engine_fp32_dir, ExecutorConfig(max_batch_size=2)) as executor:
         tok = executor.tokenizer
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": CAPITAL_QUESTION}]),
                             add_special_tokens=False)
         full = executor.generate(prompt, SamplingParams(max_tokens=48))
         assert "Paris" in full.text

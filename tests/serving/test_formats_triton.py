@@ -1,4 +1,4 @@
-"""Every quantization format still answers "What is the capital of France?" with Paris through a real
+"""Every quantization format still answers ``CAPITAL_QUESTION`` (tests/factories.py) with Paris through a real
 tritonserver (issue 3, item 10).
 
 One tritonserver serves one LLM model per format (``kilnlm_<qformat>`` and ``kilnlm_fp8_kv_<dtype>`` for
@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from factories import CAPITAL_QUESTION
 from servers import running_tritonserver
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
@@ -27,6 +28,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 # model name -> (qformat, kv_cache_dtype)
 FORMATS = {
     "kilnlm_fp8": ("fp8", "auto"),
+    "kilnlm_fp8_rowwise": ("fp8_rowwise", "auto"),
     "kilnlm_int8_sq": ("int8_sq", "auto"),
     "kilnlm_int8_wo": ("int8_wo", "auto"),
     "kilnlm_int4_awq": ("int4_awq", "auto"),
@@ -35,8 +37,7 @@ FORMATS = {
     "kilnlm_fp8_kv_int8": ("fp8", "int8"),
 }
 KV_CACHE_BYTES = 64 << 20  # per model: ~2,000 tokens of SmolLM2 bf16 KV, plenty for one question
-QUESTION = "What is the capital of France?"
-START_TIMEOUT_S = 600.0  # seven models, one engine each, load one after another
+START_TIMEOUT_S = 600.0  # eight models, one engine each, load one after another
 _ENGINE_DIR_RE = re.compile(r'(key:\s*"engine_dir"\s*value:\s*\{\s*string_value:\s*)"[^"]*"', re.S)
 
 
@@ -82,6 +83,13 @@ def formats_server(smollm2_format_engine, tmp_path_factory):
 KNOWN_WRONG: dict[str, str] = {}
 
 
+def test_every_quantized_format_is_served():
+    """A format added to the registry joins FORMATS, so that it is asked the question too."""
+    from kilnlm.builder.formats import Quantization, format_names
+
+    assert {qformat for qformat, _ in FORMATS.values()} == set(format_names(lambda f: f.quantization is not Quantization.NONE))
+
+
 @pytest.mark.parametrize("model", [
     pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[m])) if m in KNOWN_WRONG else m
     for m in FORMATS
@@ -91,7 +99,7 @@ def test_format_answers_paris(formats_server, smollm2_engine_fp32_dir, model):
 
     http_url = formats_server
     tokenizer = Tokenizer.from_dir(smollm2_engine_fp32_dir / "tokenizer")  # every format's tokenizer is SmolLM2's
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]),
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CAPITAL_QUESTION}]),
                                   add_special_tokens=False)
     body = {"input_ids": prompt_ids, "input_lengths": len(prompt_ids), "request_output_len": 24,
             "exclude_input_in_output": True}

@@ -25,6 +25,7 @@ import uvicorn
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.request import SamplingParams
 from kilnlm.runtime.serving.openai_server import OpenAIServer, ServerSettings
+from factories import CAPITAL_QUESTION
 from servers import sample
 
 MODEL = "tiny"
@@ -343,7 +344,7 @@ def test_kilnlm_serve_answers_paris(smollm2_engine_fp32_dir, tmp_path):
 
         wait_for(healthy, START_TIMEOUT_S, "kilnlm serve to start")
         completion = make_client(url).chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            model="smollm2", messages=[{"role": "user", "content": CAPITAL_QUESTION}],
             temperature=0, max_tokens=20)
         assert "Paris" in completion.choices[0].message.content
         assert completion.choices[0].finish_reason == "stop"

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from factories import CAPITAL_QUESTION
 from servers import sample
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
@@ -287,7 +288,7 @@ def test_num_return_sequences_are_told_apart_by_sequence_index(triton_server):
 
 
 def test_apply_chat_template_answers_as_the_instruct_model(triton_server, smollm2_executor):
-    question = "What is the capital of France?"
+    question = CAPITAL_QUESTION
     tokenizer = smollm2_executor.tokenizer
     chat_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]),
                                 add_special_tokens=False)
