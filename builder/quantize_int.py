@@ -10,8 +10,8 @@ int4_awq   ``INT4_AWQ_CFG`` (awq_lite), block size =         activation-aware sc
 int4_wo    ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``, same blocks   none: round-to-nearest, scale = amax / 7
 int8_wo    ``INT8_WEIGHT_ONLY_CFG`` (per output channel)     none: round-to-nearest, scale = amax / 127
 int8_sq    ``INT8_SMOOTHQUANT_CFG`` (per-channel weights,    SmoothQuant (Xiao et al., 2023): smoothing
-           per-tensor activations; with --per-token kilnlm's factors and activation amax on the text;
-           op quantizes them per token at run time)          alpha searched (below), or 0.5
+           per-tensor activations; by default kilnlm's op   factors and activation amax on the text;
+           quantizes them per token at run time instead)     alpha 0.5, or searched (below) per tensor
 =========  ===============================================  ==========================================
 
 SmoothQuant's migration strength alpha decides how much of the activations' range moves into the weights;

@@ -110,8 +110,8 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
                    help=f"{h['smoothquant']}: SmoothQuant's migration strength in [0, 1], how much of the activations' "
                         f"range moves into the weights (default: searched over {h['alpha_grid']} for the lowest loss "
-                        f"on held-out windows of the calibration text, {h['alpha_calibrations']} calibrations; "
-                        f"{h['per_token_alpha']} with --per-token, TensorRT-LLM's recipe)")
+                        f"on held-out windows of the calibration text, {h['alpha_calibrations']} calibrations, with --no-per-token; "
+                        f"{h['per_token_alpha']} with per-token scales, TensorRT-LLM's recipe)")
     p.add_argument("--export-checkpoint", type=Path, default=None, metavar="DIR",
                    help="integer formats: also write the quantized checkpoint in ModelOpt's unified Hugging Face "
                         "format (config.json with quantization_config, hf_quant_config.json, safetensors with "

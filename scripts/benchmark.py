@@ -62,8 +62,8 @@ OPTIONS_SEP = ":"  # a format spec "fp8:auto_quantize_bits=8.5" builds with --au
 
 def split_spec(spec: str) -> tuple[str, dict]:
     """A ``--formats`` entry -> (qformat, further build options): ``"int4_awq+lm_head"`` -> ``("int4_awq",
-    {"quantize_lm_head": True})``; ``"int8_sq:per_token=true,smoothquant_alpha=0.8"`` -> ``("int8_sq",
-    {"per_token": True, "smoothquant_alpha": 0.8})`` (any :class:`~kilnlm.builder.config.BuildOptions`
+    {"quantize_lm_head": True})``; ``"int8_sq:per_token=false,smoothquant_alpha=0.8"`` -> ``("int8_sq",
+    {"per_token": False, "smoothquant_alpha": 0.8})`` (any :class:`~kilnlm.builder.config.BuildOptions`
     field; true / false, numbers, else the string)."""
     spec, _, given = spec.partition(OPTIONS_SEP)
     options = {"quantize_lm_head": True} if spec.endswith(LM_HEAD_SUFFIX) else {}
@@ -298,7 +298,7 @@ def main() -> int:
     parser.add_argument("--formats", default=DEFAULT_FORMATS,
                         help=f"engine qformats to run; QFORMAT{LM_HEAD_SUFFIX} also quantizes the LM head "
                              f"(--quantize-lm-head), QFORMAT{OPTIONS_SEP}FIELD=VALUE,... sets other build options "
-                             f"(e.g. int8_sq{OPTIONS_SEP}per_token=true) (default: {DEFAULT_FORMATS})")
+                             f"(e.g. int8_sq{OPTIONS_SEP}per_token=false) (default: {DEFAULT_FORMATS})")
     parser.add_argument("--work-dir", type=Path, default=Path(".work/bench"), help="where engines are built and kept (default: .work/bench)")
     parser.add_argument("--num-requests", type=int, default=32, help="requests in scenario (b) (default: 32)")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(128, 256), metavar=("A", "B"),

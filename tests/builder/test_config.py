@@ -63,11 +63,11 @@ def test_resolve_applies_each_default_once():
     awq = resolve(options(qformat="int4_awq"))
     assert (awq.dtype, awq.zero_point, awq.calib_size, awq.group_size) == ("bfloat16", True, 16, None)
     assert resolve(options(qformat="int4_wo")).zero_point is False
-    sq = resolve(options(qformat="int8_sq"))  # one calibrated scale per tensor by default, alpha searched
-    assert (sq.per_token, sq.smoothquant_alpha) == (False, None) and not FORMATS["int8_sq"].per_token
-    per_token = resolve(build_options(parse("--qformat", "int8_sq", "--per-token")))
-    assert (per_token.per_token, per_token.smoothquant_alpha) == (True, PER_TOKEN_SMOOTHQUANT_ALPHA)
-    assert resolve(build_options(parse("--qformat", "int8_sq", "--no-per-token"))) == sq
+    sq = resolve(options(qformat="int8_sq"))  # dynamic per-token scales by default, TensorRT-LLM's alpha
+    assert (sq.per_token, sq.smoothquant_alpha) == (True, PER_TOKEN_SMOOTHQUANT_ALPHA) and FORMATS["int8_sq"].per_token
+    assert resolve(build_options(parse("--qformat", "int8_sq", "--per-token"))) == sq
+    per_tensor = resolve(build_options(parse("--qformat", "int8_sq", "--no-per-token")))
+    assert (per_tensor.per_token, per_tensor.smoothquant_alpha) == (False, None)  # one scale per tensor, alpha searched
     assert resolve(options(qformat="int8_wo")).per_token is False
     assert resolve(options(kv_cache_dtype="fp8")).kv_cache_dtype == "fp8"
 

@@ -182,8 +182,8 @@ def test_engine_stays_close_to_the_fp32_engine(int_engine, tiny_engine_dir, qfor
 
 @pytest.mark.parametrize("per_token", [True, False])
 def test_int8_sq_engine_matches_the_network_on_reference_ops(tiny_llama_dir, tiny_engine_dir, tmp_path, per_token):
-    """int8_sq with one calibrated scale per activation tensor (the default, alpha searched) and with
-    ``--per-token`` (dynamic per-token scales, alpha 0.5): every int8_sq_linear call of the engine carries the
+    """int8_sq with dynamic per-token activation scales (the default, alpha 0.5) and with one calibrated
+    scale per activation tensor (``--no-per-token``, alpha searched): every int8_sq_linear call of the engine carries the
     choice (the engine equals the eager network on the reference), and it stays within int8_sq's error
     bound of the fp32 engine."""
     from kilnlm.builder.build import build_engine
@@ -244,16 +244,17 @@ def test_int4_scales_are_stored_in_float16_only_where_they_fit():
         assert stored.dtype == torch.float32 and torch.equal(stored, scales_out)
 
 
-@pytest.mark.parametrize("qformat", ["int4_awq", "int8_sq"])
-def test_calibration_is_deterministic(tiny_llama_dir, qformat):
+@pytest.mark.parametrize("qformat,extra", [("int4_awq", {}), ("int8_sq", {}), ("int8_sq", {"per_token": False})],
+                         ids=["int4_awq", "int8_sq", "int8_sq-per-tensor"])
+def test_calibration_is_deterministic(tiny_llama_dir, qformat, extra):
     """Two quantizations of the same inputs give bit-identical weights, scales and folded norms.
 
     Compared on the network's buffers rather than on model.pt2: AOTInductor's package is not
     byte-reproducible (measured: two builds of the same network differ in ``.data/serialization_id``, a
     random id, and in a compile-command comment inductor appends to the generated C++ only when it
     compiled it rather than reusing its cache); its compiled code and weights are identical."""
-    first = eager_network(tiny_llama_dir, **format_options(qformat)).state_dict()
-    second = eager_network(tiny_llama_dir, **format_options(qformat)).state_dict()
+    first = eager_network(tiny_llama_dir, **format_options(qformat, **extra)).state_dict()
+    second = eager_network(tiny_llama_dir, **format_options(qformat, **extra)).state_dict()
     assert first.keys() == second.keys()
     for name in first:
         assert torch.equal(first[name], second[name]), name
@@ -362,17 +363,18 @@ def test_fp8_rowwise_bfloat16_engine_with_quantized_lm_head(tiny_llama_dir, tiny
 
 
 def test_int8_sq_quantized_lm_head(tiny_llama_dir, tiny_engine_dir, tmp_path):
-    """int8_sq --quantize-lm-head: the (tied) LM head is a W8A8 int8_sq_linear with its own calibrated
-    input scale, SmoothQuant's smoothing of its input folded into the final norm (no pre_quant_scale left);
-    the engine needs no kilnlm::gemm, equals the eager network on the reference ops and stays within
-    int8_sq's error bound of the fp32 engine. With --per-token the head takes per-token scales too."""
+    """int8_sq --no-per-token --quantize-lm-head: the (tied) LM head is a W8A8 int8_sq_linear with its own
+    calibrated input scale, SmoothQuant's smoothing of its input folded into the final norm (no
+    pre_quant_scale left); the engine needs no kilnlm::gemm, equals the eager network on the reference ops
+    and stays within int8_sq's error bound of the fp32 engine. With per-token scales (the default) the head
+    takes them too."""
     from kilnlm.builder.build import build_engine
     from kilnlm.builder.checkpoint import load_checkpoint
     from kilnlm.builder.network.layers import Int8SqLinear
     from kilnlm.runtime.manifest import read_manifest
 
     require_kernel("int8_sq")
-    options = format_options("int8_sq", quantize_lm_head=True)
+    options = format_options("int8_sq", quantize_lm_head=True, per_token=False)
     network = eager_network(tiny_llama_dir, **options)
     head = network.lm_head
     assert isinstance(head, Int8SqLinear) and head.weight.shape == (49152, 64) and head.weight.dtype == torch.int8

@@ -29,7 +29,7 @@ ENGINE_CHANGES = {
     "calib_size": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_size": 8}),
     "calib_max_seq_len": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_max_seq_len": 64}),
     "quantize_lm_head": ({"qformat": "int4_wo"}, {"qformat": "int4_wo", "quantize_lm_head": True}),
-    "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": True}),
+    "per_token": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "per_token": False}),
     "use_fp8_rowwise": ({"qformat": "fp8"}, {"qformat": "fp8", "use_fp8_rowwise": True}),  # fp8 -> fp8_rowwise
     "auto_quantize_bits": ({"qformat": "fp8_rowwise"}, {"qformat": "fp8_rowwise", "auto_quantize_bits": 8}),
     "smoothquant_alpha": ({"qformat": "int8_sq"}, {"qformat": "int8_sq", "smoothquant_alpha": 0.6}),
@@ -94,7 +94,7 @@ def test_options_that_do_not_change_the_engine_keep_the_key(checkpoint, tmp_path
     sq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq", per_token=True, **extra)).key
           for extra in ({}, {"smoothquant_alpha": 0.5})]
     assert len(set(sq)) == 1  # --per-token's alpha
-    assert _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq", per_token=False)).key \
+    assert _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq", per_token=True)).key \
         == _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "f", qformat="int8_sq")).key  # the default
     rowwise = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "g", **spelling)).key
                for spelling in ({"qformat": "fp8_rowwise"}, {"qformat": "fp8", "use_fp8_rowwise": True},
