@@ -28,6 +28,7 @@ from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
 from kilnlm.builder.targets import get_target
 from kilnlm.plugins import PLUGIN_VERSIONS
 from kilnlm.runtime.manifest import GenerationDefaults, Manifest, ModelConfig, move_into_place, write_manifest
+from kilnlm.runtime.signing import load_signing_key, sign_engine
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
                             toolchain=target.toolchain_versions(), source_checkpoint_digest=ck.digest,
                             engine_file=target.engine_file, cache_key=cache_key.key, cache_key_inputs=cache_key.inputs)
         write_manifest(tmp, manifest)
+        if opts.sign_key is not None:
+            log.info("signed the manifest with key %s", sign_engine(tmp, load_signing_key(opts.sign_key)))
         if opts.smoke_test:
             _smoke_test(tmp)
         move_into_place(tmp, opts.output)
@@ -180,7 +183,7 @@ def _smoke_test(engine_dir: Path) -> None:
     from kilnlm.runtime.abi import EngineInputs
     from kilnlm.runtime.engine import Engine
 
-    engine = Engine.load(engine_dir)
+    engine = Engine.load(engine_dir, trusted_keys=None)  # the builder's own output: no trust policy applies
     max_blocks = engine.manifest.build.max_blocks_per_seq
     inputs = EngineInputs(
         input_ids=torch.tensor([1], dtype=torch.int64), positions=torch.tensor([0], dtype=torch.int64),

@@ -10,7 +10,7 @@
 - ``build``: every field of the resolved build options (:class:`~kilnlm.builder.config.ResolvedBuildOptions`,
   defaults applied: ``dtype auto`` -> the activation dtype, unset calibration sizes / zero points -> the
   format's defaults, no calibration text -> the digest of the default texts) except
-  :data:`EXCLUDED_FIELDS` (where the engine goes, overwriting, the smoke test), file-valued options (e.g.
+  :data:`EXCLUDED_FIELDS` (where the engine goes, overwriting, the smoke test, the signing key), file-valued options (e.g.
   calibration data) replaced by their content digest. Fields added to the options later are covered
   without touching this module;
 - ``format_version``: the engine manifest's format version; ``plugins``: every plugin's version;
@@ -44,7 +44,7 @@ from kilnlm.runtime import manifest as manifest_format
 # Build option fields that do not change the engine: where it (or a side output such as an exported
 # checkpoint) is written, whether an existing directory is replaced, the smoke test. (The checkpoint is
 # keyed by its content, apart.)
-EXCLUDED_FIELDS = frozenset({"checkpoint", "output", "overwrite", "smoke_test", "export_checkpoint"})
+EXCLUDED_FIELDS = frozenset({"checkpoint", "output", "overwrite", "smoke_test", "export_checkpoint", "sign_key"})
 # Files in an HF checkpoint directory that no build reads (documentation, other weight formats).
 _IGNORED_SUFFIXES = (".md", ".bin", ".pth", ".pt", ".h5", ".msgpack", ".ckpt", ".onnx", ".gguf", ".lock")
 _IGNORED_NAMES = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")

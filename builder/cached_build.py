@@ -6,6 +6,8 @@
     key = compute_cache_key(opts)            hashes the checkpoint's files; loads nothing
     hit:  cache.fetch(key) -> opts.output    downloaded, sizes + SHA-256 checked, renamed into place
     miss: build_engine(opts) -> opts.output  then cache.publish(opts.output) (files first, manifest last)
+    --sign-key: the engine at opts.output is signed (built signed, or signed after the fetch) and the
+                signature stored with the entry
     NAME given: NAME:VERSION -> key          (VERSION None: NAME's version of key if any, else the next integer)
 """
 
@@ -20,6 +22,7 @@ from kilnlm.builder.cache_key import compute_cache_key
 from kilnlm.builder.config import BuildOptions, ResolvedBuildOptions, resolve
 from kilnlm.runtime.distribution.cache import CacheEntry, EngineCache, split_name_version
 from kilnlm.runtime.manifest import Manifest
+from kilnlm.runtime.signing import load_signing_key, sign_engine
 
 
 @dataclass
@@ -54,6 +57,9 @@ def build_with_cache(options: BuildOptions | ResolvedBuildOptions, cache_url: st
     if hit:
         manifest = cache.fetch(key.key, opts.output, overwrite=opts.overwrite)
         say(f"cache hit {key.key}: fetched into {opts.output}")
+        if opts.sign_key is not None:  # the entry gets this signature too (publish uploads nothing else)
+            say(f"signed {opts.output} with key {sign_engine(opts.output, load_signing_key(opts.sign_key))}")
+            entry = cache.publish(opts.output)
     else:
         say(f"cache miss {key.key}: building")
         manifest = build_engine(opts, cache_key=key)

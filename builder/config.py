@@ -31,6 +31,7 @@ from kilnlm.builder.formats import FORMATS, PER_TOKEN_SMOOTHQUANT_ALPHA, QuantFo
 from kilnlm.builder.kv_quant import KV_QUANT_MAX, resolve_kv_cache_dtype
 from kilnlm.builder.targets import get_target
 from kilnlm.runtime.manifest import BuildConfig
+from kilnlm.runtime.signing import load_signing_key
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_CALIB_MAX_SEQ_LEN = 256  # tokens per calibration sample
@@ -67,6 +68,7 @@ class BuildOptions:
     smoothquant_alpha: float | None = None  # SmoothQuant's alpha (None: searched; 0.5 with per_token)
     auto_quantize_bits: float | None = None  # FP8 formats: mean bits per decoder linear weight (None: the format's)
     export_checkpoint: Path | None = None  # ModelOpt formats: also write ModelOpt's unified HF checkpoint here
+    sign_key: Path | None = None  # an Ed25519 private key: sign the engine's manifest (kilnlm.runtime.signing)
     compile: Any = None  # the target's compile options (None: the target's defaults)
 
 
@@ -113,6 +115,7 @@ class ResolvedBuildOptions:
     smoothquant_alpha: float | None
     auto_quantize_bits: float | None
     export_checkpoint: Path | None
+    sign_key: Path | None
     compile: Any
 
     @property
@@ -243,6 +246,8 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
         if getattr(options, name) < 1:
             raise BuildError(f"--{name.replace('_', '-')} is {getattr(options, name)}: it must be at least 1")
     target = get_target(options.target)
+    if options.sign_key is not None:
+        load_signing_key(options.sign_key)  # an unusable key fails here, before the long steps
     per_token = fmt.smoothquant and (options.per_token if options.per_token is not None else fmt.per_token)
     alpha = options.smoothquant_alpha
     if per_token and alpha is None:
@@ -261,6 +266,7 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
         use_fp8_rowwise=fmt.fp8_rowwise_of is not None, smoothquant_alpha=alpha,
         auto_quantize_bits=resolve_auto_quantize_bits(options, fmt),
         export_checkpoint=None if options.export_checkpoint is None else Path(options.export_checkpoint),
+        sign_key=None if options.sign_key is None else Path(options.sign_key),
         compile=options.compile if options.compile is not None else target.default_compile_options(),
     )
 

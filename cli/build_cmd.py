@@ -12,6 +12,8 @@ import logging
 from dataclasses import fields
 from pathlib import Path
 
+from kilnlm.cli.trust_options import add_sign_key_option
+
 
 def _formats_help() -> dict[str, str]:
     """Help fragments generated from the format registry (:mod:`kilnlm.builder.formats`)."""
@@ -136,6 +138,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--name", default=None, metavar="NAME[:VERSION]",
                    help="with --cache: tag the engine NAME:VERSION; without VERSION the next integer version, unless "
                         "NAME already has a version of this engine (default: untagged)")
+    add_sign_key_option(p)
     p.add_argument("--quiet", action="store_true", help="print only errors")
     p.set_defaults(run=run)
     return p

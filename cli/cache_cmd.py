@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from kilnlm.cli.trust_options import add_sign_key_option
+
 CACHE_ENV = "KILNLM_CACHE"
 
 
@@ -44,6 +46,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     q.add_argument("engine", type=Path, metavar="DIR", help="engine directory written by `kilnlm build`")
     q.add_argument("--name", default=None, metavar="NAME[:VERSION]",
                    help="also tag the engine; without VERSION the next integer version (default: untagged)")
+    add_sign_key_option(q)
     q = action("pull", "download an engine from the cache and verify every file before placing it", _pull)
     q.add_argument("ref", metavar="REF", help="key, name:version or name (= name:latest)")
     q.add_argument("--output", required=True, type=Path, help="engine directory to create")
@@ -102,10 +105,12 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _push(args: argparse.Namespace) -> int:
     from kilnlm.runtime.distribution.cache import split_name_version
+    from kilnlm.runtime.signing import load_signing_key
 
     name, version = split_name_version(args.name) if args.name else (None, None)
+    signing_key = None if args.sign_key is None else load_signing_key(args.sign_key)
     cache = _open(args)
-    entry = cache.publish(args.engine, name, version)
+    entry = cache.publish(args.engine, name, version, signing_key=signing_key)
     if args.json:
         _print_json(entry.to_dict())
     else:

@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kilnlm.cli.trust_options import add_trusted_keys_option, trusted_keys
+
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -25,6 +27,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--copy", action="store_true",
                    help="store a cache reference's engine files in the version directory instead of a "
                         "pointer resolved when the model loads (default: off, a pointer)")
+    add_trusted_keys_option(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: off, one line)")
     p.set_defaults(run=run)
     return p
@@ -36,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
     result = deploy(DeployConfig(ref=args.ref, model_repository=args.model_repository,
                                  version=args.version,
-                                 cache_url=args.cache or default_cache_url(), copy_engine=args.copy))
+                                 cache_url=args.cache or default_cache_url(), copy_engine=args.copy,
+                                 trusted_keys=trusted_keys(args)))
     if args.json:
         print(json.dumps({"model_dir": str(result.model_dir), "version": result.version,
                           "version_dir": str(result.version_dir), "mode": result.mode,

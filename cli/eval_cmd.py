@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from kilnlm.cli.trust_options import add_trusted_keys_option, trusted_keys
+
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     from kilnlm.runtime.perplexity import DEFAULT_CHUNK_TOKENS, DEFAULT_CONTEXT_LEN
@@ -21,6 +23,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                               "per line: text, perplexity, tokens (scored), seconds (of engine forwards), mean_nll "
                               "(nats/token), ...")
     p.add_argument("--engine", required=True, type=Path, help="engine directory written by `kilnlm build`")
+    add_trusted_keys_option(p)
     p.add_argument("--text", required=True, type=Path, action="append",
                    help="UTF-8 text file to evaluate (held-out text, not the calibration text); repeat it to "
                         "evaluate several texts with one engine load, one JSON record each, in the order given")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-tokens is {args.max_tokens}: perplexity needs at least 2 tokens")
     config = PerplexityConfig(context_len=args.context_len, stride=args.stride, max_tokens=args.max_tokens,
                               chunk_tokens=args.chunk_tokens)
-    for text, result in evaluate_text_files(args.engine, args.text, config):
+    for text, result in evaluate_text_files(args.engine, args.text, config, trusted_keys(args)):
         sys.stdout.write(json.dumps({"engine": str(args.engine), "text": str(text), **result.as_dict()}) + "\n")
         sys.stdout.flush()
     return 0

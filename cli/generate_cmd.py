@@ -7,11 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+from kilnlm.cli.trust_options import add_trusted_keys_option, trusted_keys
+
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_text, description=help_text)
     p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     p.add_argument("--engine", required=True, type=Path, help="engine directory written by `kilnlm build`")
+    add_trusted_keys_option(p)
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy (default: 0.0)")
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     guided_decoding = _guided_decoding(args)
     # One request: a batch of one, and (by default) a KV pool of one max_seq_len sequence.
-    executor = Executor.from_engine_dir(args.engine, ExecutorConfig(max_batch_size=1))
+    executor = Executor.from_engine_dir(args.engine, ExecutorConfig(max_batch_size=1), trusted_keys(args))
     try:
         tokenizer = executor.tokenizer
         if args.chat:

@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from kilnlm.cli.trust_options import add_trusted_keys_option, trusted_keys
+
 def add_executor_options(p: argparse.ArgumentParser) -> None:
     """One option per ExecutorConfig field (dashes or TensorRT-LLM's underscores), with the type, choices,
     default and help of :func:`kilnlm.runtime.serving.parameters.executor_options` (the field's metadata);
@@ -57,6 +59,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                    help="an engine directory written by `kilnlm build`, or a cache reference "
                         "(s3://bucket/prefix/NAME:VERSION, /local/cache/NAME:latest; NAME:VERSION alone with "
                         "--cache), fetched into --engine-cache-dir and verified")
+    add_trusted_keys_option(p)
     p.add_argument("--cache", default=None, metavar="URL",
                    help="cache to look a bare NAME:VERSION or key up in (default: $KILNLM_CACHE or "
                         "~/.cache/kilnlm/engines, as for `kilnlm cache`)")
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     engine_dir = resolve_engine(args.engine, args.cache or default_cache_url(), args.engine_cache_dir)
     settings = ServerSettings(model_name=args.served_model_name or args.engine.rstrip("/").rsplit("/", 1)[-1],
                               api_key=args.api_key, default_max_tokens=args.default_max_tokens)
-    executor = Executor.from_engine_dir(engine_dir, executor_config(args))
+    executor = Executor.from_engine_dir(engine_dir, executor_config(args), trusted_keys(args))
     try:
         print(f"kilnlm serve: {engine_dir} as model '{settings.model_name}' on http://{args.host}:{args.port}/v1",
               flush=True)

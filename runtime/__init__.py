@@ -1,10 +1,11 @@
 """kilnlm.runtime: loads a built engine and serves it with in-flight batching over a paged KV cache.
 
 Never imports kilnlm.builder or transformers: a serving image installs only this, kilnlm.plugins and their
-small dependencies (torch, numpy, safetensors, tokenizers, jinja2). Structured output needs the
+small dependencies (torch, numpy, safetensors, tokenizers, jinja2, cryptography). Structured output needs the
 ``kilnlm[guided]`` extra (xgrammar, which itself imports transformers), loaded on the first guided request.
 
-Modules, one owner each: ``engine`` (verify + load an engine; the :class:`Engine` the loop calls) over
+Modules, one owner each: ``engine`` (verify + load an engine; the :class:`Engine` the loop calls; ``signing``
+checks its Ed25519 signature against trusted keys first) over
 ``backends`` (one engine backend per build target: ``cpu`` = AOTInductor), ``executor`` (the client API
 and the loop), ``scheduler`` (who runs this iteration; computed-token counts, appending sampled tokens, end
 id / length finishes), ``kv_cache`` (every KV block: free queue, ref counts, block tables, prefix hashes;

@@ -1,7 +1,7 @@
 """Verify and load a built engine directory; run its forward through the backend of its target.
 
-Integrity and compatibility are checked *before* anything is loaded (:func:`verify_engine`): loading a
-compiled engine executes native code. The manifest's ``build.target`` picks the backend
+Integrity, compatibility and (with trusted keys) the signature are checked *before* anything is loaded
+(:func:`verify_engine`): loading a compiled engine executes native code. The manifest's ``build.target`` picks the backend
 (:mod:`kilnlm.runtime.backends`); :class:`Engine` is what the rest of the runtime sees, whatever the
 target. Never imports kilnlm.builder or transformers.
 """
@@ -16,23 +16,30 @@ import torch
 from kilnlm.runtime.abi import ACTIVATION_DTYPES, KV_CACHE_DTYPES, EngineInputs
 from kilnlm.runtime.backends import EngineBackend, engine_backend
 from kilnlm.runtime.errors import EngineError
-from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
+from kilnlm.runtime.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, parse_manifest, read_manifest_bytes, verify_files
+from kilnlm.runtime.signing import FROM_ENVIRONMENT, TrustedKeys, check_signature, read_signature, trusted_keys_of
 
 __all__ = ["Engine", "verify_engine"]
 
 
-def verify_engine(engine_dir: str | os.PathLike) -> Manifest:
-    """Check ``engine_dir`` without loading it: manifest format version, every file's size and SHA-256
-    (no file missing, none added), plugin versions implemented by this kilnlm, a ``build.target`` this
-    runtime has a backend for, supported dtypes, and the backend's own checks (``cpu``: a CPU vector ISA
-    this machine has). Returns the manifest; raises :class:`EngineError` naming the offending file or field
-    and what to do."""
+def verify_engine(engine_dir: str | os.PathLike, trusted_keys: TrustedKeys | str | None = FROM_ENVIRONMENT) -> Manifest:
+    """Check ``engine_dir`` without loading it: with trusted keys (``trusted_keys``: by default
+    ``$KILNLM_TRUSTED_KEYS``'s, None: no check; :mod:`kilnlm.runtime.signing`) first that ``manifest.sig`` signs the manifest's
+    bytes with one of them, then the manifest format version, every file's size and SHA-256 (no file
+    missing, none added), plugin versions implemented by this kilnlm, a ``build.target`` this runtime has a
+    backend for, supported dtypes, and the backend's own checks (``cpu``: a CPU vector ISA this machine
+    has). Returns the manifest; raises :class:`EngineError` naming the offending file or field and what to
+    do (:class:`~kilnlm.runtime.signing.SigningKeyError` for unusable trusted keys)."""
     from kilnlm.plugins import PLUGIN_ACCEPTED_VERSIONS, PLUGIN_VERSIONS
 
     root = Path(engine_dir)
-    manifest = read_manifest(root)
-    verify_files(root, manifest)
+    trusted = trusted_keys_of(trusted_keys)
+    raw = read_manifest_bytes(root)
+    if trusted is not None:
+        check_signature(raw, read_signature(root), trusted, str(root / SIGNATURE_NAME))
     where = root / MANIFEST_NAME
+    manifest = parse_manifest(raw, where)
+    verify_files(root, manifest)
     for name, version in sorted(manifest.plugins.items()):
         if name not in PLUGIN_VERSIONS:
             raise EngineError(f"{where}: plugin {name!r} (version {version}) is not implemented by this kilnlm "
@@ -68,11 +75,11 @@ class Engine:
         self.tokenizer_dir = engine_dir / "tokenizer"
 
     @classmethod
-    def load(cls, engine_dir: str | os.PathLike) -> "Engine":
-        """:func:`verify_engine`, then load the engine with its target's backend. Raises
-        :class:`EngineError` for a refused engine or one that fails to load."""
+    def load(cls, engine_dir: str | os.PathLike, trusted_keys: TrustedKeys | str | None = FROM_ENVIRONMENT) -> "Engine":
+        """:func:`verify_engine` (``trusted_keys``: see there), then load the engine with its target's
+        backend. Raises :class:`EngineError` for a refused engine or one that fails to load."""
         root = Path(engine_dir)
-        manifest = verify_engine(root)
+        manifest = verify_engine(root, trusted_keys)
         backend = engine_backend(manifest, root / MANIFEST_NAME).load(root, manifest)
         return cls(root, manifest, backend)
 

@@ -43,6 +43,7 @@ from kilnlm.runtime.output_processor import OutputProcessor
 from kilnlm.runtime.request import FinishReason, Request, Response, SamplingParams
 from kilnlm.runtime.sampler import Sampler, SamplerOutput
 from kilnlm.runtime.scheduler import BatchSchedulerPolicy, ScheduledBatch, Scheduler, SchedulerConfig
+from kilnlm.runtime.signing import FROM_ENVIRONMENT
 from kilnlm.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -178,11 +179,15 @@ class Executor:
         self._thread.start()
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: str | os.PathLike, config: ExecutorConfig | None = None) -> "Executor":
-        """Verify and load the engine in ``engine_dir`` and its tokenizer, and start the loop thread."""
+    def from_engine_dir(cls, engine_dir: str | os.PathLike, config: ExecutorConfig | None = None,
+                        trusted_keys=FROM_ENVIRONMENT) -> "Executor":
+        """Verify and load the engine in ``engine_dir`` (``trusted_keys``: a
+        :class:`~kilnlm.runtime.signing.TrustedKeys` its signature must match; by default
+        ``$KILNLM_TRUSTED_KEYS``'s, None: no check)
+        and its tokenizer, and start the loop thread."""
         from kilnlm.runtime.engine import Engine
 
-        engine = Engine.load(engine_dir)
+        engine = Engine.load(engine_dir, trusted_keys)
         return cls(engine, Tokenizer.from_dir(engine.tokenizer_dir), config)
 
     # ------------------------------------------------------------------------------- client API

@@ -28,6 +28,7 @@ from kilnlm.runtime.errors import EngineError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+SIGNATURE_NAME = "manifest.sig"  # an Ed25519 signature of manifest.json (kilnlm.runtime.signing), not listed in it
 SUPPORTED_FORMAT_VERSIONS = (1,)
 
 
@@ -125,13 +126,13 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
 
 
 def write_manifest(engine_dir: str | os.PathLike, manifest: Manifest) -> Manifest:
-    """Record size and SHA-256 of every file under ``engine_dir`` (except the manifest) in
+    """Record size and SHA-256 of every file under ``engine_dir`` (except the manifest and its signature) in
     ``manifest.files`` and write ``manifest.json``. Call it last, after every other file is in place."""
     root = Path(engine_dir)
     files = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        if rel == MANIFEST_NAME:
+        if rel in (MANIFEST_NAME, SIGNATURE_NAME):
             continue
         files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     manifest.files = files
@@ -145,14 +146,30 @@ def read_manifest(engine_dir: str | os.PathLike) -> Manifest:
     """Parse ``manifest.json`` without checking files. Raises :class:`EngineError` if it is missing,
     unparsable or of an unsupported format version."""
     root = Path(engine_dir)
+    return parse_manifest(read_manifest_bytes(root), root / MANIFEST_NAME)
+
+
+def read_manifest_bytes(engine_dir: str | os.PathLike) -> bytes:
+    """The bytes of ``engine_dir/manifest.json``. Raises :class:`EngineError` if the directory or the file is
+    missing."""
+    root = Path(engine_dir)
     path = root / MANIFEST_NAME
     if not root.is_dir():
         raise EngineError(f"engine directory {root} does not exist: build one with `kilnlm build`")
     if not path.is_file():
         raise EngineError(f"{path} is missing: {root} is not a kilnlm engine (or its build did not finish); rebuild it with `kilnlm build`")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return path.read_bytes()
+    except OSError as exc:
+        raise EngineError(f"{path} cannot be read ({exc.strerror}): check the engine directory's permissions") from None
+
+
+def parse_manifest(raw: bytes, path: Path) -> Manifest:
+    """The manifest in ``raw`` (the bytes of ``path``, named in errors). Raises :class:`EngineError` if it is
+    unparsable or of an unsupported format version."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise EngineError(f"{path} is not valid JSON ({exc}): the engine is corrupt; rebuild it with `kilnlm build`") from None
     version = data.get("format_version") if isinstance(data, dict) else None
     if version not in SUPPORTED_FORMAT_VERSIONS:
@@ -186,7 +203,7 @@ def verify_files(engine_dir: str | os.PathLike, manifest: Manifest) -> None:
                 f"engine file {path} does not match its SHA-256 in the manifest: the engine is corrupt or "
                 "was modified; rebuild it or pull it again (never edit an engine in place)"
             )
-    listed = set(manifest.files) | {MANIFEST_NAME}
+    listed = set(manifest.files) | {MANIFEST_NAME, SIGNATURE_NAME}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
         if rel not in listed:

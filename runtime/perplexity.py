@@ -43,6 +43,7 @@ import torch
 
 from kilnlm.runtime.abi import EngineInputs
 from kilnlm.runtime.errors import RequestError
+from kilnlm.runtime.signing import FROM_ENVIRONMENT
 
 DEFAULT_CONTEXT_LEN = 1024  # tokens per window when --context-len is not given (capped at max_seq_len)
 DEFAULT_CHUNK_TOKENS = 512  # tokens (and logits rows) per forward: bounds the logits to chunk x vocab floats
@@ -195,8 +196,10 @@ def evaluate_perplexity(engine, token_ids: list[int], config: PerplexityConfig =
 
 
 def evaluate_text_files(engine_dir: str | os.PathLike, text_paths: list[str | os.PathLike],
-                        config: PerplexityConfig = PerplexityConfig()) -> Iterator[tuple[Path, PerplexityResult]]:
-    """Load (and verify) the engine in ``engine_dir`` once, read every file of ``text_paths`` (UTF-8; all of
+                        config: PerplexityConfig = PerplexityConfig(),
+                        trusted_keys=FROM_ENVIRONMENT) -> Iterator[tuple[Path, PerplexityResult]]:
+    """Load (and verify, ``trusted_keys`` as :func:`kilnlm.runtime.engine.verify_engine` takes them) the
+    engine in ``engine_dir`` once, read every file of ``text_paths`` (UTF-8; all of
     them before the first is evaluated, so a bad path fails at once), tokenize each with the engine's
     tokenizer (its default special tokens, as transformers' ``tokenizer(text)``) and yield ``(path,
     result)`` per text, in the order given. Raises :class:`RequestError` for a missing or unreadable text
@@ -210,7 +213,7 @@ def evaluate_text_files(engine_dir: str | os.PathLike, text_paths: list[str | os
             texts[path] = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise RequestError(f"cannot read --text {path} ({exc}): pass a UTF-8 text file") from None
-    engine = Engine.load(engine_dir)
+    engine = Engine.load(engine_dir, trusted_keys)
     tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
     for path, text in texts.items():
         yield path, evaluate_perplexity(engine, tokenizer.encode(text), config)

@@ -6,6 +6,7 @@ other S3-compatible stores work). Layout under the URL::
 
     engines/<key>/blobs/<sha256>      one object per engine file, named by its content's SHA-256
     engines/<key>/manifest.json       the engine's manifest (rel path -> size, sha256), written LAST
+    engines/<key>/manifest.sig        optional: an Ed25519 signature of that manifest (kilnlm.runtime.signing)
     names/<name>/<version>.json       {"key", "created", "manifest_sha256"}: a pointer to a key
     names/<name>/latest.json          the most recently tagged version of <name> (plus "version")
 
@@ -40,7 +41,9 @@ from kilnlm.runtime.distribution.object_store import ObjectInfo, ObjectStore
 from kilnlm.runtime.distribution.refs import (KEY_PREFIX_RE, KEY_RE, LATEST, check_name, check_tag_version,
                                               parse_ref, split_cache_ref, split_name_version, version_order)
 from kilnlm.runtime.errors import CacheError
-from kilnlm.runtime.manifest import MANIFEST_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, move_into_place, read_manifest, verify_files
+from kilnlm.runtime.manifest import (MANIFEST_NAME, SIGNATURE_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, move_into_place,
+                                     read_manifest, verify_files)
+from kilnlm.runtime.signing import MAX_SIGNATURE_BYTES, key_id, read_signature, sign_manifest_bytes
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,10 @@ class EngineCache:
     @staticmethod
     def _manifest_path(key: str) -> str:
         return f"{ENGINES}/{key}/{MANIFEST_NAME}"
+
+    @staticmethod
+    def _signature_path(key: str) -> str:
+        return f"{ENGINES}/{key}/{SIGNATURE_NAME}"
 
     @staticmethod
     def _blob_path(key: str, sha256: str) -> str:
@@ -278,6 +285,12 @@ class EngineCache:
                 with open(dest, "wb") as f:
                     self._copy_object(key, rel, meta, f)
             (tmp / MANIFEST_NAME).write_bytes(raw)
+            signature = self.store.read_bytes(self._signature_path(key))
+            if signature is not None:  # checked, against the loader's trusted keys, when the engine is loaded
+                if len(signature) > MAX_SIGNATURE_BYTES:
+                    raise CacheError(f"{self.store.describe(self._signature_path(key))} is {len(signature):,} bytes, "
+                                     f"not a signature: sign the entry again (kilnlm cache push --sign-key)")
+                (tmp / SIGNATURE_NAME).write_bytes(signature)
             read_manifest(tmp)  # format version and structure, as the runtime will read it
             move_into_place(tmp, output)
         except BaseException:
@@ -295,11 +308,18 @@ class EngineCache:
         return self._entry(key, (manifest, raw, info), self._names_of(key, self._pointers()))
 
     # -- writing ----------------------------------------------------------------------------------------
-    def publish(self, engine_dir: Path, name: str | None = None, version: str | None = None) -> CacheEntry:
+    def publish(self, engine_dir: Path, name: str | None = None, version: str | None = None,
+                signing_key=None) -> CacheEntry:
         """Store the engine directory ``engine_dir`` (checked against its manifest first) under its
         manifest's ``cache_key`` (or, for engines without one, the SHA-256 of its manifest), then tag
         ``name:version`` if ``name`` is given (see :meth:`tag` for ``version`` None). If the key is
         already stored, nothing is uploaded. Returns the stored entry.
+
+        Signature: with ``signing_key`` (an Ed25519 private key, :func:`kilnlm.runtime.signing.load_signing_key`)
+        the stored manifest is signed; else the engine's own ``manifest.sig``, if it has one, is stored with
+        it. Either replaces an earlier signature of the entry, and only when the stored manifest is
+        byte-for-byte the engine's (a :class:`CacheError` with ``signing_key`` otherwise: the cache holds
+        another build of the key, which this engine does not vouch for).
 
         Order: every file as a content-addressed blob, then the manifest, created only if absent. A
         publish killed before the manifest leaves blobs no reader looks at (:meth:`gc` removes them);
@@ -328,12 +348,28 @@ class EngineCache:
                 log.info("key %s was published concurrently by another builder; keeping that entry", key)
         else:
             log.info("key %s is already in %s; nothing uploaded", key, self.url)
+        self._store_signature(engine_dir, key, raw, signing_key)
         if name is not None:
             self.tag(key, name, version)
         entry = self.lookup(key)
         if entry is None:
             raise CacheError(f"key {key} vanished from cache {self.url} right after publishing (removed concurrently?): publish again")
         return entry
+
+    def _store_signature(self, engine_dir: Path, key: str, raw: bytes, signing_key) -> None:
+        """:meth:`publish`'s signature step for the entry ``key``, whose manifest ``engine_dir`` has as ``raw``."""
+        signature = sign_manifest_bytes(raw, signing_key) if signing_key is not None else read_signature(engine_dir)
+        if signature is None:
+            return
+        if self.store.read_bytes(self._manifest_path(key)) != raw:
+            if signing_key is not None:
+                raise CacheError(f"key {key} in {self.url} holds another build of this engine (its manifest differs from "
+                                 f"{engine_dir / MANIFEST_NAME}): pull that entry, check it, and sign it instead")
+            log.warning("key %s in %s holds another build of %s: its signature was not stored", key, self.url, engine_dir)
+            return
+        self.store.write_bytes(self._signature_path(key), signature)
+        if signing_key is not None:
+            log.info("signed %s with key %s", key, key_id(signing_key.public_key()))
 
     def tag(self, key: str, name: str, version: str | None = None) -> str:
         """Point ``name:version`` and ``name:latest`` at ``key`` (a key or unique key prefix); returns the
@@ -440,7 +476,8 @@ class EngineCache:
                     self.store.remove_tree(f"{ENGINES}/{key}")
                 continue
             listed = {self._blob_path(key, meta["sha256"]) for meta in stored[0].files.values()}
-            orphans = [o for o in objects if o.path not in listed and o.path != self._manifest_path(key)]
+            kept = {self._manifest_path(key), self._signature_path(key)}
+            orphans = [o for o in objects if o.path not in listed and o.path not in kept]
             if orphans:
                 removed.append(key)
                 for o in orphans if not dry_run else ():

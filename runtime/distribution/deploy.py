@@ -52,6 +52,7 @@ from pathlib import Path
 
 from kilnlm.runtime.distribution.engine_source import ENGINE_SUBDIR, POINTER_NAME, EnginePointer
 from kilnlm.runtime.errors import EngineError, KilnError
+from kilnlm.runtime.signing import TrustedKeys
 
 TEMPLATE_ENV = "KILNLM_MODEL_REPOSITORY_TEMPLATE"
 TEMPLATE_MODEL = "tensorrt_llm"  # the LLM model (decoupled, hosts the executor): one version per engine
@@ -82,6 +83,9 @@ class DeployConfig:
             a local engine directory or a full cache reference).
         copy_engine: store a cache reference's engine files in the version directory instead of a pointer.
         template: the model repository template; None = :func:`locate_template`.
+        trusted_keys: a :class:`~kilnlm.runtime.signing.TrustedKeys` the engine's signature must match
+            (None: not checked). The served model checks it again when it loads the engine, against its
+            own ``trusted_keys`` parameter or ``$KILNLM_TRUSTED_KEYS``.
     """
 
     ref: str
@@ -90,6 +94,7 @@ class DeployConfig:
     cache_url: str | None = None
     copy_engine: bool = False
     template: Path | None = None
+    trusted_keys: TrustedKeys | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +236,7 @@ def _verify_engine_ref(config: DeployConfig, scratch: Path) -> _VerifiedEngine:
     if not is_cache_ref(config.ref):
         source = Path(config.ref).expanduser()
         try:
-            manifest = verify_engine(source)
+            manifest = verify_engine(source, config.trusted_keys)
         except EngineError as exc:
             raise DeployError(f"refusing to deploy {source}: {exc}") from None
         return _VerifiedEngine(source, None, manifest.cache_key)
@@ -245,7 +250,7 @@ def _verify_engine_ref(config: DeployConfig, scratch: Path) -> _VerifiedEngine:
         key = cache.resolve(name_ref)
         fetched = scratch / "engine"
         cache.fetch(key, fetched)
-        verify_engine(fetched)
+        verify_engine(fetched, config.trusted_keys)
     except KilnError as exc:
         if "://" in ref:
             raise DeployError(f"refusing to deploy {ref}: {exc}") from None

@@ -13,6 +13,9 @@ these that exists decides (``<model dir>`` is ``args["model_repository"]``, e.g.
                                            /local/cache/<key>), resolved when the model loads
     parameter engine_dir                   a local engine directory (absolute, or relative to <model dir>)
 
+The engine is refused before it is loaded unless its manifest is signed by one of the trusted keys, when
+there are any (:func:`served_trusted_keys`: parameter ``trusted_keys``, else ``$KILNLM_TRUSTED_KEYS``).
+
 A cache reference is materialised in a local engine cache directory (parameter ``engine_cache_dir``, else
 ``$KILNLM_ENGINE_CACHE_DIR``, else ``~/.cache/kilnlm/served-engines``) as ``<engine cache dir>/<key>/``:
 downloaded once through :class:`kilnlm.runtime.distribution.cache.EngineCache` (which verifies sizes and
@@ -174,6 +177,19 @@ def materialize_cached_engine(engine_ref: str, cache_key: str | None, engine_cac
         raise EngineError(f"the engine fetched from {engine_ref} into {local} does not verify as key {key}: "
                           "check the cache entry with `kilnlm cache verify`")
     return ServedEngine(local, f"{engine_ref} (key {key}), fetched into {local}", downloaded=True)
+
+
+def served_trusted_keys(model_dir: str | os.PathLike, params: dict[str, str], environ: dict[str, str] | None = None):
+    """The keys a served model's engine must be signed by: the ``trusted_keys`` parameter (a file or
+    directory of Ed25519 public keys, absolute or relative to ``model_dir``), else ``$KILNLM_TRUSTED_KEYS``,
+    else None (signatures not checked). Raises :class:`~kilnlm.runtime.signing.SigningKeyError` for keys
+    that cannot be used."""
+    from kilnlm.runtime.signing import resolve_trusted_keys
+
+    path = params.get("trusted_keys") or None
+    if path is not None and not Path(path).is_absolute():
+        path = Path(model_dir) / path
+    return resolve_trusted_keys(path, environ)
 
 
 def resolve_served_engine(model_dir: str | os.PathLike, version: str | int, params: dict[str, str],

@@ -3,8 +3,8 @@
 Any parameter named like an :class:`~kilnlm.runtime.executor.ExecutorConfig` field configures the executor
 (e.g. ``kv_cache_bytes``, ``batch_scheduler_policy``, ``max_queue_size``: TensorRT-LLM's names);
 ``default_max_tokens`` is the ``max_tokens`` of a request that sends none. The engine's own parameters
-(``engine_dir``, ``engine_ref``, ``engine_cache_dir``) are read by
-:func:`kilnlm.runtime.distribution.engine_source.resolve_served_engine`.
+(``engine_dir``, ``engine_ref``, ``engine_cache_dir``; ``trusted_keys``) are read by
+:func:`kilnlm.runtime.distribution.engine_source.resolve_served_engine` (``served_trusted_keys``).
 
 :func:`executor_options` lists ExecutorConfig's fields (name, type, default, choices, one-line help): the
 one description both fronts build from -- the Triton model converts config.pbtxt's strings with it

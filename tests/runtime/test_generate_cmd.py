@@ -15,8 +15,8 @@ def eager_engine_dir(monkeypatch, make_eager_engine, rt_tokenizer_dir, tmp_path)
     engine = make_eager_engine()
     tokenizer = Tokenizer.from_dir(rt_tokenizer_dir)
 
-    def from_engine_dir(cls, engine_dir, config=None):
-        assert str(engine_dir) == str(tmp_path)
+    def from_engine_dir(cls, engine_dir, config=None, trusted_keys=None):
+        assert str(engine_dir) == str(tmp_path) and trusted_keys is None  # no --trusted-keys, none in the environment
         return cls(engine, tokenizer, config)
 
     monkeypatch.setattr(Executor, "from_engine_dir", classmethod(from_engine_dir))

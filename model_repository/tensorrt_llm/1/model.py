@@ -34,7 +34,7 @@ _add_launcher_python_path()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402  (after the path set-up above)
 
-from kilnlm.runtime.distribution.engine_source import resolve_served_engine  # noqa: E402
+from kilnlm.runtime.distribution.engine_source import resolve_served_engine, served_trusted_keys  # noqa: E402
 from kilnlm.runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from kilnlm.runtime.serving import parameters, triton_backend  # noqa: E402
 from kilnlm.runtime.serving.dispatcher import RequestDispatcher  # noqa: E402
@@ -54,7 +54,8 @@ class TritonPythonModel:
         overrides = parameters.executor_overrides(params)
         pb_utils.Logger.log_info(f"kilnlm: loading engine {served.engine_dir} ({served.source}) with "
                                  f"{overrides or 'defaults'}")
-        executor = Executor.from_engine_dir(str(served.engine_dir), ExecutorConfig(**overrides))
+        executor = Executor.from_engine_dir(str(served.engine_dir), ExecutorConfig(**overrides),
+                                            served_trusted_keys(args["model_repository"], params))
         metrics = Metrics(triton_backend.TritonMetricsBackend(pb_utils), args["model_name"])
         self._dispatcher = RequestDispatcher(executor, metrics, parameters.default_max_tokens(params),
                                              log=triton_backend.TritonLog(pb_utils),
