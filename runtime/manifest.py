@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +31,8 @@ from kilnlm.runtime.errors import EngineError
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SIGNATURE_NAME = "manifest.sig"  # an Ed25519 signature of manifest.json (kilnlm.runtime.signing), not listed in it
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KB (SmolLM2: ~4 KB); anything larger is refused unread
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 SUPPORTED_FORMAT_VERSIONS = (1,)
 
 
@@ -102,6 +106,16 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+        """The manifest in ``data`` (parsed JSON). Raises KeyError / TypeError / ValueError for missing or
+        malformed fields, among them a file path that is not a plain relative path inside the engine
+        directory (:func:`check_engine_path`) and a size or SHA-256 that is not one."""
+        files = dict(data.get("files", {}))
+        for rel, meta in files.items():
+            check_engine_path(rel)
+            if (not isinstance(meta, dict) or type(meta.get("size")) is not int or meta["size"] < 0
+                    or not isinstance(meta.get("sha256"), str) or not _SHA256_RE.fullmatch(meta["sha256"])):
+                raise ValueError(f"files[{rel!r}] is {meta!r}: expected {{'size': bytes, 'sha256': 64 hex digits}}")
+        check_engine_path(data.get("engine_file", "model.pt2"))
         return cls(
             model=ModelConfig(**data["model"]),
             build=BuildConfig(**data["build"]),
@@ -111,10 +125,19 @@ class Manifest:
             source_checkpoint_digest=data["source_checkpoint_digest"],
             engine_file=data.get("engine_file", "model.pt2"),
             format_version=int(data["format_version"]),
-            files=dict(data.get("files", {})),
+            files=files,
             cache_key=data.get("cache_key"),
             cache_key_inputs=data.get("cache_key_inputs"),
         )
+
+
+def check_engine_path(rel: Any) -> None:
+    """Raise ValueError unless ``rel`` is a plain relative POSIX path inside an engine directory: no
+    absolute path, no ``..``, ``.`` or empty component, no backslash or NUL, and not the manifest or its
+    signature (what a hostile manifest would use to read or write outside the directory)."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel or rel.startswith("/") or \
+            any(part in ("", ".", "..") for part in rel.split("/")) or rel in (MANIFEST_NAME, SIGNATURE_NAME):
+        raise ValueError(f"file path {rel!r} is not a relative path inside the engine directory")
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
@@ -158,6 +181,11 @@ def read_manifest_bytes(engine_dir: str | os.PathLike) -> bytes:
         raise EngineError(f"engine directory {root} does not exist: build one with `kilnlm build`")
     if not path.is_file():
         raise EngineError(f"{path} is missing: {root} is not a kilnlm engine (or its build did not finish); rebuild it with `kilnlm build`")
+    if path.is_symlink():
+        raise EngineError(f"{path} is a symbolic link: an engine holds only regular files; copy the engine instead of linking it")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise EngineError(f"{path} is {path.stat().st_size:,} bytes (at most {MAX_MANIFEST_BYTES:,}): not a kilnlm manifest; "
+                          "the engine is refused")
     try:
         return path.read_bytes()
     except OSError as exc:
@@ -185,9 +213,20 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
 
 
 def verify_files(engine_dir: str | os.PathLike, manifest: Manifest) -> None:
-    """Check that every file listed in the manifest exists with its recorded size and SHA-256, and that no
-    unlisted file sits in the directory. Raises :class:`EngineError` naming the first offending file."""
+    """Check that the directory holds only regular files and directories (no symbolic link, which could
+    point outside it), that every file listed in the manifest exists with its recorded size and SHA-256,
+    and that no unlisted file sits in the directory. Raises :class:`EngineError` naming the first offending
+    file."""
     root = Path(engine_dir)
+    for dirpath, dirnames, filenames in os.walk(root):  # never follows a link
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                raise EngineError(f"engine file {path} is a symbolic link: an engine holds only regular files; "
+                                  "rebuild it or pull it again from the cache")
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise EngineError(f"engine file {path} is not a regular file: remove it or rebuild the engine")
     for rel, meta in sorted(manifest.files.items()):
         path = root / rel
         if not path.is_file():

@@ -41,8 +41,8 @@ from kilnlm.runtime.distribution.object_store import ObjectInfo, ObjectStore
 from kilnlm.runtime.distribution.refs import (KEY_PREFIX_RE, KEY_RE, LATEST, check_name, check_tag_version,
                                               parse_ref, split_cache_ref, split_name_version, version_order)
 from kilnlm.runtime.errors import CacheError
-from kilnlm.runtime.manifest import (MANIFEST_NAME, SIGNATURE_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest, move_into_place,
-                                     read_manifest, verify_files)
+from kilnlm.runtime.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGNATURE_NAME, SUPPORTED_FORMAT_VERSIONS, Manifest,
+                                     move_into_place, read_manifest, verify_files)
 from kilnlm.runtime.signing import MAX_SIGNATURE_BYTES, key_id, read_signature, sign_manifest_bytes
 
 log = logging.getLogger(__name__)
@@ -118,11 +118,16 @@ class EngineCache:
     def _read_manifest(self, key: str) -> tuple[Manifest, bytes, ObjectInfo] | None:
         """The stored manifest of ``key`` (parsed, raw bytes, object info), or None if there is none."""
         path = self._manifest_path(key)
+        info = self.store.info(path)
+        if info is None:
+            return None
+        where = self.store.describe(path)
+        if info.size_bytes > MAX_MANIFEST_BYTES:
+            raise CacheError(f"{where} is {info.size_bytes:,} bytes (at most {MAX_MANIFEST_BYTES:,}): not a kilnlm manifest; "
+                             f"remove the entry (kilnlm cache rm {key})")
         raw = self.store.read_bytes(path)
         if raw is None:
             return None
-        info = self.store.info(path)
-        where = self.store.describe(path)
         try:
             data = json.loads(raw)
             if data.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
@@ -130,7 +135,7 @@ class EngineCache:
                                  f"this kilnlm: upgrade kilnlm or remove the entry (kilnlm cache rm {key})")
             manifest = Manifest.from_dict(data)
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise CacheError(f"{where} is not a valid manifest ({type(exc).__name__}): the entry is corrupt; "
+            raise CacheError(f"{where} is not a valid manifest ({type(exc).__name__}: {exc}): the entry is corrupt; "
                              f"remove it (kilnlm cache rm {key}) and push the engine again") from None
         if key not in (manifest.cache_key, _sha256(raw)):
             raise CacheError(f"{where} records cache key {manifest.cache_key!r}, not {key}: the entry was modified; "

@@ -97,6 +97,59 @@ def test_foreign_cpu_isa(engine_copy, no_loading):
     assert_refused(engine_copy, "cpu_isa", "neon")
 
 
+@pytest.mark.parametrize("field,value", [
+    ("files", "../outside"), ("files", "/etc/passwd"), ("files", "tokenizer/../../outside"), ("files", "./model.pt2"),
+    ("files", "manifest.sig"), ("engine_file", "../evil.pt2"), ("sha256", "../../../etc/passwd"), ("size", -1),
+], ids=["dotdot", "absolute", "nested-dotdot", "dot", "signature-name", "engine-file", "digest", "size"])
+def test_manifest_paths_outside_the_directory_are_refused(engine_copy, no_loading, field, value):
+    """A hostile manifest cannot make the runtime (or the cache, which writes every listed path) touch a
+    path outside the engine directory: the file names, the engine file and the digests are checked when
+    the manifest is parsed, before any file is opened."""
+    outside = engine_copy.parent / "outside"
+    outside.write_bytes(b"secret")
+
+    def edit(data):
+        if field == "files":  # listed with the outside file's true size and digest
+            data["files"][value] = {"size": 6, "sha256": __import__("hashlib").sha256(b"secret").hexdigest()}
+        elif field == "engine_file":
+            data["engine_file"] = value
+        else:
+            data["files"]["model.pt2"][field] = value
+
+    edit_manifest(engine_copy, edit)
+    assert_refused(engine_copy, "manifest.json is malformed", "not a relative path inside" if field in ("files", "engine_file")
+                   else "expected {'size': bytes, 'sha256': 64 hex digits}")
+
+
+def test_symbolic_links_are_refused(engine_copy, no_loading, tmp_path):
+    """A link inside an engine could point anywhere, and its target could change after verification."""
+    tokenizer = engine_copy / "tokenizer" / "tokenizer.json"
+    moved = tmp_path / "tokenizer.json"
+    tokenizer.rename(moved)
+    tokenizer.symlink_to(moved)  # same bytes: the digest alone would accept it
+    assert_refused(engine_copy, "tokenizer.json is a symbolic link")
+    tokenizer.unlink()
+    moved.rename(tokenizer)
+    shutil.move(engine_copy / "tokenizer", tmp_path / "tokenizer_dir")
+    (engine_copy / "tokenizer").symlink_to(tmp_path / "tokenizer_dir", target_is_directory=True)
+    assert_refused(engine_copy, "tokenizer is a symbolic link")
+
+
+def test_oversized_or_malformed_manifest(engine_copy, no_loading):
+    from kilnlm.runtime.manifest import MAX_MANIFEST_BYTES
+
+    path = engine_copy / "manifest.json"
+    original = path.read_bytes()
+    path.write_bytes(original + b" " * MAX_MANIFEST_BYTES)  # still valid JSON, but no manifest is that large
+    assert_refused(engine_copy, "manifest.json is", "not a kilnlm manifest")
+    path.write_bytes(b"\xff\xfe not utf-8")
+    assert_refused(engine_copy, "manifest.json is not valid JSON")
+    edit = json.loads(original)
+    edit["files"] = ["model.pt2"]
+    path.write_text(json.dumps(edit))
+    assert_refused(engine_copy, "manifest.json is malformed")
+
+
 def test_kv_cache_allocation(tiny_engine_dir):
     engine = Engine.load(tiny_engine_dir)
     m, b = engine.manifest.model, engine.manifest.build

@@ -123,6 +123,40 @@ def test_modified_manifest_is_refused(cache_url, fake_engine, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_hostile_entries_never_write_outside_the_output(cache_url, fake_engine, tmp_path):
+    """A stored manifest listing a path outside the engine directory (or a blob name outside the entry), an
+    oversized manifest, or a name pointer whose key is a path: each is refused, naming the object, and
+    nothing is written anywhere."""
+    from kilnlm.runtime.manifest import MAX_MANIFEST_BYTES
+
+    engine = fake_engine("e", KEY_A)
+    cache = EngineCache(cache_url)
+    cache.publish(engine, "tiny")
+    path = f"engines/{KEY_A}/manifest.json"
+    original = cache.store.read_bytes(path)
+    data = json.loads(original)
+    data["files"]["../../escaped"] = data["files"]["model.pt2"]
+    cache.store.write_bytes(path, json.dumps(data).encode())
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(CacheError, match=r"manifest\.json is not a valid manifest .*not a relative path inside"):
+        cache.fetch(KEY_A, tmp_path / "out" / "engine")
+    data = json.loads(original)
+    data["files"]["model.pt2"]["sha256"] = "../" * 3 + "names/tiny/1.json"
+    cache.store.write_bytes(path, json.dumps(data).encode())
+    with pytest.raises(CacheError, match="64 hex digits"):
+        cache.verify(KEY_A)
+    cache.store.write_bytes(path, original + b" " * MAX_MANIFEST_BYTES)
+    with pytest.raises(CacheError, match="not a kilnlm manifest"):
+        cache.fetch(KEY_A, tmp_path / "out" / "engine")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not (tmp_path / "out" / "engine").exists()
+    assert not list(tmp_path.parent.glob("escaped*"))
+
+    cache.store.write_bytes(path, original)
+    cache.store.write_bytes("names/tiny/2.json", json.dumps({"key": "../../etc"}).encode())
+    with pytest.raises(CacheError, match=r"tiny:2 points to key '\.\./\.\./etc'"):
+        cache.resolve("tiny:2")
+
+
 def test_publish_failing_midway_is_invisible(cache_url, fake_engine, tmp_path, monkeypatch):
     """An upload that dies after the first file: no manifest, so readers see nothing; gc cleans it; the
     next publish succeeds."""
