@@ -194,7 +194,7 @@ class Executor:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         """Queue a request (``params.n`` sequences of it); returns its id. Thread-safe. Raises
         :class:`RequestError` for an empty prompt, a prompt of ``max_seq_len`` tokens or more, token ids
-        outside the vocabulary, bad sampling params, a sequence that cannot fit the KV cache even alone, a
+        outside the vocabulary, bad sampling params, more sequences (``n``) than ``max_batch_size``, a sequence that cannot fit the KV cache even alone, a
         ``guided_decoding`` guide that does not compile (or without xgrammar installed), or (without chunked
         context) a prompt longer than ``max_num_tokens``; :class:`QueueFullError` when ``max_queue_size``
         requests already wait for admission (retry later).
@@ -205,6 +205,9 @@ class Executor:
         ``max_queue_size``."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
+        if params.n > self.max_batch_size:
+            raise RequestError(f"n (num_return_sequences) is {params.n:,}: at most max_batch_size={self.max_batch_size} "
+                               "sequences per request")
         self.guided_decoder.check(params)
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:

@@ -64,6 +64,10 @@ class GuidedDecodingParams:
 
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask log-probabilities for (OpenAI's limit)
+# Stop sequences: each is searched for after every token and may hold text back, so their number and length
+# are bounded (OpenAI takes 4; TensorRT-LLM's clients send a handful).
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,9 @@ class SamplingParams:
             raise RequestError(f"end_id {self.end_id} is outside the vocabulary [0, {vocab_size})")
         if any(not s for s in self.stop):
             raise RequestError("stop contains an empty string: every stop sequence needs at least one character")
+        if len(self.stop) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"stop has {len(self.stop):,} sequences of up to {max(map(len, self.stop)):,} characters: "
+                               f"at most {MAX_STOP_SEQUENCES} sequences of at most {MAX_STOP_CHARS} characters each")
         for word in self.bad_words:
             if not word or any(not (0 <= t < vocab_size) for t in word):
                 raise RequestError(f"bad_words entry {list(word)} must be a non-empty list of token ids in [0, {vocab_size})")

@@ -4,6 +4,7 @@
   (:mod:`kilnlm.runtime.serving.launcher`), on free ports, waited for on ``/v2/health/ready``, stopped
   (SIGTERM, then SIGKILL, then its leftover stubs) when the block ends; its log is kept in ``work_dir`` and
   shown when it fails to start;
+- :func:`running_openai_server`: kilnlm's OpenAI-compatible server of an executor on uvicorn, in a thread;
 - :func:`running_s3_server`: moto's S3 server with the standard AWS environment variables pointing at it,
   so s3fs -- and any subprocess (the ``kilnlm`` CLI, tritonserver) -- talks to it.
 
@@ -17,6 +18,7 @@ import dataclasses
 import re
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +30,7 @@ import pytest
 
 SERVER_START_TIMEOUT_S = 300.0
 SERVER_STOP_TIMEOUT_S = 60.0
+OPENAI_START_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass
@@ -156,6 +159,35 @@ class S3Server:
         name = name or f"kilnlm-{uuid.uuid4().hex[:12]}"
         self.client().create_bucket(Bucket=name)
         return f"s3://{name}"
+
+
+@contextlib.contextmanager
+def running_openai_server(executor, settings) -> Iterator[str]:
+    """An :class:`~kilnlm.runtime.serving.openai_server.OpenAIServer` of ``executor`` on uvicorn on a free
+    loopback port, in a thread of this process; yields its base URL."""
+    import uvicorn
+
+    from kilnlm.runtime.serving.openai_server import OpenAIServer
+
+    server = uvicorn.Server(uvicorn.Config(OpenAIServer(executor, settings).app, host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + OPENAI_START_TIMEOUT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def all_blocks_free(executor) -> bool:
+    stats = executor.stats()
+    return stats.num_active_requests == 0 and stats.num_queued == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
 def _free_port() -> int:

@@ -223,6 +223,15 @@ def test_request_larger_than_the_pool_is_rejected(make_executor):
         executor.submit(list(range(10)), SamplingParams(max_tokens=10))
 
 
+def test_more_sequences_than_the_batch_holds_are_rejected(make_executor):
+    """n = 100,000 sequences of one request would occupy the server for minutes: refused, naming the limit."""
+    executor, _ = make_executor(max_batch_size=3)
+    with pytest.raises(RequestError, match="n \\(num_return_sequences\\) is 100,000: at most max_batch_size=3"):
+        executor.submit([1, 2], SamplingParams(n=100_000, max_tokens=2))
+    assert executor.stats().num_queued == 0
+    executor.submit([1, 2], SamplingParams(n=3, max_tokens=2))
+
+
 def test_shutdown_cancels_outstanding_requests(make_executor):
     executor, _ = make_executor(max_seq_len=4096)
     request_id = executor.submit([5], SamplingParams(max_tokens=4000, ignore_eos=True))

@@ -95,7 +95,8 @@ def test_bad_words_ban_tokens_and_continuations():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                 dict(max_tokens=0), dict(end_id=10**6), dict(stop=[""]), dict(bad_words=[[]])])
+                                 dict(max_tokens=0), dict(end_id=10**6), dict(stop=[""]), dict(bad_words=[[]]),
+                                 dict(stop=["s"] * 65), dict(stop=["s" * 1025])])
 def test_invalid_params_are_request_errors(bad):
     with pytest.raises(RequestError):
         SamplingParams(**bad).validate(vocab_size=1000)

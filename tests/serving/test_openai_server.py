@@ -4,7 +4,6 @@ at hand), and ``kilnlm serve`` itself on the SmolLM2 fp32 engine for one chat co
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -20,38 +19,18 @@ from pathlib import Path
 
 import openai  # the test extra installs it: a missing client fails here, it never skips
 import pytest
-import uvicorn
 
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.request import SamplingParams
-from kilnlm.runtime.serving.openai_server import OpenAIServer, ServerSettings
+from kilnlm.runtime.serving.openai_server import ServerSettings
 from factories import CAPITAL_QUESTION
-from servers import sample
+from servers import all_blocks_free, running_openai_server, sample
 
 MODEL = "tiny"
 API_KEY = "test-key"
 PROMPT = "The quick brown fox"
 LONG = dict(max_tokens=200, extra_body={"ignore_eos": True})  # runs long enough to be interrupted
 START_TIMEOUT_S = 60.0
-
-
-@contextlib.contextmanager
-def running_openai_server(executor, settings: ServerSettings):
-    """An :class:`OpenAIServer` on uvicorn on a free loopback port, in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(OpenAIServer(executor, settings).app, host="127.0.0.1", port=0,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def make_client(url: str, api_key: str = API_KEY, **options) -> "openai.OpenAI":
@@ -74,11 +53,6 @@ def metric_samples(url: str) -> dict[str, float]:
 
 def cancelled_count(url: str) -> float:
     return sample(metric_samples(url), "kilnlm_requests_finished_total", model=MODEL, finish_reason="cancelled")
-
-
-def all_blocks_free(executor) -> bool:
-    stats = executor.stats()
-    return stats.num_active_requests == 0 and stats.num_queued == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
 @pytest.fixture(scope="module")
