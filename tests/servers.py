@@ -70,6 +70,20 @@ class TritonServer:
         """One sample; ``labels`` besides ``model`` select among labelled series (0.0 when absent)."""
         return sample(self.metrics(), name, **labels)
 
+    def llm_load(self, model: str = "tensorrt_llm") -> dict[str, float]:
+        """The executor's state as the metrics report it: KV blocks ``free`` and ``total``, requests ``active``
+        and ``queued`` (TensorRT-LLM's metric families, on the model that hosts the executor)."""
+        m = self.metrics()
+        return {"free": sample(m, "nv_trt_llm_kv_cache_block_metrics", model=model, kv_cache_block_type="free"),
+                "total": sample(m, "nv_trt_llm_kv_cache_block_metrics", model=model, kv_cache_block_type="max"),
+                "active": sample(m, "nv_trt_llm_request_metrics", model=model, request_type="active"),
+                "queued": sample(m, "nv_trt_llm_request_metrics", model=model, request_type="waiting")}
+
+    def is_idle(self, model: str = "tensorrt_llm") -> bool:
+        """No request active or queued, and every KV block free (:meth:`llm_load`)."""
+        load = self.llm_load(model)
+        return load["free"] == load["total"] > 0 and load["active"] == load["queued"] == 0
+
 
 def sample(samples: dict[str, float], name: str, **labels: str) -> float:
     """The value of ``name`` in ``samples`` (:meth:`TritonServer.metrics`) whose labels include ``labels``

@@ -141,18 +141,12 @@ def wait_for_idle(server, timeout_s: float = 20.0) -> tuple[float, float]:
     """Poll the metrics until no request is active or queued and every KV block is free; returns
     (free, total) blocks. Fails with the last values seen on timeout."""
     deadline_s = time.monotonic() + timeout_s
-    while True:
-        m = server.metrics()
-        free = sample(m, "nv_trt_llm_kv_cache_block_metrics", model=LLM_MODEL, kv_cache_block_type="free")
-        total = sample(m, "nv_trt_llm_kv_cache_block_metrics", model=LLM_MODEL, kv_cache_block_type="max")
-        active = sample(m, "nv_trt_llm_request_metrics", model=LLM_MODEL, request_type="active")
-        queued = sample(m, "nv_trt_llm_request_metrics", model=LLM_MODEL, request_type="waiting")
-        if free == total and total > 0 and active == 0 and queued == 0:
-            return free, total
+    while not server.is_idle(LLM_MODEL):
         if time.monotonic() > deadline_s:
-            pytest.fail(f"server not idle after {timeout_s} s: free={free} total={total} active={active} "
-                        f"queued={queued}")
+            pytest.fail(f"server not idle after {timeout_s} s: {server.llm_load(LLM_MODEL)}")
         time.sleep(0.1)
+    load = server.llm_load(LLM_MODEL)
+    return load["free"], load["total"]
 
 
 def wait_for_cancelled(server, num_cancelled: int, timeout_s: float = 10.0) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from servers import is_ready, running_tritonserver, sample
+from servers import is_ready, running_tritonserver
 
 pytestmark = [pytest.mark.triton]
 
@@ -57,15 +57,8 @@ def server(tiny_engine_dir, tmp_path_factory):
 def wait_idle(server, sent) -> None:
     """The server is ready, and within 30 s no request is active or queued and every KV block is free."""
     deadline = time.monotonic() + 30
-    while True:
-        m = server.metrics()
-        free = sample(m, "nv_trt_llm_kv_cache_block_metrics", model=LLM_MODEL, kv_cache_block_type="free")
-        total = sample(m, "nv_trt_llm_kv_cache_block_metrics", model=LLM_MODEL, kv_cache_block_type="max")
-        active = sample(m, "nv_trt_llm_request_metrics", model=LLM_MODEL, request_type="active")
-        queued = sample(m, "nv_trt_llm_request_metrics", model=LLM_MODEL, request_type="waiting")
-        if free == total > 0 and active == queued == 0 and is_ready(server.http_url):
-            return
-        assert time.monotonic() < deadline, f"not idle: free={free} total={total} active={active} queued={queued}; {sent}"
+    while not (server.is_idle(LLM_MODEL) and is_ready(server.http_url)):
+        assert time.monotonic() < deadline, f"not idle: {server.llm_load(LLM_MODEL)}; {sent}"
         time.sleep(0.05)
 
 
