@@ -95,10 +95,10 @@ def sample(samples: dict[str, float], name: str, **labels: str) -> float:
     return 0.0
 
 
-def is_ready(http_url: str) -> bool:
-    """Whether the server at ``http_url`` answers ``/v2/health/ready`` with 200."""
+def is_ready(http_url: str, path: str = "/v2/health/ready") -> bool:
+    """Whether the server at ``http_url`` answers ``path`` (Triton's readiness by default) with 200."""
     try:
-        with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as reply:
+        with urllib.request.urlopen(f"{http_url}{path}", timeout=2) as reply:
             return reply.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return False
@@ -197,6 +197,48 @@ def running_openai_server(executor, settings) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@dataclasses.dataclass
+class KilnlmServe:
+    """A running ``kilnlm serve`` process and its base URL (``http://127.0.0.1:<port>``)."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+
+@contextlib.contextmanager
+def running_kilnlm_serve(args: list[str], work_dir: Path, env: dict[str, str] | None = None,
+                         start_timeout_s: float = OPENAI_START_TIMEOUT_S) -> Iterator[KilnlmServe]:
+    """``kilnlm serve ARGS --port <free>`` as a subprocess of this interpreter's venv (``env`` added to the
+    environment), waited for on ``/health``; its log is ``work_dir/serve.log`` and is shown when it fails to
+    start. Stopped with SIGTERM (then SIGKILL) when the block ends, unless it already exited."""
+    import os
+    import sys
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log_path = work_dir / "serve.log"
+    port = _free_port()
+    command = [str(Path(sys.executable).with_name("kilnlm")), "serve", *args, "--port", str(port)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    served = KilnlmServe(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not is_ready(served.url, "/health"):
+            assert process.poll() is None, f"kilnlm serve exited while starting:\n{log_path.read_text()[-5000:]}"
+            assert time.monotonic() < deadline, f"kilnlm serve not up after {start_timeout_s} s:\n{log_path.read_text()[-5000:]}"
+            time.sleep(0.2)
+        yield served
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def all_blocks_free(executor) -> bool:

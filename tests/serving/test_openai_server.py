@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -24,13 +23,12 @@ from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.request import SamplingParams
 from kilnlm.runtime.serving.openai_server import ServerSettings
 from factories import CAPITAL_QUESTION
-from servers import all_blocks_free, running_openai_server, sample
+from servers import all_blocks_free, running_kilnlm_serve, running_openai_server, sample
 
 MODEL = "tiny"
 API_KEY = "test-key"
 PROMPT = "The quick brown fox"
 LONG = dict(max_tokens=200, extra_body={"ignore_eos": True})  # runs long enough to be interrupted
-START_TIMEOUT_S = 60.0
 
 
 def make_client(url: str, api_key: str = API_KEY, **options) -> "openai.OpenAI":
@@ -293,39 +291,16 @@ def test_serve_help_and_executor_options():
                                                    batch_scheduler_policy="guaranteed_no_evict")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.e2e
 def test_kilnlm_serve_answers_paris(smollm2_engine_fp32_dir, tmp_path):
-    port = _free_port()
-    log = (tmp_path / "serve.log").open("w")
-    command = [str(Path(sys.executable).with_name("kilnlm")), "serve", "--engine", str(smollm2_engine_fp32_dir),
-               "--port", str(port), "--served-model-name", "smollm2", "--api-key", API_KEY, "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-                    return reply.status == 200
-            except OSError:
-                return False
-
-        wait_for(healthy, START_TIMEOUT_S, "kilnlm serve to start")
-        completion = make_client(url).chat.completions.create(
+    args = ["--engine", str(smollm2_engine_fp32_dir), "--served-model-name", "smollm2", "--api-key", API_KEY,
+            "--log-level", "warning"]
+    with running_kilnlm_serve(args, tmp_path) as served:
+        completion = make_client(served.url).chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": CAPITAL_QUESTION}],
             temperature=0, max_tokens=20)
         assert "Paris" in completion.choices[0].message.content
         assert completion.choices[0].finish_reason == "stop"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
 
 
 def test_serve_resolves_a_cache_reference(tiny_engine_dir, tmp_path):
