@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -253,6 +254,50 @@ def test_disconnect_while_waiting_cancels_the_request(tiny_engine_dir):
             for stream in ahead:
                 stream.close()
             wait_for(lambda: all_blocks_free(executor), what="every KV block free")
+    finally:
+        executor.shutdown()
+
+
+def test_a_hundred_clients_disconnecting_at_once(tiny_engine_dir):
+    """100 streamed requests submitted while the engine's first step is held (8 admitted, 92 waiting for a
+    batch slot); every client closes its connection at the same moment (issue 26, item 3): all 100 end as
+    cancelled, the server keeps answering, and every KV block is back in the pool."""
+    import http.client
+
+    executor = Executor.from_engine_dir(tiny_engine_dir, ExecutorConfig(max_batch_size=8))
+    forward, go = executor.engine.forward, threading.Event()
+    executor.engine.forward = lambda *args: (go.wait(60), forward(*args))[1]  # hold the first step: none finishes
+    submit, submitted = executor.submit, []
+    executor.submit = lambda *args, **kwargs: submitted.append(submit(*args, **kwargs)) or submitted[-1]
+    try:
+        with running_openai_server(executor, ServerSettings(MODEL)) as url:
+            host, port = url.removeprefix("http://").split(":")
+            body = json.dumps({"model": MODEL, "prompt": PROMPT, "stream": True, **LONG["extra_body"],
+                               "max_tokens": LONG["max_tokens"]})
+            connections = []
+            for _ in range(100):
+                connection = http.client.HTTPConnection(host, int(port), timeout=60)
+                connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                connections.append(connection)
+            wait_for(lambda: len(submitted) == 100, what="all 100 requests submitted", message=lambda: len(submitted))
+            barrier = threading.Barrier(100)
+
+            def disconnect(connection):
+                barrier.wait()
+                connection.sock.shutdown(socket.SHUT_RDWR)
+                connection.close()
+
+            threads = [threading.Thread(target=disconnect, args=(c,)) for c in connections]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            go.set()
+            wait_for(lambda: cancelled_count(url) == 100, timeout_s=60, what="all 100 requests cancelled",
+                     message=lambda: executor.stats())
+            wait_for(lambda: all_blocks_free(executor), what="every KV block free")
+            completion = make_client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+            assert completion.choices[0].text
     finally:
         executor.shutdown()
 
