@@ -115,7 +115,8 @@ class Manifest:
             if (not isinstance(meta, dict) or type(meta.get("size")) is not int or meta["size"] < 0
                     or not isinstance(meta.get("sha256"), str) or not _SHA256_RE.fullmatch(meta["sha256"])):
                 raise ValueError(f"files[{rel!r}] is {meta!r}: expected {{'size': bytes, 'sha256': 64 hex digits}}")
-        check_engine_path(data.get("engine_file", "model.pt2"))
+        engine_file = data.get("engine_file", "model.pt2")
+        check_engine_path(engine_file)
         return cls(
             model=ModelConfig(**data["model"]),
             build=BuildConfig(**data["build"]),
@@ -123,7 +124,7 @@ class Manifest:
             plugins=dict(data["plugins"]),
             toolchain=dict(data["toolchain"]),
             source_checkpoint_digest=data["source_checkpoint_digest"],
-            engine_file=data.get("engine_file", "model.pt2"),
+            engine_file=engine_file,
             format_version=int(data["format_version"]),
             files=files,
             cache_key=data.get("cache_key"),
@@ -183,8 +184,9 @@ def read_manifest_bytes(engine_dir: str | os.PathLike) -> bytes:
         raise EngineError(f"{path} is missing: {root} is not a kilnlm engine (or its build did not finish); rebuild it with `kilnlm build`")
     if path.is_symlink():
         raise EngineError(f"{path} is a symbolic link: an engine holds only regular files; copy the engine instead of linking it")
-    if path.stat().st_size > MAX_MANIFEST_BYTES:
-        raise EngineError(f"{path} is {path.stat().st_size:,} bytes (at most {MAX_MANIFEST_BYTES:,}): not a kilnlm manifest; "
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise EngineError(f"{path} is {size:,} bytes (at most {MAX_MANIFEST_BYTES:,}): not a kilnlm manifest; "
                           "the engine is refused")
     try:
         return path.read_bytes()
@@ -218,6 +220,8 @@ def verify_files(engine_dir: str | os.PathLike, manifest: Manifest) -> None:
     and that no unlisted file sits in the directory. Raises :class:`EngineError` naming the first offending
     file."""
     root = Path(engine_dir)
+    listed = set(manifest.files) | {MANIFEST_NAME, SIGNATURE_NAME}
+    unlisted = []  # reported after the listed files are checked
     for dirpath, dirnames, filenames in os.walk(root):  # never follows a link
         for name in sorted(dirnames + filenames):
             path = Path(dirpath) / name
@@ -227,6 +231,8 @@ def verify_files(engine_dir: str | os.PathLike, manifest: Manifest) -> None:
                                   "rebuild it or pull it again from the cache")
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 raise EngineError(f"engine file {path} is not a regular file: remove it or rebuild the engine")
+            if stat.S_ISREG(mode) and path.relative_to(root).as_posix() not in listed:
+                unlisted.append(path)
     for rel, meta in sorted(manifest.files.items()):
         path = root / rel
         if not path.is_file():
@@ -242,14 +248,11 @@ def verify_files(engine_dir: str | os.PathLike, manifest: Manifest) -> None:
                 f"engine file {path} does not match its SHA-256 in the manifest: the engine is corrupt or "
                 "was modified; rebuild it or pull it again (never edit an engine in place)"
             )
-    listed = set(manifest.files) | {MANIFEST_NAME, SIGNATURE_NAME}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel not in listed:
-            raise EngineError(
-                f"engine file {path} is not listed in the manifest: something was added to the engine "
-                "directory; remove it or rebuild the engine"
-            )
+    if unlisted:
+        raise EngineError(
+            f"engine file {min(unlisted)} is not listed in the manifest: something was added to the engine "
+            "directory; remove it or rebuild the engine"
+        )
     if manifest.engine_file not in manifest.files:
         raise EngineError(f"{root / MANIFEST_NAME} lists no compiled engine file {manifest.engine_file!r}: rebuild the engine")
 
