@@ -21,7 +21,7 @@ from kilnlm.builder.build import build_engine
 from kilnlm.builder.cache_key import compute_cache_key
 from kilnlm.builder.config import BuildOptions, ResolvedBuildOptions, resolve
 from kilnlm.runtime.distribution.cache import CacheEntry, EngineCache, split_name_version
-from kilnlm.runtime.manifest import Manifest
+from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest
 from kilnlm.runtime.signing import load_signing_key, sign_engine
 
 
@@ -57,9 +57,9 @@ def build_with_cache(options: BuildOptions | ResolvedBuildOptions, cache_url: st
     if hit:
         manifest = cache.fetch(key.key, opts.output, overwrite=opts.overwrite)
         say(f"cache hit {key.key}: fetched into {opts.output}")
-        if opts.sign_key is not None:  # the entry gets this signature too (publish uploads nothing else)
+        if opts.sign_key is not None:  # the fetched files were checked: only the signature goes up
             say(f"signed {opts.output} with key {sign_engine(opts.output, load_signing_key(opts.sign_key))}")
-            entry = cache.publish(opts.output)
+            cache.store_signature(opts.output, key.key, (opts.output / MANIFEST_NAME).read_bytes())
     else:
         say(f"cache miss {key.key}: building")
         manifest = build_engine(opts, cache_key=key)

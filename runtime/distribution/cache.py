@@ -353,7 +353,7 @@ class EngineCache:
                 log.info("key %s was published concurrently by another builder; keeping that entry", key)
         else:
             log.info("key %s is already in %s; nothing uploaded", key, self.url)
-        self._store_signature(engine_dir, key, raw, signing_key)
+        self.store_signature(engine_dir, key, raw, signing_key)
         if name is not None:
             self.tag(key, name, version)
         entry = self.lookup(key)
@@ -361,8 +361,11 @@ class EngineCache:
             raise CacheError(f"key {key} vanished from cache {self.url} right after publishing (removed concurrently?): publish again")
         return entry
 
-    def _store_signature(self, engine_dir: Path, key: str, raw: bytes, signing_key) -> None:
-        """:meth:`publish`'s signature step for the entry ``key``, whose manifest ``engine_dir`` has as ``raw``."""
+    def store_signature(self, engine_dir: Path, key: str, raw: bytes, signing_key=None) -> None:
+        """:meth:`publish`'s signature step, without re-checking the files: sign the entry ``key``, whose
+        manifest ``engine_dir`` holds as ``raw`` (already stored), with ``signing_key``, or store
+        ``engine_dir``'s own ``manifest.sig`` (nothing without either). Raises :class:`CacheError` as
+        :meth:`publish` does."""
         signature = sign_manifest_bytes(raw, signing_key) if signing_key is not None else read_signature(engine_dir)
         if signature is None:
             return

@@ -61,6 +61,32 @@ def test_engine_built_without_cache_is_a_hit_once_pushed(tiny_llama_dir, tiny_en
     assert f"cache hit {read_manifest(tiny_engine_dir).cache_key}" in capsys.readouterr().out
 
 
+def test_a_hit_with_sign_key_signs_the_fetched_engine_and_the_entry(tiny_llama_dir, tiny_engine_dir, tmp_path,
+                                                                    capsys, monkeypatch):
+    """--sign-key on a cache hit: no build, the fetched engine is signed and so is the cache entry."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from kilnlm.runtime.signing import TrustedKeys
+
+    key = Ed25519PrivateKey.generate()
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    (tmp_path / "trusted.pem").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                         serialization.PublicFormat.SubjectPublicKeyInfo))
+    trusted = TrustedKeys.load(tmp_path / "trusted.pem")
+    cache = str(tmp_path / "cache")
+    assert main(["cache", "push", str(tiny_engine_dir), "--cache", cache]) == 0  # unsigned
+    _forbid_building(monkeypatch)
+    build = read_manifest(tiny_engine_dir).build
+    assert main(["build", "--checkpoint", str(tiny_llama_dir), "--output", str(tmp_path / "out"), "--cache", cache,
+                 "--qformat", build.qformat, *_limits_args(build), "--sign-key", str(tmp_path / "key.pem")]) == 0
+    assert "cache hit" in capsys.readouterr().out
+    verify_engine(tmp_path / "out", trusted)
+    EngineCache(cache).fetch(read_manifest(tiny_engine_dir).cache_key, tmp_path / "again")
+    verify_engine(tmp_path / "again", trusted)
+
+
 def test_name_without_cache_is_refused(tiny_llama_dir, tmp_path, capsys):
     assert main(["build", "--checkpoint", str(tiny_llama_dir), "--output", str(tmp_path / "o"), "--name", "x"]) == 2
     assert "add --cache" in capsys.readouterr().err
