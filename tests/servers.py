@@ -104,6 +104,17 @@ def is_ready(http_url: str, path: str = "/v2/health/ready") -> bool:
         return False
 
 
+def stop_process(process: subprocess.Popen, timeout_s: float = SERVER_STOP_TIMEOUT_S) -> None:
+    """SIGTERM ``process`` unless it already exited, then SIGKILL it if it is still running after ``timeout_s``."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @contextlib.contextmanager
 def running_tritonserver(work_dir: Path, *, engine_dir: Path | None = None, model_repository: Path | None = None,
                          repository_poll_s: int | None = None, extra_env: dict[str, str] | None = None,
@@ -146,13 +157,7 @@ def running_tritonserver(work_dir: Path, *, engine_dir: Path | None = None, mode
             time.sleep(0.5)
         yield server
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(SERVER_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
         launcher.kill_leftovers(process.pid)  # stubs of a server that could not unload in time
 
 
@@ -213,7 +218,7 @@ def running_kilnlm_serve(args: list[str], work_dir: Path, env: dict[str, str] | 
                          start_timeout_s: float = OPENAI_START_TIMEOUT_S) -> Iterator[KilnlmServe]:
     """``kilnlm serve ARGS --port <free>`` as a subprocess of this interpreter's venv (``env`` added to the
     environment), waited for on ``/health``; its log is ``work_dir/serve.log`` and is shown when it fails to
-    start. Stopped with SIGTERM (then SIGKILL) when the block ends, unless it already exited."""
+    start. Stopped with :func:`stop_process` when the block ends."""
     import os
     import sys
 
@@ -232,13 +237,7 @@ def running_kilnlm_serve(args: list[str], work_dir: Path, env: dict[str, str] | 
             time.sleep(0.2)
         yield served
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
 
 
 def all_blocks_free(executor) -> bool:
