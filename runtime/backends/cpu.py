@@ -3,6 +3,9 @@ kilnlm's C++ kernels (:mod:`kilnlm.plugins.cpu`), with the paged KV pool in CPU 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -25,13 +28,28 @@ def load_package(package_path: Path):
     ``AotiPackage`` (:func:`kilnlm.plugins.cpu.load_aoti_package`), whose ``run`` releases the GIL:
     ``torch._inductor.aoti_load_package``'s runner holds it for the whole forward, stalling every other
     Python thread of the process (request submission, response streaming, metrics) for 3-10 ms per step.
-    Needs the plugins' CPU kernels loaded. Raises RuntimeError for a package that fails to load.
+    Needs the plugins' CPU kernels loaded. Raises RuntimeError for a package that fails to load, and
+    OSError / zipfile.BadZipFile where the package cannot be extracted.
+
+    The package is a zip whose compiled model (a shared library holding the weights) must be a file to be
+    loaded. kilnlm extracts it into a private temporary directory, loads it from there (the loader's
+    directory mode) and removes the directory at once: the process keeps its mapping of the library, and
+    the disk space goes back when the process ends, however it ends. torch's loader extracts to a directory
+    it removes only when the loader is destroyed, which a server killed with SIGKILL, or a Python that
+    exits without collecting it, never does: each such start left the engine's size (0.5 GB for SmolLM2
+    fp32) behind in ``/tmp``.
 
     Its weights are then backed by transparent huge pages where Linux allows (:mod:`kilnlm.runtime.memory`):
     a decode step streams all of them, and 4 KiB pages cost a TLB miss every 4 KiB."""
     from kilnlm.plugins.cpu import load_aoti_package
 
-    package = load_aoti_package(str(package_path))
+    extracted = tempfile.mkdtemp(prefix="kilnlm-engine-")
+    try:
+        with zipfile.ZipFile(package_path) as archive:
+            archive.extractall(extracted)
+        package = load_aoti_package(extracted)
+    finally:
+        shutil.rmtree(extracted, ignore_errors=True)
     advise_huge_pages(*package.constants_span())
     return package
 
@@ -56,7 +74,8 @@ class CpuBackend:
 
     @classmethod
     def load(cls, engine_dir: Path, manifest: Manifest) -> "CpuBackend":
-        """Load the plugins' CPU kernels, then the package. Raises :class:`EngineError` when either fails."""
+        """Load the plugins' CPU kernels, then the package. Raises :class:`EngineError` when either fails (the
+        package also when it cannot be extracted, e.g. into a full temporary directory)."""
         import kilnlm.plugins as plugins
 
         try:
@@ -65,6 +84,8 @@ class CpuBackend:
             raise EngineError(f"cannot serve {engine_dir}: {exc}") from None
         try:
             package = load_package(engine_dir / manifest.engine_file)
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise EngineError(f"cannot extract {engine_dir / manifest.engine_file} into {tempfile.gettempdir()}: {exc}") from None
         except RuntimeError as exc:
             raise EngineError(f"cannot load {engine_dir / manifest.engine_file} ({str(exc).splitlines()[0]}): "
                               "rebuild the engine with this torch version "

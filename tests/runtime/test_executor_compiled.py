@@ -6,6 +6,9 @@ the first ones decode, and the long prompt's context phase is chunked (``max_num
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -198,3 +201,33 @@ def test_engine_forward_releases_the_gil(tiny_engine_dir):
         thread.join()
         sys.setswitchinterval(switch_interval)
     assert advanced > 0
+
+
+LOAD_THEN_WAIT = """
+import sys, torch
+from kilnlm.builder.targets.cpu import example_inputs
+from kilnlm.runtime.abi import EngineInputs
+from kilnlm.runtime.engine import Engine
+engine = Engine.load(sys.argv[1])
+*tensors, kv_cache = example_inputs(engine.manifest.model, engine.manifest.build, engine.dtype)
+engine.forward(EngineInputs(*tensors), kv_cache)
+print("served", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_loaded_engine_leaves_nothing_in_the_temporary_directory_even_when_killed(tiny_engine_dir, tmp_path):
+    """The package is extracted, loaded and its extraction removed before the first forward
+    (kilnlm.runtime.backends.cpu.load_package): a process killed with SIGKILL while serving leaves no
+    extracted engine in $TMPDIR. torch's own loader left one per killed process (0.5 GB for SmolLM2 fp32)."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    process = subprocess.Popen([sys.executable, "-c", LOAD_THEN_WAIT, str(tiny_engine_dir)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmpdir)})
+    try:
+        assert process.stdout.readline() == "served\n"
+        assert sorted(os.listdir(tmpdir)) == []
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    assert sorted(os.listdir(tmpdir)) == []
