@@ -96,16 +96,15 @@ namespace {
 
 using AttendFn = void (*)(const AttnWork&, float*);
 
-// The kernel variant for an item. AVX-512 pays off for items with several query vectors: a context-phase
-// item (+10-25% measured), and a generation-phase item over one KV head's GQA group (3 query heads for
-// SmolLM2: 1.4-1.7x the AVX2 variant single-threaded at 128-2048 KV positions). An item of a single query
-// vector showed no gain beyond this machine's noise from AVX-512 (its reductions are longer for one
-// dependency chain), so it stays on AVX2 (scripts/bench_plugins.py).
-constexpr int64_t kWideMinQueries = 2;
-
-AttendFn attend_fn(int64_t num_query_vectors) {
+// The kernel variant for an item: the widest the CPU has, for every item. AVX-512 pays off for items with
+// several query vectors: a context-phase item (+10-25% measured), and a generation-phase item over one KV
+// head's GQA group (3 query heads for SmolLM2: 1.4-1.7x the AVX2 variant single-threaded at 128-2048 KV
+// positions); an item of a single query vector runs as fast on either (scripts/bench_plugins.py). One
+// variant for all keeps every query vector's arithmetic the same whatever item holds it (batch
+// invariance: the variants sum in different orders).
+AttendFn attend_fn() {
 #if defined(__x86_64__)
-  if (kiln::cpu_has_avx512() && num_query_vectors >= kWideMinQueries) return avx512::attend;
+  if (kiln::cpu_has_avx512()) return avx512::attend;
   if (kiln::cpu_has_avx2_fma_f16c()) return avx2::attend;
 #endif
   return generic::attend;
@@ -355,21 +354,26 @@ struct SplitParts {
   }
 };
 
-// Few items that the threads cannot share evenly (a batch-1 decode step of SmolLM2: 3 KV-head items on 2
-// threads, one thread doing two) are cut along their KV blocks into one part per thread, each part
-// reading its own blocks, when every part gets at least kMinBlocksPerPart blocks. Many items (batches)
-// already balance and stay whole.
-constexpr int64_t kMinBlocksPerPart = 2;
+// Split-KV (as flash-decoding, Dao et al. 2023) at fixed KV positions: an item whose KV reaches past
+// kPartTokens positions is cut into parts of kPartTokens positions (rounded up to whole blocks), each part
+// an item of its own whose softmax state merge_parts combines, in part order, afterwards. Where the cuts
+// fall depends on nothing but the block size, never on the batch or the thread count, so a query vector's
+// result is the same whatever else the call computes (batch invariance, as in Thinking Machines' "Defeating
+// Nondeterminism in LLM Inference", 2025): a sequence decoded alone and in a batch of 32 gives the same
+// bits. The parts also keep two threads busy on a batch-1 decode step (SmolLM2's 3 KV-head items become 6
+// at 512 KV positions), which is why the split exists. An item of one part runs whole: merging a single
+// part (weight e^0 = 1) would give the same bits.
+constexpr int64_t kPartTokens = 256;
 
-void split_kv(const Dims& d, int64_t num_threads, std::vector<AttnWork>& work, SplitParts& parts) {
-  const int64_t num_items = static_cast<int64_t>(work.size());
-  if (num_threads < 2 || num_items % num_threads == 0 || num_items >= 4 * num_threads) return;
-  const int64_t num_parts = num_threads;
-  int64_t state_floats = 0, num_split = 0;
-  const auto splits = [&](const AttnWork& w) { return w.kv_block_end >= kMinBlocksPerPart * num_parts; };
+void split_kv(const Dims& d, std::vector<AttnWork>& work, SplitParts& parts) {
+  const int64_t part_blocks = std::max<int64_t>(1, (kPartTokens + d.tokens_per_block - 1) / d.tokens_per_block);
+  const auto num_parts_of = [&](const AttnWork& w) { return (w.kv_block_end + part_blocks - 1) / part_blocks; };
   const auto state_size = [&](const AttnWork& w) { return w.num_q_tokens * (w.head_end - w.head_begin) * (d.head_dim + 2); };
+  int64_t state_floats = 0, num_split = 0, num_items = 0;
   for (const AttnWork& w : work) {
-    if (!splits(w)) continue;
+    const int64_t num_parts = num_parts_of(w);
+    num_items += num_parts;
+    if (num_parts < 2) continue;
     state_floats += num_parts * state_size(w);
     ++num_split;
   }
@@ -378,10 +382,11 @@ void split_kv(const Dims& d, int64_t num_threads, std::vector<AttnWork>& work, S
   parts.items.reserve(static_cast<size_t>(num_split));
   thread_local std::vector<AttnWork> split;  // swapped with work below: the two buffers are reused in turn
   split.clear();
-  split.reserve(static_cast<size_t>(num_items + num_split * (num_parts - 1)));
+  split.reserve(static_cast<size_t>(num_items));
   float* state = parts.states.data();
   for (const AttnWork& w : work) {
-    if (!splits(w)) {
+    const int64_t num_parts = num_parts_of(w);
+    if (num_parts < 2) {
       split.push_back(w);
       continue;
     }
@@ -389,8 +394,8 @@ void split_kv(const Dims& d, int64_t num_threads, std::vector<AttnWork>& work, S
     const int64_t num_blocks = w.kv_block_end, size = state_size(w);
     for (int64_t p = 0; p < num_parts; ++p, state += size) {
       AttnWork part = w;
-      part.kv_block_begin = num_blocks * p / num_parts;
-      part.kv_block_end = num_blocks * (p + 1) / num_parts;
+      part.kv_block_begin = p * part_blocks;
+      part.kv_block_end = std::min(num_blocks, (p + 1) * part_blocks);
       part.partial = state;
       part.cost = w.cost * (part.kv_block_end - part.kv_block_begin) / num_blocks;
       split.push_back(part);
@@ -402,41 +407,53 @@ void split_kv(const Dims& d, int64_t num_threads, std::vector<AttnWork>& work, S
 // out = out_scale * sum_p e^(m_p - m) acc_p / sum_p e^(m_p - m) l_p with m = max_p m_p, per query vector.
 // Part 0 holds KV position 0, which every query sees, so m is finite; a part none of whose positions a
 // query sees (a context chunk's early tokens) has m_p = -inf and weighs 0.
+// Items are merged in parallel only when there is enough to merge (a long context chunk's parts): a decode
+// step's merge is a few microseconds, less than waking the other threads.
+constexpr int64_t kMinParallelMergeFloats = 1 << 16;
+
 void merge_parts(const SplitParts& parts, int64_t head_dim) {
-  const int64_t D = head_dim;
-  thread_local std::vector<float> out;
-  out.resize(static_cast<size_t>(D));
-  for (const SplitItem& s : parts.items) {
-    const AttnWork& w = s.item;
-    const int64_t num_heads_item = w.head_end - w.head_begin, M = w.num_q_tokens * num_heads_item;
-    const int64_t size = M * (D + 2);
-    for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
-      for (int64_t h = 0; h < num_heads_item; ++h) {
-        const int64_t i = qi * num_heads_item + h;
-        float m = -INFINITY;
-        for (int64_t p = 0; p < s.num_parts; ++p) m = std::max(m, s.states[p * size + i]);
-        std::fill(out.begin(), out.end(), 0.f);
-        float l = 0.f;
-        for (int64_t p = 0; p < s.num_parts; ++p) {
-          const float* state = s.states + p * size;
-          if (state[i] == -INFINITY) continue;
-          const float weight = std::exp(state[i] - m);
-          l += weight * state[M + i];
-          const float* acc = state + 2 * M + i * D;
-          for (int64_t e = 0; e < D; ++e) out[e] += weight * acc[e];
+  const int64_t D = head_dim, num_items = static_cast<int64_t>(parts.items.size());
+  if (num_items == 0) return;
+  const int64_t grain = std::max<int64_t>(1, kMinParallelMergeFloats * num_items / static_cast<int64_t>(parts.states.size()));
+  at::parallel_for(0, num_items, grain, [&](int64_t item0, int64_t item1) {
+    thread_local std::vector<float> out;
+    out.resize(static_cast<size_t>(D));
+    for (int64_t item = item0; item < item1; ++item) {
+      const SplitItem& s = parts.items[static_cast<size_t>(item)];
+      const AttnWork& w = s.item;
+      const int64_t num_heads_item = w.head_end - w.head_begin, M = w.num_q_tokens * num_heads_item;
+      const int64_t size = M * (D + 2);
+      for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) {
+        for (int64_t h = 0; h < num_heads_item; ++h) {
+          const int64_t i = qi * num_heads_item + h;
+          float m = -INFINITY;
+          for (int64_t p = 0; p < s.num_parts; ++p) m = std::max(m, s.states[p * size + i]);
+          std::fill(out.begin(), out.end(), 0.f);
+          float l = 0.f;
+          for (int64_t p = 0; p < s.num_parts; ++p) {
+            const float* state = s.states + p * size;
+            if (state[i] == -INFINITY) continue;
+            const float weight = std::exp(state[i] - m);
+            l += weight * state[M + i];
+            const float* acc = state + 2 * M + i * D;
+            for (int64_t e = 0; e < D; ++e) out[e] += weight * acc[e];
+          }
+          store_output(w, qi, h, out.data(), w.out_scale / l);
         }
-        store_output(w, qi, h, out.data(), w.out_scale / l);
       }
     }
-  }
+  });
 }
 
 // Step 2: work items, largest first. An item covers all heads of a chunk of query tokens when there are
 // enough chunks to keep the threads busy (each KV row is then read once, whole); otherwise items are
 // split per KV head (one GQA group: its query heads take each KV block in turn, from L1), and only
 // when there are fewer of those than threads, per query head (re-reading KV rows, from cache); then
-// split_kv. Split parts write their states into `parts`, for merge_parts after run_work. Fills `work`
-// (cleared first; the caller keeps its capacity across calls).
+// split_kv cuts long items at fixed KV positions. How items are cut never changes a query vector's
+// result: each vector's scores, softmax and output are computed by the same code in the same order
+// whatever item holds it (attend_fn picks the kernel variant by ISA alone). Split parts write their
+// states into `parts`, for merge_parts after run_work. Fills `work` (cleared first; the caller keeps its
+// capacity across calls).
 void make_work(const Dims& d, const BatchView& batch, const PoolView& pool, const float* q_rot, void* out, bool out_bf16,
                SplitParts& parts, std::vector<AttnWork>& work) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
@@ -483,7 +500,7 @@ void make_work(const Dims& d, const BatchView& batch, const PoolView& pool, cons
       }
     }
   }
-  split_kv(d, num_threads, work, parts);
+  split_kv(d, work, parts);
   std::stable_sort(work.begin(), work.end(), [](const AttnWork& a, const AttnWork& b) { return a.cost > b.cost; });
 }
 
@@ -495,6 +512,7 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
   // Sized by the generic kernel's formula (both ISA variants use the same layout).
   const int64_t scratch_floats =
       generic::attn_scratch_floats(max_m, d.head_dim, d.tokens_per_block, d.num_kv_heads * d.head_dim);
+  const AttendFn attend = attend_fn();
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(work.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
@@ -503,7 +521,7 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
     float* scratch = kiln::thread_scratch<0>(scratch_floats);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const AttnWork& w = work[i];
-      attend_fn(w.num_q_tokens * (w.head_end - w.head_begin))(w, scratch);
+      attend(w, scratch);
     }
   });
 }

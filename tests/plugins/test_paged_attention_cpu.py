@@ -7,6 +7,12 @@ and on the written keys (RoPE's cos/sin may differ by a float32 ulp before round
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -185,3 +191,62 @@ def test_other_head_dims_and_block_sizes(make_packed_batch, dtype, head_dim, tok
     out, expected, pool_kernel, pool_ref = run_both(batch)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     torch.testing.assert_close(pool_kernel, pool_ref, **TOLERANCE[dtype])
+
+
+# Batch invariance (issue 26, item 4): long sequences that split-KV cuts into parts (1,000 KV positions
+# = 4 parts of 256), sequences just either side of one cut, context chunks past 256 cached positions,
+# generation tokens and a short first chunk, in one packed batch.
+INVARIANCE_SEQS = [(1000, 1), (0, 40), (300, 17), (255, 1), (256, 1), (37, 1), (600, 33), (511, 2)]
+
+
+def alone(batch, b: int):
+    """Sequence ``b`` of ``batch`` as a batch of its own (same pool, same blocks)."""
+    rows = slice(int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1]))
+    return dataclasses.replace(
+        batch, q=batch.q[rows], k=batch.k[rows], v=batch.v[rows], positions=batch.positions[rows],
+        slot_mapping=batch.slot_mapping[rows], cu_seqlens_q=torch.tensor([0, rows.stop - rows.start], dtype=torch.int32),
+        seq_lens_kv=batch.seq_lens_kv[b:b + 1], block_tables=batch.block_tables[b:b + 1])
+
+
+def check_batch_invariance(make_batch, thread_counts) -> None:
+    """Every sequence's output rows are the same bits computed in the whole batch, alone, and at every
+    thread count: what a sequence gets never depends on what else the call computes."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens_per_block in (16, 32):
+            batch = make_batch(INVARIANCE_SEQS, num_heads=9, num_kv_heads=3, tokens_per_block=tokens_per_block,
+                               num_blocks=256, dtype=dtype)
+            results = []
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                whole = torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()))
+                parts = [torch.ops.kilnlm.paged_attention(*alone(batch, b).args(batch.kv_cache.clone()))
+                         for b in range(len(INVARIANCE_SEQS))]
+                results += [whole, torch.cat(parts)]
+            for result in results[1:]:
+                assert torch.equal(result, results[0]), (dtype, tokens_per_block)
+
+
+def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(make_packed_batch, num_threads):
+    check_batch_invariance(make_packed_batch, (1, 2, 3))
+
+
+INVARIANCE_SCRIPT = f"""
+import importlib.util, sys, torch
+import kilnlm.plugins as plugins
+plugins.load_cpu_kernels()
+spec = importlib.util.spec_from_file_location("plugin_fixtures", {str(Path(__file__).with_name("conftest.py"))!r})
+fixtures = importlib.util.module_from_spec(spec); sys.modules["plugin_fixtures"] = fixtures; spec.loader.exec_module(fixtures)
+spec = importlib.util.spec_from_file_location("attention_tests", {str(Path(__file__))!r})
+tests = importlib.util.module_from_spec(spec); sys.modules["attention_tests"] = tests; spec.loader.exec_module(tests)
+tests.check_batch_invariance(fixtures._make_packed_batch, (1, 2))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_batch_invariance_on_the_capped_isa_paths(isa):
+    """The AVX2 kernel (a GQA group's heads scored 1-3 at a time) and the portable one, in a fresh process
+    with KILNLM_CPU_ISA capping the paths (the ISA is chosen once per process)."""
+    env = dict(os.environ, KILNLM_CPU_ISA=isa)
+    result = subprocess.run([sys.executable, "-c", INVARIANCE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
