@@ -113,6 +113,25 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.Pat
     return out
 
 
+# What the batch-invariant kernel paths need (/proc/cpuinfo flag names), and why, for the tests' skip reasons.
+BATCH_INVARIANT_CPU_FLAGS = ("avx512_bf16", "avx512vbmi")
+BATCH_INVARIANT_SKIP_REASON = ("the linear kernels sum each row in one order at every token count only with AVX512-BF16 and "
+                               "AVX512-VBMI (VDPBF16PS on both the GEMV and the tiles); docs/reliability.md")
+
+
+def cpu_has(*flags: str) -> bool:
+    """Whether this CPU reports every one of ``flags`` in /proc/cpuinfo (and KILNLM_CPU_ISA does not cap the
+    kernels below AVX-512)."""
+    if os.environ.get("KILNLM_CPU_ISA", "").lower() in ("generic", "avx2"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            reported = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return set(flags) <= set(reported)
+
+
 def random_fp8_weight(out_features: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
     """A random ``[out_features, in_features] float8_e4m3fn`` weight spread over E4M3's whole range,
     subnormals included (one random power-of-two scale per call)."""

@@ -145,18 +145,23 @@ void exact_bf16_row(const float* src, int64_t n, uint16_t* dst) {
   }
 }
 
-// x's bf16 row (n a multiple of 64) in Fp8Rows64's column order, in place: per 64 columns, the 16-column
-// lanes' first halves, then their second halves.
-void pairs64_order(uint16_t* x, int64_t n) {
-  uint16_t chunk[64];
+// A bf16 row (n a multiple of 64) in Fp8Rows64's column order, in place: per 64 columns, the 16-column
+// lanes' first halves, then their second halves. Two VPERMT2W per 64 columns; needs AVX-512 BW (every
+// caller has checked for AVX512-VBMI, which comes with it).
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw"))) void pairs64_order(uint16_t* x, int64_t n) {
+  alignas(64) static const uint16_t first[32] = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23,
+                                                 32, 33, 34, 35, 36, 37, 38, 39, 48, 49, 50, 51, 52, 53, 54, 55};
+  alignas(64) static const uint16_t second[32] = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31,
+                                                  40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63};
+  const __m512i i0 = _mm512_load_si512(first), i1 = _mm512_load_si512(second);
   for (int64_t c = 0; c < n; c += 64) {
-    std::memcpy(chunk, x + c, sizeof(chunk));
-    for (int64_t j = 0; j < 32; ++j) {
-      x[c + j] = chunk[16 * (j / 8) + j % 8];
-      x[c + 32 + j] = chunk[16 * (j / 8) + 8 + j % 8];
-    }
+    const __m512i a = _mm512_loadu_si512(x + c), b = _mm512_loadu_si512(x + c + 32);
+    _mm512_storeu_si512(x + c, _mm512_permutex2var_epi16(a, i0, b));
+    _mm512_storeu_si512(x + c + 32, _mm512_permutex2var_epi16(a, i1, b));
   }
 }
+#endif
 
 // FP8 E4M3 weight rows for the quantized-linear driver (quant_linear.h): x quantized to E4M3 once (xq,
 // exact floats), y = (xq @ q.T) * scale[o] (+ bias[o]).
@@ -213,11 +218,32 @@ struct Fp8Format {
 
   void tile_f32(int64_t r0, int64_t r1, float* tile) const { dequant_fn()(w, shape.in, r0, r1, tile, fp8_lut().value); }
 
-  void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const { exact_bf16_row(x, shape.in, dst); }
+  // Where the GEMV reads 64 columns at a time in Fp8Rows64's interleaved order, the context phase's bf16
+  // tiles take the same order, for x and the weights alike: then every output is summed by VDPBF16PS over
+  // the same pairs into the same lanes and reduced by the same tree (reduce16) at every token count, so a
+  // row's result does not depend on how many rows the call has (batch invariance: the GEMV serves up to
+  // kGemvTokens.with_bf16_gemm tokens, the tiles the rest). A permutation of the columns on both sides
+  // leaves the dot products' terms unchanged.
+  bool gemv_order64() const {
+#if defined(__x86_64__)
+    return kiln::cpu_has_avx512_bf16_vbmi() && shape.in % avx512vbmi::Fp8Rows64::kCols == 0;
+#else
+    return false;
+#endif
+  }
+
+  void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const {
+    exact_bf16_row(x, shape.in, dst);
+#if defined(__x86_64__)
+    if (gemv_order64()) pairs64_order(dst, shape.in);
+#endif
+  }
 
   void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
 #if defined(__x86_64__)
     avx2::dequant_rows_bf16(w, shape.in, r0, r1, dst, k_pad, fp8_lut().value);  // padding columns stay 0
+    if (gemv_order64())
+      for (int64_t r = 0; r < r1 - r0; ++r) pairs64_order(dst + r * k_pad, shape.in);
 #endif
   }
 

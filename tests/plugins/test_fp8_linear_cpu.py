@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import random_fp8_weight
+from factories import BATCH_INVARIANT_CPU_FLAGS, BATCH_INVARIANT_SKIP_REASON, cpu_has, random_fp8_weight
 
 from kilnlm.plugins.reference import fp8_linear_reference, quantize_fp8_reference
 
@@ -170,3 +170,34 @@ def test_bad_inputs_raise_clear_errors(kwargs, message):
     args.update(kwargs)
     with pytest.raises(RuntimeError, match=message):
         fp8_linear(args["x"], args["weight"], args["weight_scale"], args["input_scale"], args["bias"])
+
+
+@pytest.mark.skipif(not cpu_has(*BATCH_INVARIANT_CPU_FLAGS), reason=BATCH_INVARIANT_SKIP_REASON)
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (48, 96)])
+@pytest.mark.parametrize("op", ["fp8_linear", "fp8_rowwise_linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(op, out_features, in_features, dtype):
+    """Batch invariance (issue 26, item 4): each row of a call over M rows equals the same row computed
+    alone, across the GEMV / tile boundary (4 / 5 tokens with AVX512-BF16) and far past it; SmolLM2's
+    shapes (in_features a multiple of 64: the GEMV's interleaved column order, which the tiles now take
+    too) and one with in_features 96 (natural order). Activations with an outlier channel; float32 outputs
+    show any difference in the float32 sums, bfloat16 ones (the engines') only those that cross a rounding
+    step."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, in_features, generator=gen) * 3.0
+    x[:, 7] *= 60.0  # one channel far past the others: x_q spans E4M3's range, down to its finest steps
+    x = x.to(dtype)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05
+    row_scale = w.abs().amax(1) / 448  # as the builder scales: every row spans E4M3's whole range
+    weight = (w / row_scale[:, None]).to(torch.float8_e4m3fn)
+    bias = torch.randn(out_features, generator=gen)
+    if op == "fp8_linear":
+        run = lambda rows: fp8_linear(rows, weight, row_scale, torch.tensor(0.5), bias)  # noqa: E731
+    else:
+        run = lambda rows: torch.ops.kilnlm.fp8_rowwise_linear(rows, weight, row_scale, bias)  # noqa: E731
+    alone = torch.cat([run(x[i:i + 1]) for i in range(64)])
+    for num_rows in (2, 4, 5, 8, 17, 64, 300):
+        batch = run(x[:num_rows])[:64]
+        n = min(num_rows, 64)
+        differing = (~(batch[:n] == alone[:n]).all(1)).nonzero().flatten().tolist()
+        assert not differing, f"M={num_rows}: rows {differing} differ from the same rows alone"
