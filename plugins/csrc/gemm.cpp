@@ -6,7 +6,8 @@
 //   (pairwise bf16 products, exact in float32, accumulated in float32) against every token; the tokens
 //   are taken in groups of 4 / 2 / 1 while a 16-row block of the weight is in L1/L2, so a batch of T
 //   generation tokens reads the weights from memory once (decode is bound by the bytes of weights read;
-//   bf16_gemv.h). The last out % 16 rows are computed one at a time.
+//   bf16_gemv.h). The last out % 16 rows are computed one at a time. With KILNLM_BATCH_INVARIANT=1, every
+//   token count, 64 tokens at a time (see batch_invariant_requested).
 // - bfloat16 on CPUs with AVX2 but not AVX512-BF16 (AMD Zen 2/3, Intel before Cooper Lake): at::linear's
 //   bfloat16 GEMM there has no native bf16 arithmetic and runs at ~13 GB/s in the generation phase and
 //   ~8 GFLOP/s in the context phase (SmolLM2's layers, 2 cores). Up to kMaxDirectTokensAvx2 tokens, a GEMV
@@ -31,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -136,10 +138,21 @@ at::Tensor gemm_avx2(const at::Tensor& x_in, const at::Tensor& weight_in, const 
 }
 #endif
 
+// KILNLM_BATCH_INVARIANT=1 (read at every call past kMaxDirectTokens, so a process may set it at any time):
+// the direct kernel serves every token count, kMaxDirectTokens tokens at a time, instead of handing more
+// tokens to at::linear, whose oneDNN GEMM sums each row in another order. Every row's result is then the
+// same bits however many rows the call has (batch invariance; vLLM's VLLM_BATCH_INVARIANT is the same
+// switch). It costs context-phase speed: 1.05-1.35x oneDNN's time on SmolLM2's shapes at 256-2048 tokens
+// (Zen 4, 2 threads; docs/reliability.md). Float32 and AVX2-only CPUs keep their paths either way.
+bool batch_invariant_requested() {
+  const char* value = std::getenv("KILNLM_BATCH_INVARIANT");
+  return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "true") == 0);
+}
+
 bool use_direct(const at::Tensor& x, const at::Tensor& weight) {
 #if defined(__x86_64__)
-  return x.scalar_type() == at::kBFloat16 && x.size(0) <= kMaxDirectTokens && weight.size(1) % 32 == 0 &&
-         weight.size(1) > 0 && kiln::cpu_has_avx512_bf16();
+  return x.scalar_type() == at::kBFloat16 && weight.size(1) % 32 == 0 && weight.size(1) > 0 &&
+         kiln::cpu_has_avx512_bf16() && (x.size(0) <= kMaxDirectTokens || batch_invariant_requested());
 #else
   return false;
 #endif
@@ -164,9 +177,12 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t x_stride = x.stride(0);
-  kiln::parallel_row_blocks(n, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
-    avx512bf16::gemm_rows(xp, num_tokens, x_stride, wp, n, k, b, yp, r0, r1);
-  });
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxDirectTokens) {  // one pass unless batch-invariant
+    const int64_t chunk = std::min(kMaxDirectTokens, num_tokens - t0);
+    kiln::parallel_row_blocks(n, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
+      avx512bf16::gemm_rows(xp + t0 * x_stride, chunk, x_stride, wp, n, k, b, yp + t0 * n, r0, r1);
+    });
+  }
   return y;
 #else
   return at::linear(x_in, weight_in, bias);

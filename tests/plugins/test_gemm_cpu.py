@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from factories import cpu_has
 from kilnlm.plugins.reference import gemm_reference
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -107,3 +108,17 @@ def test_capped_isa_paths_match_exact_dot_products(isa):
     result = subprocess.run([sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="the direct bf16 kernel needs AVX512-BF16")
+def test_batch_invariant_switch_gives_every_row_its_bits_alone(monkeypatch):
+    """KILNLM_BATCH_INVARIANT=1: past 64 tokens the direct kernel goes on (64 at a time) instead of
+    at::linear, so each row of a 300-row call equals the row computed alone (issue 26, item 4)."""
+    monkeypatch.setenv("KILNLM_BATCH_INVARIANT", "1")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 576, generator=gen).bfloat16()
+    weight = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(960, generator=gen).bfloat16()
+    alone = torch.cat([gemm(x[i:i + 1], weight, bias) for i in range(300)])
+    for num_rows in (65, 128, 300):
+        assert torch.equal(gemm(x[:num_rows], weight, bias), alone[:num_rows]), num_rows
