@@ -131,18 +131,19 @@ def test_prefill_then_generation_steps_match_reference(make_packed_batch):
 
 @pytest.fixture
 def num_threads():
-    """Sets torch's thread count for one test (the split-KV decision depends on it) and restores it."""
+    """Sets torch's thread count for one test and restores it."""
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
 
 
-# One sequence whose 3 KV-head items cannot be shared evenly by 2 or 4 threads: each item's KV blocks are
-# split into one part per thread, when every part gets at least 2 blocks (on 4 threads only the 13- and
-# 10-block cases; the others run whole), and the parts' softmax states merged. Decode at and across block
-# boundaries, a context chunk after cached KV, and a first chunk whose early queries see none of the later
-# part's positions (tokens_per_block 4: a part whose max stays -inf for them).
-SPLIT_CASES = [((63, 1), 16), ((64, 1), 16), ((199, 1), 16), ((300, 1), 32), ((100, 5), 16), ((0, 16), 4)]
+# One sequence, at 2 and 4 threads (the thread count changes nothing): below split-KV's first cut at 256
+# KV positions (decode at and across block boundaries, a context chunk after cached KV, a first chunk), and
+# past it, where the parts' softmax states are merged: decode just before and past a cut, a context chunk
+# across one, and a first chunk whose early queries see none of the later part's positions (a part whose
+# max stays -inf for them).
+SPLIT_CASES = [((63, 1), 16), ((64, 1), 16), ((199, 1), 16), ((300, 1), 32), ((100, 5), 16), ((0, 16), 4),
+               ((255, 1), 16), ((511, 1), 32), ((250, 20), 16), ((0, 300), 4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
