@@ -187,10 +187,7 @@ struct Fp8Format {
 #if defined(__x86_64__)
     if (kiln::cpu_has_avx512_bf16_vbmi() && in % avx512vbmi::Fp8Rows::kCols == 0) {
       std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
-      for (int64_t t = 0; t < num_tokens; ++t) {
-        exact_bf16_row(xq + t * in, in, xb.data() + t * in);
-        if (in % avx512vbmi::Fp8Rows64::kCols == 0) pairs64_order(xb.data() + t * in, in);
-      }
+      for (int64_t t = 0; t < num_tokens; ++t) x_row_bf16(xq + t * in, xb.data() + t * in, in);  // the tiles' x rows too
       kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
         avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, epilogue.row_scale, epilogue.token_scale,
                                   epilogue.bias, out, std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
