@@ -1,5 +1,6 @@
 // Run-time CPU feature detection for kernels compiled in several ISA variants (the build uses plain -O3,
-// never -march=native, so one build runs on any x86-64 machine and picks its fastest path here).
+// never -march=native, so one build runs on any x86-64 machine and picks its fastest path here), and the
+// one other run-time switch of the kernels' paths, KILNLM_BATCH_INVARIANT.
 #pragma once
 
 #include <cstdlib>
@@ -70,6 +71,19 @@ inline bool cpu_has_avx512_vnni() {
 #else
   return false;
 #endif
+}
+
+// KILNLM_BATCH_INVARIANT=1 (or "true"; read at every call, so a process may set it at any time): every
+// linear op sums each output row in one order whatever the token count, on every ISA path -- the bf16
+// direct kernel (gemm.cpp) past its 64 tokens, a float32 GEMV instead of at::linear, each weight-only
+// quantized linear's GEMV instead of tiles that sum in another order (quant_linear.h). A row's result is
+// then the same bits however many rows the call has: a request's greedy tokens do not depend on what else
+// is in the batch (batch invariance; vLLM's VLLM_BATCH_INVARIANT is the same switch). It costs context-phase
+// speed only (docs/reliability.md). The ops that are invariant anyway (paged_attention, int8_sq_linear,
+// fp8 with AVX512-BF16 and VBMI) keep their paths.
+inline bool batch_invariant_requested() {
+  const char* value = std::getenv("KILNLM_BATCH_INVARIANT");
+  return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "true") == 0);
 }
 
 }  // namespace kiln

@@ -141,12 +141,16 @@ static inline void fp8x32_to_float(const uint8_t* w, __m256 v[4]) {
   }
 }
 
+// Accumulators per row and token of the NR x NT microkernel: four dependent FMA chains for one row of one
+// token, two where more rows and tokens share the 16 registers.
+template <int NR, int NT>
+constexpr int kChains = NR * NT <= 2 ? 4 : 2;
+
 // NR rows x NT tokens microkernel over x laid out by prepare_x: every 32 weights are converted once and
-// used NT times. A accumulators per row and token (four dependent FMA chains for one row of one token).
-template <int NR, int NT, bool kShifts>
+// used NT times. A accumulators per row and token, 8-column vector k of each 32 into accumulator k % A.
+template <int NR, int NT, bool kShifts, int A = kChains<NR, NT>>
 static inline void gemv_block(const uint8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
                               int64_t y_stride, const float* lut) {
-  constexpr int A = NR * NT <= 2 ? 4 : 2;
   constexpr float kWeightScale = kShifts ? 0x1p-120f : 0x1p-8f;  // of the converted weights
   constexpr float kUnscale = kShifts ? 0x1p20f : 0x1p-92f;        // 1 / (kWeightScale * 2^kXScaleLog2)
   __m256 acc[NR][NT][A];
@@ -205,6 +209,22 @@ static void gemv_rows_conv(const uint8_t* w, int64_t in, int64_t row_begin, int6
     gemv_rows_nt<1, kShifts>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
 }
 
+// gemv_rows_conv summing every token as a lone token does (four chains, one row at a time), whatever
+// num_tokens: tokens in pairs (8 accumulators) and one alone.
+template <bool kShifts>
+static void gemv_rows_conv_one_order(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
+                                     int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
+  constexpr int A = kChains<1, 1>;
+  for (int64_t t = 0; t < num_tokens; t += 2) {
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      if (t + 1 < num_tokens)
+        gemv_block<1, 2, kShifts, A>(w + r * in, in, x + t * x_stride, x_stride, y + t * y_stride + r, y_stride, lut);
+      else
+        gemv_block<1, 1, kShifts, A>(w + r * in, in, x + t * x_stride, x_stride, y + t * y_stride + r, y_stride, lut);
+    }
+  }
+}
+
 // y[t, r] = sum_i q[r, i] * x_q[t, i] for rows [row_begin, row_end), x holding x_q laid out by prepare_x.
 // The conversion is chosen by this thread's MXCSR (FTZ bit 15, DAZ bit 6).
 static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
@@ -213,6 +233,15 @@ static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t r
     gemv_rows_conv<true>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
   else
     gemv_rows_conv<false>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
+}
+
+// gemv_rows with each token's sums in one order at every num_tokens (batch invariance, cpu_features.h).
+static void gemv_rows_one_order(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
+                                int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
+  if ((_mm_getcsr() & 0x8040u) == 0)
+    gemv_rows_conv_one_order<true>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
+  else
+    gemv_rows_conv_one_order<false>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
 }
 
 // Exact dequantization of rows [row_begin, row_end) into dst [row_end - row_begin, in] floats.

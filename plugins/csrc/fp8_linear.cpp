@@ -196,7 +196,7 @@ struct Fp8Format {
     }
 #endif
     const float* lut = fp8_lut().value;
-    const GemvFn gemv = gemv_fn();
+    GemvFn gemv = gemv_fn();
     const float* x = xq;
 #if defined(__x86_64__)
     std::vector<float> x_prepared;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact), in its block order
@@ -204,6 +204,7 @@ struct Fp8Format {
       x_prepared.resize(static_cast<size_t>(num_tokens * in));
       avx2::prepare_x(xq, num_tokens, in, x_prepared.data());
       x = x_prepared.data();
+      if (kiln::batch_invariant_requested()) gemv = avx2::gemv_rows_one_order;
     }
 #endif
     kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
@@ -228,6 +229,8 @@ struct Fp8Format {
     return false;
 #endif
   }
+
+  bool context_sums_like_gemv() const { return bf16_context_gemm() && gemv_order64(); }
 
   void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const {
     exact_bf16_row(x, shape.in, dst);

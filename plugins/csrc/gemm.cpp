@@ -6,8 +6,8 @@
 //   (pairwise bf16 products, exact in float32, accumulated in float32) against every token; the tokens
 //   are taken in groups of 4 / 2 / 1 while a 16-row block of the weight is in L1/L2, so a batch of T
 //   generation tokens reads the weights from memory once (decode is bound by the bytes of weights read;
-//   bf16_gemv.h). The last out % 16 rows are computed one at a time. With KILNLM_BATCH_INVARIANT=1, every
-//   token count, 64 tokens at a time (see batch_invariant_requested).
+//   bf16_gemv.h). The last out % 16 rows are computed one at a time. With KILNLM_BATCH_INVARIANT=1
+//   (cpu_features.h), every token count, 64 tokens at a time.
 // - bfloat16 on CPUs with AVX2 but not AVX512-BF16 (AMD Zen 2/3, Intel before Cooper Lake): at::linear's
 //   bfloat16 GEMM there has no native bf16 arithmetic and runs at ~13 GB/s in the generation phase and
 //   ~8 GFLOP/s in the context phase (SmolLM2's layers, 2 cores). Up to kMaxDirectTokensAvx2 tokens, a GEMV
@@ -15,8 +15,13 @@
 //   it with float32 x; beyond, tiles of kTileRows weight rows widened to float32 in a thread-local buffer
 //   and multiplied through at::mm (float32 SGEMM), all T rows at once. The products of two bfloat16 values
 //   are exact in float32 either way; only the summation order differs from at::linear.
-// - otherwise (float32, many tokens, K not a multiple of 32 on AVX512-BF16): at::linear (oneDNN / MKL),
-//   whose blocked GEMM wins once the weights are reused over many rows.
+//   With KILNLM_BATCH_INVARIANT=1, the GEMV at every token count.
+// - float32, up to kMaxGemvTokensF32 tokens: that GEMV again, the float32 weights read as they are (on
+//   AMD CPUs MKL's SGEMV streams SmolLM2's weights at a third of the bandwidth, see kMaxGemvTokensF32).
+// - otherwise (float32 past that, bfloat16 past 64 tokens or K not a multiple of 32 on AVX512-BF16):
+//   at::linear (oneDNN / MKL), whose blocked GEMM wins once the weights are reused over many rows. It sums
+//   each row in an order that depends on the row count, so with KILNLM_BATCH_INVARIANT=1 these take the
+//   GEMV above instead (its portable twin on CPUs without AVX2), at every token count.
 //
 // The weight layout is the plain [out, in] of torch.nn.Linear, so the tied LM head and the embedding
 // share one tensor (the embedding gathers its rows).
@@ -35,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "bf16_bits.h"
@@ -59,6 +65,11 @@ constexpr int64_t kMaxDirectTokens = 64;
 // AVX2 (no AVX512-BF16): the GEMV up to this many tokens, float32 tiles of kTileRows rows beyond
 // (scripts/bench_plugins.py --only gemm).
 constexpr int64_t kMaxDirectTokensAvx2 = 16;
+
+// Float32: the AVX2 GEMV up to this many tokens, at::linear beyond. SmolLM2's layers and LM head, cold
+// weights, 2 threads of an AMD EPYC (Zen 4), scripts/bench_plugins.py --only gemm: 53.5 against 18.7 GB/s
+// at T = 1 (2.9x), 3.5x at 4, 1.8x at 16, 1.2x at 64, 1.03x at 128.
+constexpr int64_t kMaxGemvTokensF32 = 64;
 constexpr int64_t kTileRows = 64;
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -87,9 +98,33 @@ bool use_avx2(const at::Tensor& x) {
 #endif
 }
 
+bool use_direct(const at::Tensor& x, const at::Tensor& weight) {
 #if defined(__x86_64__)
-// bfloat16 on AVX2 (see the top of the file): y [T, n] bf16 = x [T, k] @ weight [n, k].T + bias.
-at::Tensor gemm_avx2(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias) {
+  return x.scalar_type() == at::kBFloat16 && weight.size(1) % 32 == 0 && weight.size(1) > 0 &&
+         kiln::cpu_has_avx512_bf16() && (x.size(0) <= kMaxDirectTokens || kiln::batch_invariant_requested());
+#else
+  return false;
+#endif
+}
+
+// acc[t, r] (row stride n) for weight rows [r0, r1): the AVX2 GEMV where the CPU has it, else its portable
+// twin (gemm_kernels.h).
+template <typename W>
+void gemv_rows(const W* w, int64_t n, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t num_tokens, float* acc) {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::gemv_rows(w, n, k, r0, r1, x, num_tokens, acc);
+#endif
+  generic::gemv_rows(w, n, k, r0, r1, x, num_tokens, acc);
+}
+
+// Float32 sums of float32 operands (bfloat16 widened exactly), y [T, n] in x's dtype = x [T, k] @
+// weight [n, k].T + bias (see the top of the file for who calls it): up to kMaxDirectTokensAvx2 tokens, or
+// every token count with gemv_every_token_count, the GEMV; beyond, bfloat16 weight tiles widened to float32
+// and multiplied through at::mm (float32 has no tiles: its callers pass gemv_every_token_count).
+template <typename scalar_t>
+at::Tensor gemm_widened(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias,
+                        bool gemv_every_token_count) {
+  using weight_t = std::conditional_t<std::is_same_v<scalar_t, float>, float, uint16_t>;
   const at::Tensor x = x_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
   const int64_t num_tokens = x.size(0), k = x.size(1), n = weight.size(0);
@@ -97,74 +132,74 @@ at::Tensor gemm_avx2(const at::Tensor& x_in, const at::Tensor& weight_in, const 
   if (num_tokens == 0 || n == 0) return y;
   const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const weight_t*>(weight.data_ptr<scalar_t>());
+  scalar_t* yp = y.data_ptr<scalar_t>();
   // y[t, r] for rows [r0, r1) from float32 sums acc[t, r - r0] (row stride acc_stride)
   const auto store = [&](const float* acc, int64_t acc_stride, int64_t r0, int64_t r1) {
     for (int64_t t = 0; t < num_tokens; ++t)
-      for (int64_t r = r0; r < r1; ++r)
-        yp[t * n + r] = kiln::bf16_bits(acc[t * acc_stride + r - r0] + (b != nullptr ? b[r] : 0.f));
+      for (int64_t r = r0; r < r1; ++r) {
+        const float v = acc[t * acc_stride + r - r0] + (b != nullptr ? b[r] : 0.f);
+        if constexpr (std::is_same_v<scalar_t, float>) yp[t * n + r] = v;
+        else reinterpret_cast<uint16_t*>(yp)[t * n + r] = kiln::bf16_bits(v);
+      }
   };
-  // x widened to float32 once: [T, k]
-  float* xf = kiln::thread_scratch<1>(num_tokens * k);
-  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1)), [&](int64_t t0, int64_t t1) {
-    avx2::widen(xp + t0 * k, (t1 - t0) * k, xf + t0 * k);
-  });
-  if (num_tokens <= kMaxDirectTokensAvx2) {
+  const float* xf = nullptr;  // x as float32: [T, k]
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    xf = x.data_ptr<float>();
+  } else {
+    float* widened = kiln::thread_scratch<1>(num_tokens * k);
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1)), [&](int64_t t0, int64_t t1) {
+#if defined(__x86_64__)
+      if (kiln::cpu_has_avx2_fma_f16c()) return avx2::widen(xp + t0 * k, (t1 - t0) * k, widened + t0 * k);
+#endif
+      const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
+      for (int64_t i = t0 * k; i < t1 * k; ++i) widened[i] = static_cast<float>(xb[i]);
+    });
+    xf = widened;
+  }
+  if (num_tokens <= kMaxDirectTokensAvx2 || gemv_every_token_count) {
     float* acc_ptr = kiln::thread_scratch<0>(num_tokens * n);
     // ~16 KiB of weights per task at least, so that small layers do not pay for threading
-    const int64_t grain = std::max<int64_t>(8, 8192 / std::max<int64_t>(k, 1));
+    const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(k * static_cast<int64_t>(sizeof(weight_t)), 1));
     at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
-      avx2::gemv_rows(wp, n, k, r0, r1, xf, num_tokens, acc_ptr);
+      gemv_rows(wp, n, k, r0, r1, xf, num_tokens, acc_ptr);
       store(acc_ptr + r0, n, r0, r1);
     });
     return y;
   }
-  const at::Tensor x_f32 = at::from_blob(xf, {num_tokens, k}, at::kFloat);
-  const int64_t num_tiles = (n + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-    std::vector<float> w_tile(static_cast<size_t>(kTileRows * k));  // [kTileRows, k]
-    at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
-    for (int64_t tile = tile0; tile < tile1; ++tile) {
-      const int64_t r0 = tile * kTileRows, r1 = std::min(n, r0 + kTileRows);
-      avx2::widen(wp + r0 * k, (r1 - r0) * k, w_tile.data());
-      at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
-      at::mm_out(acc_view, x_f32, at::from_blob(w_tile.data(), {r1 - r0, k}, at::kFloat).t());  // [T, rows]
-      store(acc_view.data_ptr<float>(), acc_view.stride(0), r0, r1);
-    }
-  });
-  return y;
-}
-#endif
-
-// KILNLM_BATCH_INVARIANT=1 (read at every call past kMaxDirectTokens, so a process may set it at any time):
-// the direct kernel serves every token count, kMaxDirectTokens tokens at a time, instead of handing more
-// tokens to at::linear, whose oneDNN GEMM sums each row in another order. Every row's result is then the
-// same bits however many rows the call has (batch invariance; vLLM's VLLM_BATCH_INVARIANT is the same
-// switch). It costs context-phase speed: 1.05-1.35x oneDNN's time on SmolLM2's shapes at 256-2048 tokens
-// (Zen 4, 2 threads; docs/reliability.md). Float32 and AVX2-only CPUs keep their paths either way.
-bool batch_invariant_requested() {
-  const char* value = std::getenv("KILNLM_BATCH_INVARIANT");
-  return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "true") == 0);
-}
-
-bool use_direct(const at::Tensor& x, const at::Tensor& weight) {
 #if defined(__x86_64__)
-  return x.scalar_type() == at::kBFloat16 && weight.size(1) % 32 == 0 && weight.size(1) > 0 &&
-         kiln::cpu_has_avx512_bf16() && (x.size(0) <= kMaxDirectTokens || batch_invariant_requested());
-#else
-  return false;
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    const at::Tensor x_f32 = at::from_blob(const_cast<float*>(xf), {num_tokens, k}, at::kFloat);
+    const int64_t num_tiles = (n + kTileRows - 1) / kTileRows;
+    at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+      std::vector<float> w_tile(static_cast<size_t>(kTileRows * k));  // [kTileRows, k]
+      at::Tensor acc = at::empty({num_tokens, kTileRows}, at::kFloat);
+      for (int64_t tile = tile0; tile < tile1; ++tile) {
+        const int64_t r0 = tile * kTileRows, r1 = std::min(n, r0 + kTileRows);
+        avx2::widen(wp + r0 * k, (r1 - r0) * k, w_tile.data());
+        at::Tensor acc_view = acc.narrow(1, 0, r1 - r0);
+        at::mm_out(acc_view, x_f32, at::from_blob(w_tile.data(), {r1 - r0, k}, at::kFloat).t());  // [T, rows]
+        store(acc_view.data_ptr<float>(), acc_view.stride(0), r0, r1);
+      }
+    });
+    return y;
+  }
 #endif
+  TORCH_CHECK(false, "kilnlm::gemm: no tiled path for ", x.scalar_type(), " on this CPU");
 }
 
 }  // namespace
 
 at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias) {
   check_inputs(x_in, weight_in, bias);
-#if defined(__x86_64__)
-  if (use_avx2(x_in)) return gemm_avx2(x_in, weight_in, bias);
-#endif
+  const bool batch_invariant = kiln::batch_invariant_requested();
+  if (use_avx2(x_in)) return gemm_widened<at::BFloat16>(x_in, weight_in, bias, batch_invariant);
+  if (x_in.scalar_type() == at::kFloat &&
+      ((x_in.size(0) <= kMaxGemvTokensF32 && kiln::cpu_has_avx2_fma_f16c()) || batch_invariant))
+    return gemm_widened<float>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
+  if (batch_invariant && !use_direct(x_in, weight_in))
+    return gemm_widened<at::BFloat16>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
   if (!use_direct(x_in, weight_in) || x_in.size(0) == 0) return at::linear(x_in, weight_in, bias);
 #if defined(__x86_64__)
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();

@@ -1,7 +1,10 @@
-// Kernels of kilnlm::gemm (bfloat16 weights), compiled per ISA by isa_variants.h (see there for the rules
-// a kernel header follows): the AVX512-BF16 GEMV (bf16_gemv.h over plain bfloat16 rows) and, for CPUs
-// with AVX2 but not AVX512-BF16, a GEMV that widens the weights to float32 in registers plus the
-// widening of weight tiles for the float32 context-phase GEMM (see gemm.cpp).
+// Kernels of kilnlm::gemm, compiled per ISA by isa_variants.h (see there for the rules a kernel header
+// follows): the AVX512-BF16 GEMV (bf16_gemv.h over plain bfloat16 rows); the float32-accumulating GEMV of
+// AVX2 (bfloat16 weights widened to float32 in registers, or float32 weights) and its portable scalar
+// twin, for bfloat16 on CPUs without AVX512-BF16 and, batch-invariant, for float32; the widening of weight
+// tiles for the float32 context-phase GEMM (see gemm.cpp). The GEMVs sum each (token, row) in one order
+// whatever the token count: eight (AVX2: two vectors of eight) running lanes over the columns, reduced the
+// same way.
 
 #if KILN_ISA == KILN_ISA_AVX512_BF16
 #include "fp8_bf16_gemm.h"  // reduce16
@@ -15,17 +18,20 @@ void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const ui
 
 #elif KILN_ISA == KILN_ISA_AVX2
 
-// Eight bfloat16 values widened to float32 (exact): zero-extended to 32 bits, moved to the high half.
-inline __m256 load_bf16x8(const uint16_t* p) {
+// Eight weights as float32: bfloat16 widened (exact: zero-extended to 32 bits, moved to the high half), or
+// float32 as they are.
+inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
-inline float bf16_to_float(uint16_t bits) {
+inline float to_float(uint16_t bits) {
   const uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
+inline float to_float(float v) { return v; }
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -34,10 +40,10 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// acc[t * acc_stride + r] = sum_c w[r, c] * x[t, c] for the NR weight rows at w ([NR, k] bf16) and NT
-// tokens of float32 x (rows x_stride apart): each widened weight vector is used NT times.
-template <int NR, int NT>
-inline void gemv_block(const uint16_t* w, int64_t k, const float* x, int64_t x_stride, float* acc, int64_t acc_stride) {
+// acc[t * acc_stride + r] = sum_c w[r, c] * x[t, c] for the NR weight rows at w ([NR, k] bfloat16 or
+// float32) and NT tokens of float32 x (rows x_stride apart): each weight vector is used NT times.
+template <int NR, int NT, typename W>
+inline void gemv_block(const W* w, int64_t k, const float* x, int64_t x_stride, float* acc, int64_t acc_stride) {
   __m256 sum[NR][NT][2];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) sum[r][t][0] = sum[r][t][1] = _mm256_setzero_ps();
@@ -48,7 +54,7 @@ inline void gemv_block(const uint16_t* w, int64_t k, const float* x, int64_t x_s
       for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * k + c), _MM_HINT_T0);
     }
     for (int r = 0; r < NR; ++r) {
-      const __m256 w0 = load_bf16x8(w + r * k + c), w1 = load_bf16x8(w + r * k + c + 8);
+      const __m256 w0 = load8(w + r * k + c), w1 = load8(w + r * k + c + 8);
       for (int t = 0; t < NT; ++t) {
         sum[r][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), sum[r][t][0]);
         sum[r][t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * x_stride + c + 8), sum[r][t][1]);
@@ -57,21 +63,21 @@ inline void gemv_block(const uint16_t* w, int64_t k, const float* x, int64_t x_s
   }
   for (; c + 8 <= k; c += 8) {
     for (int r = 0; r < NR; ++r) {
-      const __m256 w0 = load_bf16x8(w + r * k + c);
+      const __m256 w0 = load8(w + r * k + c);
       for (int t = 0; t < NT; ++t) sum[r][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), sum[r][t][0]);
     }
   }
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) {
       float v = hsum8(_mm256_add_ps(sum[r][t][0], sum[r][t][1]));
-      for (int64_t cc = c; cc < k; ++cc) v += bf16_to_float(w[r * k + cc]) * x[t * x_stride + cc];
+      for (int64_t cc = c; cc < k; ++cc) v += to_float(w[r * k + cc]) * x[t * x_stride + cc];
       acc[t * acc_stride + r] = v;
     }
   }
 }
 
-template <int NT>
-void gemv_rows_nt(const uint16_t* w, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t x_stride, float* acc,
+template <int NT, typename W>
+void gemv_rows_nt(const W* w, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t x_stride, float* acc,
                   int64_t acc_stride) {
   // One row at a time for a single token: on the AVX2 machine measured, a 98304x576 weight streamed at
   // 23 GB/s this way and 18 GB/s four rows at a time (rows 4*NR ahead prefetched either way).
@@ -81,9 +87,10 @@ void gemv_rows_nt(const uint16_t* w, int64_t k, int64_t r0, int64_t r1, const fl
   for (; r < r1; ++r) gemv_block<1, NT>(w + r * k, k, x, x_stride, acc + r, acc_stride);
 }
 
-// acc[t, r] (row stride n) for weight rows [r0, r1) of w [n, k] and every token of float32 x [T, k].
-void gemv_rows(const uint16_t* w, int64_t n, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t num_tokens,
-               float* acc) {
+// acc[t, r] (row stride n) for weight rows [r0, r1) of w [n, k] (bfloat16 or float32) and every token of
+// float32 x [T, k].
+template <typename W>
+void gemv_rows(const W* w, int64_t n, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t num_tokens, float* acc) {
   int64_t t = 0;
   for (; t + 4 <= num_tokens; t += 4) gemv_rows_nt<4>(w, k, r0, r1, x + t * k, k, acc + t * n, n);
   if (num_tokens - t >= 2) {
@@ -96,7 +103,36 @@ void gemv_rows(const uint16_t* w, int64_t n, int64_t k, int64_t r0, int64_t r1, 
 // dst[i] = float(src[i]) for i < count.
 void widen(const uint16_t* src, int64_t count, float* dst) {
   int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
-  for (; i < count; ++i) dst[i] = bf16_to_float(src[i]);
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  for (; i < count; ++i) dst[i] = to_float(src[i]);
+}
+
+#elif KILN_ISA == KILN_ISA_GENERIC
+
+inline float to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline float to_float(float v) { return v; }
+
+// AVX2's gemv_rows in portable code: acc[t, r] (row stride n) = sum_c w[r, c] * x[t, c], each (token, row)
+// summed in 8 running lanes over the columns (lane c % 8), then pairwise.
+template <typename W>
+void gemv_rows(const W* w, int64_t n, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t num_tokens, float* acc) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const W* row = w + r * k;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const float* xt = x + t * k;
+      float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int64_t c = 0;
+      for (; c + 8 <= k; c += 8)
+        for (int l = 0; l < 8; ++l) lane[l] += to_float(row[c + l]) * xt[c + l];
+      float v = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+      for (; c < k; ++c) v += to_float(row[c]) * xt[c];
+      acc[t * n + r] = v;
+    }
+  }
 }
 #endif

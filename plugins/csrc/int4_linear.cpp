@@ -274,6 +274,9 @@ struct Int4Format {
 
   bool bf16_context_gemm() const { return x_bf16() && kiln::cpu_has_avx512_bf16(); }
 
+  // The tiles round x to bfloat16 (or sum through at::mm) where the GEMV does not.
+  bool context_sums_like_gemv() const { return false; }
+
   // xs in `order`.
   void prepare_xs(XOrder order) const {
     if (x_bf16()) prepare_activations<at::BFloat16>(x, pqs, problem.group_size, order, xs);
@@ -301,7 +304,9 @@ struct Int4Format {
       // kMaxInt16TokensBf16Gemm tokens: there the bf16 GEMV below is bound by its instructions (an Intel
       // Xeon, 30 cold SmolLM2 gate_up + down pairs: 49 against 66 us per pair at one token, 86 against 92
       // at two, 176 against 165 at four).
-      if ((isa == Isa::kAvx2 || (bf16_gemv && num_tokens <= kMaxInt16TokensBf16Gemm)) &&
+      // With KILNLM_BATCH_INVARIANT, for every token count: one GEMV, one order (cpu_features.h).
+      const bool int16_here = num_tokens <= kMaxInt16TokensBf16Gemm || kiln::batch_invariant_requested();
+      if ((isa == Isa::kAvx2 || (bf16_gemv && int16_here)) &&
           kiln::cpu_has_avx2_fma_f16c() && avx2::int16_kernel_applies(in, group_size) && run_int16_gemv(out))
         return;
       if (bf16_gemv && run_bf16_gemv(out)) return;

@@ -126,6 +126,9 @@ struct Int8Format {
 
   bool bf16_context_gemm() const { return x_bf16() && kiln::cpu_has_avx512_bf16(); }
 
+  // The tiles round x to bfloat16 (or sum through at::mm) where the GEMV does not.
+  bool context_sums_like_gemv() const { return false; }
+
   template <typename scalar_t>
   void generation(scalar_t* out) const {
     const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;

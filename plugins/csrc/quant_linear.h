@@ -7,14 +7,16 @@
 //   y [T, out] = x [T, in] @ dequantize(weight [out, *]).T (+ bias), accumulated in float32
 //
 //   T <= the format's GEMV token limit  -> generation phase: format.generation(out), a fused
-//                                          dequantize-and-multiply GEMV (each weight byte read once per
-//                                          call; memory bound), usually through run_gemv below
+//   (every T with KILNLM_BATCH_INVARIANT   dequantize-and-multiply GEMV (each weight byte read once per
+//   where the tiles sum in another order)  call; memory bound), usually through run_gemv below
 //   more tokens, bf16 context GEMM      -> tiles of kTileRows output rows as exact bfloat16, VDPBF16PS
 //   more tokens, otherwise              -> tiles of kTileRows output rows as float32, at::mm
 //
 // A format (Fp8Format, Int4Format, Int8Format in the ops' files) provides:
 //   kGemvTokens                  GemvTokenLimits: its tuned limits (scripts/bench_plugins.py)
 //   bf16_context_gemm()          whether the context phase multiplies bfloat16 tiles (AVX512-BF16)
+//   context_sums_like_gemv()     whether the context phase sums each row as generation() does (same pairs,
+//                                same lanes, same reduction), so a row's bits never depend on T
 //   generation(out)              the generation phase, whole (it picks its GEMV per ISA)
 //   prepare_context_x()          x as the tiles meet it, [T, in] float32 in natural column order (called
 //                                once per call)
@@ -34,6 +36,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_features.h"
 #include "row_blocks.h"
 
 namespace kiln {
@@ -164,6 +167,8 @@ void run_quantized_linear(const Format& format, const LinearShape& s, scalar_t* 
   const bool bf16_gemm = format.bf16_context_gemm();
   const int64_t max_gemv_tokens = bf16_gemm ? Format::kGemvTokens.with_bf16_gemm : Format::kGemvTokens.with_f32_gemm;
   if (s.num_tokens <= max_gemv_tokens) return format.generation(out);
+  // batch invariance (cpu_features.h): a GEMV sums each token's row alone, in one order at every T
+  if (!format.context_sums_like_gemv() && batch_invariant_requested()) return format.generation(out);
   if (bf16_gemm) return run_tiled_bf16(format, s, out);
   run_tiled_f32(format, s, out);
 }

@@ -2,26 +2,24 @@
 16 prompts of real English text (8-158 tokens) generate 48 greedy tokens each, first one at a time, then all
 16 submitted together, each run on a fresh executor (no prefix cache shared between the two).
 
-Only formats whose every kernel sums each row in one order at every batch size are listed, and only on CPUs
-with AVX512-BF16 and VBMI, where that holds: attention cut at fixed KV positions, the bf16 LM head's direct
-kernel up to 64 rows (every row count with KILNLM_BATCH_INVARIANT=1), int8_sq's exact int32 GEMMs, fp8's
-GEMV and tiles in one column order. The others are not yet invariant; docs/reliability.md gives the
-measurements and the kernels responsible."""
+With KILNLM_BATCH_INVARIANT=1 every format, on any CPU: every kernel then sums each row in one order at
+every token count (plugins/csrc/cpu_features.h). Without it, the formats whose kernels do so anyway, on CPUs
+with AVX512-BF16 and VBMI: fp8 (the GEMV and the tiles in one column order) and int8_sq (exact int32 sums),
+the bf16 LM head's direct kernel serving their one row per sequence. docs/reliability.md gives the
+measurements, the kernels responsible and what the switch costs."""
 
 from __future__ import annotations
 
 import pytest
 
 from factories import BATCH_INVARIANT_CPU_FLAGS, BATCH_INVARIANT_SKIP_REASON, cpu_has
+from kilnlm.builder.formats import FORMATS
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.request import SamplingParams
 
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(not cpu_has(*BATCH_INVARIANT_CPU_FLAGS), reason=BATCH_INVARIANT_SKIP_REASON)]
+pytestmark = pytest.mark.e2e
 
-# (qformat, KILNLM_BATCH_INVARIANT): fp8_rowwise's default build keeps the linears its auto-quantize
-# search chose in bfloat16, whose context-phase GEMM is invariant only with the switch (plugins/csrc/gemm.cpp).
-INVARIANT_FORMATS = [("fp8", False), ("int8_sq", False), ("fp8_rowwise", True)]
+INVARIANT_WITHOUT_SWITCH = ["fp8", "int8_sq"]
 NUM_PROMPTS, MAX_TOKENS = 16, 48
 
 
@@ -46,15 +44,23 @@ def generate(engine_dir, together: bool) -> list[list[int]]:
         executor.shutdown()
 
 
-@pytest.mark.parametrize("qformat,switch", INVARIANT_FORMATS, ids=[f for f, _ in INVARIANT_FORMATS])
-def test_greedy_tokens_alone_equal_those_in_a_batch_of_16(smollm2_format_engine, qformat, switch, monkeypatch):
-    if switch:
-        monkeypatch.setenv("KILNLM_BATCH_INVARIANT", "1")
-    else:
-        monkeypatch.delenv("KILNLM_BATCH_INVARIANT", raising=False)
-    engine_dir = smollm2_format_engine(qformat)
+def assert_alone_equals_together(engine_dir) -> None:
     alone, together = generate(engine_dir, together=False), generate(engine_dir, together=True)
     assert all(len(tokens) == MAX_TOKENS for tokens in alone + together)
     differing = {i: next(j for j, (a, b) in enumerate(zip(x, y)) if a != b)
                  for i, (x, y) in enumerate(zip(alone, together)) if x != y}
     assert not differing, f"prompt -> first differing token: {differing}"
+
+
+@pytest.mark.parametrize("qformat", list(FORMATS))
+def test_with_the_switch_every_format_gives_greedy_tokens_alone_equal_those_in_a_batch(smollm2_format_engine, qformat,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("KILNLM_BATCH_INVARIANT", "1")
+    assert_alone_equals_together(smollm2_format_engine(qformat))
+
+
+@pytest.mark.skipif(not cpu_has(*BATCH_INVARIANT_CPU_FLAGS), reason=BATCH_INVARIANT_SKIP_REASON)
+@pytest.mark.parametrize("qformat", INVARIANT_WITHOUT_SWITCH)
+def test_greedy_tokens_alone_equal_those_in_a_batch_of_16(smollm2_format_engine, qformat, monkeypatch):
+    monkeypatch.delenv("KILNLM_BATCH_INVARIANT", raising=False)
+    assert_alone_equals_together(smollm2_format_engine(qformat))
