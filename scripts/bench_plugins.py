@@ -33,6 +33,7 @@ Usage: python scripts/bench_plugins.py [--threads N] [--dtype float32|bfloat16] 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -224,22 +225,29 @@ def bench_fp8_rowwise(dtype: torch.dtype, min_time_s: float, num_layers: int = 3
     print(f"{'rowwise':>8}: {t_row * 1e3:7.2f} ms per step, {num_bytes / t_row / 1e9:6.1f} GB/s, {t_row / t_fp8:5.3f}x fp8")
 
 
-def bench_gemm_sweep(min_time_s: float, num_layers: int = 30) -> None:
-    """kilnlm::gemm against F.linear (oneDNN) on cold bf16 weights: SmolLM2's four projections of
-    num_layers distinct layers plus the [49152, 576] LM head (~269 MB, far more than the L3 cache), at the
-    token counts of a decode step with T sequences -- where kMaxDirectTokens in csrc/gemm.cpp comes from."""
+def bench_gemm_sweep(min_time_s: float, dtype: torch.dtype, num_layers: int = 30) -> None:
+    """kilnlm::gemm against F.linear (oneDNN / MKL) on cold weights of ``dtype``: SmolLM2's four projections
+    of num_layers distinct layers plus the [49152, 576] LM head (~269 MB in bf16, far more than the L3
+    cache), at the token counts of a decode step with T sequences -- where kMaxDirectTokens (bf16) and
+    kMaxGemvTokensF32 (float32) in csrc/gemm.cpp come from. Past those limits kilnlm::gemm is F.linear
+    itself, so the kilnlm column is timed with KILNLM_BATCH_INVARIANT=1, which keeps its own kernel on at
+    every token count."""
     gen = torch.Generator().manual_seed(4)
-    weights = [(torch.randn(o, i, generator=gen) * 0.05).bfloat16() for _ in range(num_layers)
+    weights = [(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for _ in range(num_layers)
                for o, i in SMOLLM2_LINEARS.values()]
-    weights.append((torch.randn(49152, 576, generator=gen) * 0.05).bfloat16())
-    num_bytes = sum(w.numel() * 2 for w in weights)
-    print(f"\ngemm (bf16), cold weights: {num_layers} layers x (qkv, o, gate_up, down) + LM head, "
+    weights.append((torch.randn(49152, 576, generator=gen) * 0.05).to(dtype))
+    num_bytes = sum(w.numel() * w.element_size() for w in weights)
+    print(f"\ngemm ({dtype}), cold weights: {num_layers} layers x (qkv, o, gate_up, down) + LM head, "
           f"{num_bytes / 1e6:.0f} MB per pass")
     print(f"{'T':>4} | {'F.linear ms':>11} {'GB/s':>6} | {'kilnlm ms':>9} {'GB/s':>6} | {'x':>5}")
     for num_tokens in (1, 4, 16, 32, 64, 128):
-        xs = {i: torch.randn(num_tokens, i, generator=gen).bfloat16() for i in (576, 1536)}
+        xs = {i: torch.randn(num_tokens, i, generator=gen).to(dtype) for i in (576, 1536)}
         t_aten = time_call_min(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], min_time_s)
-        t_ours = time_call_min(lambda: [torch.ops.kilnlm.gemm(xs[w.shape[1]], w, None) for w in weights], min_time_s)
+        os.environ["KILNLM_BATCH_INVARIANT"] = "1"
+        try:
+            t_ours = time_call_min(lambda: [torch.ops.kilnlm.gemm(xs[w.shape[1]], w, None) for w in weights], min_time_s)
+        finally:
+            os.environ.pop("KILNLM_BATCH_INVARIANT")
         print(f"{num_tokens:>4} | {t_aten * 1e3:11.2f} {num_bytes / t_aten / 1e9:6.1f} | {t_ours * 1e3:9.2f} "
               f"{num_bytes / t_ours / 1e9:6.1f} | {t_aten / t_ours:5.2f}")
 
@@ -334,7 +342,8 @@ def main() -> None:
     load_cpu_kernels()
     print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
     if args.only in (None, "gemm"):
-        bench_gemm_sweep(args.min_time_s)
+        for dtype in (torch.bfloat16, torch.float32):
+            bench_gemm_sweep(args.min_time_s, dtype)
     if args.only in (None, "fp8"):
         bench_fp8_linear(args.min_time_s)
         bench_fp8_decode_sweep(args.min_time_s)
