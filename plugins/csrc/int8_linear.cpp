@@ -126,8 +126,20 @@ struct Int8Format {
 
   bool bf16_context_gemm() const { return x_bf16() && kiln::cpu_has_avx512_bf16(); }
 
-  // The tiles round x to bfloat16 (or sum through at::mm) where the GEMV does not.
-  bool context_sums_like_gemv() const { return false; }
+  // The AVX512-BF16 GEMV (bf16_gemv.h) and the bf16 tiles sum the same pairs into the same lanes and reduce
+  // them alike (reduce16), and scale after the sum: each row gets the same bits from either.
+  bool bf16_gemv_sums_like_tiles() const {
+#if defined(__x86_64__)
+    return bf16_context_gemm() && shape.in % avx512bf16::PlainRows<avx512bf16::Int8Weights>::kCols == 0;
+#else
+    return false;
+#endif
+  }
+
+  // With KILNLM_BATCH_INVARIANT the generation phase takes that bf16 GEMV rather than the int16 one (block
+  // floating point x: other sums), so the tiles keep the context phase; the float32 tiles (at::mm) never sum
+  // as the GEMV does.
+  bool context_sums_like_gemv() const { return bf16_gemv_sums_like_tiles() && kiln::batch_invariant_requested(); }
 
   template <typename scalar_t>
   void generation(scalar_t* out) const {
@@ -136,10 +148,12 @@ struct Int8Format {
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       const bool bf16_gemm = bf16_context_gemm();
       // Block floating point int16 x through AVX2's VPMADDWD (int8_kernels.h, gemv_int16_rows): on AVX2
-      // CPUs, and on AVX512-BF16 CPUs too, where the bf16 GEMV below is bound by its instructions (an
+      // CPUs, and on AVX512-BF16 CPUs too (but for KILNLM_BATCH_INVARIANT, see context_sums_like_gemv;
+      // on an AMD Zen 4 just as fast), where the bf16 GEMV below is bound by its instructions (an
       // Intel Xeon, 30 cold SmolLM2 gate_up + down pairs: 62-66 against 97 us per pair at one token, 140
       // against 165 at four; a cold decode sweep 34.7 against 25.0 GB/s).
-      if ((bf16_gemm || !kiln::cpu_has_avx512()) && kiln::cpu_has_avx2_fma_f16c() && in % avx2::kInt16BlockCols == 0) {
+      const bool int16_on_bf16 = bf16_gemm && !(bf16_gemv_sums_like_tiles() && kiln::batch_invariant_requested());
+      if ((int16_on_bf16 || !kiln::cpu_has_avx512()) && kiln::cpu_has_avx2_fma_f16c() && in % avx2::kInt16BlockCols == 0) {
         thread_local kiln::Int16Activations xq;
         xq.resize(num_tokens, in, in / avx2::kInt16BlockCols);
         if (avx2::int16_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nullptr, num_tokens, in,
