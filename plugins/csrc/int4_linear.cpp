@@ -304,8 +304,11 @@ struct Int4Format {
       // kMaxInt16TokensBf16Gemm tokens: there the bf16 GEMV below is bound by its instructions (an Intel
       // Xeon, 30 cold SmolLM2 gate_up + down pairs: 49 against 66 us per pair at one token, 86 against 92
       // at two, 176 against 165 at four).
-      // With KILNLM_BATCH_INVARIANT, for every token count: one GEMV, one order (cpu_features.h).
-      const bool int16_here = num_tokens <= kMaxInt16TokensBf16Gemm || kiln::batch_invariant_requested();
+      // With KILNLM_BATCH_INVARIANT (cpu_features.h) the bf16 GEMV serves every token count alone: one
+      // GEMV, one order. Of the two it costs the context phase less (SmolLM2 on an AMD Zen 4: a 512-token
+      // prompt 1.6-1.8x the tiles' time against 3.1x with the int16 GEMV, batch-1 decode 1.07-1.18x
+      // against 1.0x; docs/reliability.md).
+      const bool int16_here = num_tokens <= kMaxInt16TokensBf16Gemm && !kiln::batch_invariant_requested();
       if ((isa == Isa::kAvx2 || (bf16_gemv && int16_here)) &&
           kiln::cpu_has_avx2_fma_f16c() && avx2::int16_kernel_applies(in, group_size) && run_int16_gemv(out))
         return;
