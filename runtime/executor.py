@@ -115,7 +115,7 @@ class IterationStats:
     last_num_paused_requests: int = 0  # preempted in the last iteration
     last_iteration_s: float = 0.0  # wall time of the last iteration (prepare + forward + sample + update)
     num_preemptions: int = 0
-    num_reused_blocks: int = 0  # since start: blocks admissions took from the prefix cache
+    num_reused_blocks: int = 0  # since start: blocks requests took from the prefix cache
     num_needed_blocks: int = 0  # since start: blocks admissions needed (reused + newly allocated)
     timestamp_s: float = 0.0  # when this snapshot was taken: time.time(), seconds since the epoch
 

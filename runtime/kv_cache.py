@@ -13,14 +13,21 @@ computing those tokens. Freed blocks keep their hash and stay reusable until evi
     | uncached free blocks ... | cached free blocks, least recently freed ... most recently freed |
       ^ taken first                ^ evicted next (its hash forgotten)
 
+Requests that arrive together share a prefix too (as SGLang's radix cache lets them): at allocation each
+block a request must compute is marked as *being computed* by it, unless another request already computes
+the same hash. A request whose next block another request is computing waits for it
+(:meth:`KVCacheManager.waits_for_prefix`), and once that block is cached takes it in place of its own
+(:meth:`KVCacheManager.reuse_computed_prefix`), so a prefix shared by a burst of requests is computed once.
+
 A sequence's blocks are freed tail first, so of one sequence the blocks furthest from the shared prefix are
 evicted first. The scheduler never sees block ids: it asks ``allocate / append_slots / free`` and, to plan
 admissions, how many free blocks a request would take (:meth:`KVCacheManager.num_blocks_to_allocate`,
 :meth:`KVCacheManager.num_missing_blocks`); the input preparation reads ``block_table``.
 
-Reuse is counted at each allocation, cumulatively (TensorRT-LLM's ``reusedBlocks`` / ``allocTotalBlocks``):
-``num_reused_blocks`` blocks came from the prefix cache out of ``num_needed_blocks`` the allocations needed
-(reused + newly allocated), so ``num_reused_blocks / num_needed_blocks`` is the prefix-cache hit rate.
+Reuse is counted cumulatively (TensorRT-LLM's ``reusedBlocks`` / ``allocTotalBlocks``): ``num_reused_blocks``
+blocks came from the prefix cache, at allocation or taken later in place of a block a request had not yet
+computed, out of ``num_needed_blocks`` the allocations needed (reused + newly allocated), so
+``num_reused_blocks / num_needed_blocks`` is the prefix-cache hit rate.
 
 How many blocks the pool has is decided here too (:func:`num_kv_cache_blocks`), from a byte budget or a
 token count (TensorRT-LLM's ``max_tokens_in_paged_kv_cache``) and the engine's bytes per block.
@@ -102,7 +109,9 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(config.num_blocks))
         self._tables: dict[int, list[int]] = {}  # request id -> block ids
         self._hashes: dict[int, list[bytes]] = {}  # request id -> hashes of its cached full blocks
-        self.num_reused_blocks = 0  # since start: blocks allocations took from the prefix cache
+        self._prompt_hashes: dict[int, list[bytes]] = {}  # request id -> hashes of its allocation's full blocks
+        self._computing: dict[bytes, int] = {}  # block hash -> the request computing the block that will hold it
+        self.num_reused_blocks = 0  # since start: blocks requests took from the prefix cache
         self.num_needed_blocks = 0  # since start: blocks allocations needed (reused + newly allocated)
 
     # ----------------------------------------------------------------------------------------- queries
@@ -152,10 +161,14 @@ class KVCacheManager:
         """
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already holds KV blocks")
-        hits, hashes = self._lookup_prefix(token_ids)
+        prompt_hashes = self._full_block_hashes(token_ids)
+        hits, hashes = self._lookup_prefix(token_ids, prompt_hashes)
         num_new_blocks = _cdiv(len(token_ids), self.tokens_per_block) - len(hits)
         if num_new_blocks + sum(1 for b in hits if self._ref_counts[b] == 0) > len(self._free):
             return None
+        self._prompt_hashes[request_id] = prompt_hashes
+        for block_hash in prompt_hashes[len(hits):]:
+            self._computing.setdefault(block_hash, request_id)
         self.num_reused_blocks += len(hits)
         self.num_needed_blocks += len(hits) + num_new_blocks
         for block in hits:
@@ -165,6 +178,40 @@ class KVCacheManager:
         self._tables[request_id] = hits + [self._pop_free() for _ in range(num_new_blocks)]
         self._hashes[request_id] = hashes
         return len(hits) * self.tokens_per_block
+
+    def waits_for_prefix(self, request_id: int, num_computed_tokens: int) -> bool:
+        """Whether the request's next block (it has computed ``num_computed_tokens`` tokens, at a block
+        boundary) holds tokens another request is computing now: computing them too would only duplicate
+        what the pool is about to cache, so its context should wait a step."""
+        if num_computed_tokens % self.tokens_per_block:
+            return False
+        prompt_hashes = self._prompt_hashes.get(request_id, [])
+        index = num_computed_tokens // self.tokens_per_block
+        return index < len(prompt_hashes) and self._computing.get(prompt_hashes[index], request_id) != request_id
+
+    def reuse_computed_prefix(self, request_id: int, num_computed_tokens: int) -> int:
+        """For a request that has computed ``num_computed_tokens`` tokens: the blocks right after them that
+        other requests have computed since this one was allocated (their hashes now cached) replace its own
+        uncomputed blocks, which go back to the free queue. Returns its number of computed tokens after that
+        (unchanged off a block boundary or without a newly cached block; always short of its last token)."""
+        if num_computed_tokens % self.tokens_per_block:
+            return num_computed_tokens
+        prompt_hashes = self._prompt_hashes.get(request_id, [])
+        table, hashes = self._tables[request_id], self._hashes[request_id]
+        index = num_computed_tokens // self.tokens_per_block
+        while index < len(prompt_hashes) and len(hashes) == index:
+            block = self._cached.get(prompt_hashes[index])
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+            self._release(table[index])
+            table[index] = block
+            hashes.append(prompt_hashes[index])
+            self.num_reused_blocks += 1
+            index += 1
+        return max(num_computed_tokens, index * self.tokens_per_block)
 
     def can_append_slots(self, request_id: int, num_tokens: int) -> bool:
         return self.num_missing_blocks(request_id, num_tokens) <= len(self._free)
@@ -194,22 +241,32 @@ class KVCacheManager:
             if block_hash not in self._cached and self._block_hash[block] is None:
                 self._cached[block_hash] = block
                 self._block_hash[block] = block_hash
+            if self._computing.get(block_hash) == request_id:
+                del self._computing[block_hash]
 
     def free(self, request_id: int) -> None:
         """Release the request's blocks (tail first). Blocks no one references go back to the free queue:
         uncached ones to its front, cached ones to its back (reusable until evicted). Idempotent."""
         table = self._tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        for block_hash in self._prompt_hashes.pop(request_id, []):
+            if self._computing.get(block_hash) == request_id:
+                del self._computing[block_hash]
         if table is None:
             return
         for block in reversed(table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free[block] = None
-                if self._block_hash[block] is None:
-                    self._free.move_to_end(block, last=False)
+            self._release(block)
 
     # ------------------------------------------------------------------------------------- internals
+    def _release(self, block: int) -> None:
+        """One reference less; unreferenced, the block goes back to the free queue: uncached to its front,
+        cached to its back."""
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._free[block] = None
+            if self._block_hash[block] is None:
+                self._free.move_to_end(block, last=False)
+
     def _pop_free(self) -> int:
         block, _ = self._free.popitem(last=False)
         block_hash = self._block_hash[block]
@@ -219,21 +276,29 @@ class KVCacheManager:
         self._ref_counts[block] = 1
         return block
 
-    def _lookup_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
-        """Cached blocks of the longest prefix of full blocks of ``token_ids[:-1]``, and their hashes."""
+    def _full_block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """The chained hashes of the full blocks of ``token_ids[:-1]`` (none without prefix caching)."""
         if not self.config.enable_kv_cache_reuse:
-            return [], []
-        hits: list[int] = []
+            return []
         hashes: list[bytes] = []
         parent = b""
         for i in range((len(token_ids) - 1) // self.tokens_per_block):
             parent = self._hash_block(parent, token_ids[i * self.tokens_per_block : (i + 1) * self.tokens_per_block])
-            block = self._cached.get(parent)
+            hashes.append(parent)
+        return hashes
+
+    def _lookup_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> tuple[list[int], list[bytes]]:
+        """Cached blocks of the longest prefix of full blocks of ``token_ids[:-1]``, and their hashes
+        (``hashes``: :meth:`_full_block_hashes` of ``token_ids``, where the caller has them)."""
+        if hashes is None:
+            hashes = self._full_block_hashes(token_ids)
+        hits: list[int] = []
+        for block_hash in hashes:
+            block = self._cached.get(block_hash)
             if block is None:
                 break
             hits.append(block)
-            hashes.append(parent)
-        return hits, hashes
+        return hits, hashes[:len(hits)]
 
     @staticmethod
     def _hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:

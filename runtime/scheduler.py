@@ -20,7 +20,9 @@ scheduler):
    ones behind it.
 2. **Packing (this iteration)** -- within the token budget ``max_num_tokens``: generation-phase requests
    first (one token each, growing their block table as they cross a block boundary), then context-phase
-   requests in admission order. With chunked context (``enable_chunked_context``) each gets the largest
+   requests in admission order. A context whose next prompt block another running request is computing
+   waits for it and then takes it from the prefix cache, so requests that arrive together compute a
+   shared prefix once (:mod:`kilnlm.runtime.kv_cache`). With chunked context (``enable_chunked_context``) each gets the largest
    chunk of its pending tokens that still fits (a long prompt spreads over several iterations while others
    keep decoding); without it a context is scheduled only when all its pending tokens fit, and it and the
    contexts behind it wait otherwise (a recomputation after preemption longer than ``max_num_tokens`` is
@@ -246,6 +248,11 @@ class Scheduler:
             if token_budget == 0:
                 return
             if self._in_generation_phase(request):
+                continue
+            # a prefix shared with requests admitted with it: take what they computed, wait for what they compute
+            request.num_computed_tokens = self.kv_cache.reuse_computed_prefix(request.request_id,
+                                                                              request.num_computed_tokens)
+            if self.kv_cache.waits_for_prefix(request.request_id, request.num_computed_tokens):
                 continue
             num_pending = request.num_pending_tokens
             chunked = self.config.enable_chunked_context or num_pending > self.config.max_num_tokens

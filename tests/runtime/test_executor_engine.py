@@ -51,6 +51,23 @@ def test_in_flight_greedy_equals_transformers(make_eager_engine, tiny_hf_model, 
     assert (stats.num_cached_blocks > 0) == enable_kv_cache_reuse
 
 
+def test_requests_sharing_a_prefix_in_flight_equal_transformers(make_eager_engine, tiny_hf_model, tokenizer):
+    """Six prompts behind one system prompt, three submitted together and three mid-flight: those submitted
+    with the first wait for the blocks it computes and take them (kilnlm.runtime.kv_cache); the output is
+    transformers' greedy output all the same, and every later request reused the system prompt's blocks."""
+    engine = make_eager_engine(max_batch_size=4, max_num_tokens=24, max_seq_len=96, tokens_per_block=4)
+    system = tokenizer.encode("You are a careful assistant who answers every question in one short sentence. Q:")
+    questions = [" Why is the sky blue?", " What is a kiln?", " Name a prime.", " Hi", " 1, 2, 3,", " Say yes."]
+    prompts = [system + tokenizer.encode(q, add_special_tokens=False) for q in questions]
+    expected = [hf_greedy(tiny_hf_model, p, 12) for p in prompts]
+    with Executor(engine, tokenizer, ExecutorConfig(enable_kv_cache_reuse=True)) as executor:
+        outputs = run_in_flight(executor, prompts, [12] * len(prompts))
+        stats = executor.stats()
+    assert outputs == expected
+    assert stats.num_reused_blocks >= (len(prompts) - 1) * (len(system) // 4)
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_text_and_chat_prompt(make_eager_engine, tiny_hf_model, tokenizer, hf_tokenizer):
     engine = make_eager_engine()
     messages = [{"role": "user", "content": "Write a haiku about kilns 🔥"}]

@@ -63,6 +63,43 @@ def test_prefix_hit_shares_blocks_and_skips_cached_tokens():
     assert kv.allocate(4, [99, 1, 2, 3] + prompt[4:8] + [7]) == 0
 
 
+def test_a_request_allocated_with_another_waits_for_the_shared_blocks_and_then_takes_them():
+    """Requests that arrive together: the first allocated computes the shared blocks, the second waits for
+    each of them and, once cached, takes them in place of its own (which return to the free queue)."""
+    kv = make_manager(num_blocks=8)
+    shared = list(range(8))  # two full blocks
+    a, b = shared + [40, 41, 42], shared + [50, 51, 52, 53]
+    kv.allocate(1, a)
+    assert kv.allocate(2, b) == 0  # nothing cached yet: blocks [3, 4, 5]
+    assert kv.num_free_blocks == 2
+    assert not kv.waits_for_prefix(1, 0)  # request 1 computes the blocks
+    assert kv.waits_for_prefix(2, 0)  # request 2's first block is being computed by request 1
+    assert not kv.waits_for_prefix(2, 2)  # off a block boundary it has started its own
+    kv.cache_computed_blocks(1, a, 4)  # request 1 computed its first block
+    assert kv.reuse_computed_prefix(2, 0) == 4 and kv.block_table(2)[0] == kv.block_table(1)[0]
+    assert kv.waits_for_prefix(2, 4)  # the second shared block is still being computed
+    kv.cache_computed_blocks(1, a, 11)
+    assert kv.reuse_computed_prefix(2, 4) == 8
+    assert kv.block_table(2)[:2] == kv.block_table(1)[:2] and kv.num_free_blocks == 4  # its two back
+    assert (kv.num_reused_blocks, kv.num_needed_blocks) == (2, 6)
+    assert not kv.waits_for_prefix(2, 8) and kv.reuse_computed_prefix(2, 8) == 8  # its own tail
+    kv.free(1)
+    kv.free(2)
+    assert kv.num_free_blocks == 8
+
+
+def test_a_request_stops_waiting_when_the_one_computing_its_prefix_goes():
+    kv = make_manager(num_blocks=8)
+    prompt = list(range(9))
+    kv.allocate(1, prompt)
+    kv.allocate(2, prompt + [9])
+    assert kv.waits_for_prefix(2, 0)
+    kv.free(1)  # cancelled or preempted before computing anything
+    assert not kv.waits_for_prefix(2, 0) and kv.reuse_computed_prefix(2, 0) == 0
+    kv.allocate(3, prompt + [10])  # request 2 registered nothing: no one computes for request 3 either
+    assert not kv.waits_for_prefix(3, 0)
+
+
 def test_freed_cached_blocks_are_reused_until_evicted_in_lru_order():
     kv = make_manager(num_blocks=7)
     a = list(range(9))  # 3 blocks, 2 of them full

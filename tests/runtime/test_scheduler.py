@@ -158,6 +158,34 @@ def test_update_registers_full_computed_blocks_for_prefix_reuse():
     assert second.num_computed_tokens == 8  # both full blocks reused
 
 
+def test_requests_submitted_together_compute_their_shared_prefix_once():
+    """Four requests sharing a 3-block prefix arrive together: the first computes the prefix while the
+    others wait, then each takes the prefix's blocks and computes only its own tail."""
+    scheduler = make_scheduler(num_blocks=32, max_num_tokens=64, enable_kv_cache_reuse=True)
+    prefix = list(range(100, 112))
+    requests = [make_request(i, prefix + [i] * 3, max_tokens=2) for i in range(1, 5)]
+    for request in requests:
+        scheduler.add(request)
+    batch = scheduler.schedule()
+    assert plan(batch) == [(1, 15)]  # 2, 3 and 4 wait for the blocks request 1 computes
+    run_step(scheduler, batch)
+    batch = scheduler.schedule()
+    assert plan(batch) == [(1, 1), (2, 3), (3, 3), (4, 3)]
+    assert all(scheduler.kv_cache.block_table(r.request_id)[:3] == scheduler.kv_cache.block_table(1)[:3]
+               for r in requests[1:])
+    while scheduler.has_work():
+        run_step(scheduler, scheduler.schedule())
+    assert scheduler.kv_cache.num_free_blocks == 32
+    assert scheduler.kv_cache.num_reused_blocks == 9
+
+
+def test_without_prefix_caching_requests_submitted_together_each_compute_their_prompt():
+    scheduler = make_scheduler(num_blocks=32, max_num_tokens=64)
+    for i in range(1, 5):
+        scheduler.add(make_request(i, list(range(100, 112)) + [i] * 3))
+    assert plan(scheduler.schedule()) == [(i, 15) for i in range(1, 5)]
+
+
 def test_update_skips_requests_finished_before_it():
     scheduler = make_scheduler()
     failed, chunked = make_request(1, num_prompt_tokens=2), make_request(2, num_prompt_tokens=12)
