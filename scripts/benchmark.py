@@ -13,6 +13,9 @@ standard library's ``pydoc_data.topics``):
 (b) 32 requests at once, 256 prompt tokens each, 128 output tokens each: wall time and output tokens/s.
     kilnlm: all submitted together to the executor (in-flight batching, chunked context);
     transformers: one ``generate`` call on the batch (equal lengths, so no padding).
+(c) kilnlm only, shared prefix: 64 requests at once, each one 200-token prefix + 56 distinct tokens, 64
+    output tokens each: output tokens/s, and its ratio to (b)'s on the same engine ("x (b)"; the prefix is
+    computed once, since requests that arrive together wait for the blocks another is computing).
 
 With ``--decode-rounds N`` scenario (a)'s decode is measured again in N rounds, each engine in a fresh process
 in turn (round-robin): on a shared machine bandwidth and load drift by tens of percent within minutes, so a
@@ -93,6 +96,7 @@ class Result:
     decode_tokens_per_s: float = float("nan")
     batch_wall_s: float = float("nan")
     batch_tokens_per_s: float = float("nan")
+    shared_prefix_tokens_per_s: float = float("nan")
 
 
 def prepare_hf_dir(work_dir: Path) -> Path:
@@ -114,9 +118,11 @@ def prepare_engine(work_dir: Path, hf_dir: Path, spec: str) -> Path:
     engine_dir = work_dir / ("engine-" + "".join(c if c.isalnum() or c in "._" else "-" for c in spec))
     if not (engine_dir / "manifest.json").exists():
         t0 = time.perf_counter()
-        extra = {"group_size": INT4_GROUP_SIZE} if FORMATS[qformat].group_wise else {}
-        build_engine(BuildOptions(checkpoint=hf_dir, output=engine_dir, qformat=qformat, max_batch_size=32,
-                                  max_seq_len=512, max_num_tokens=2048, overwrite=True, **extra | options))
+        defaults = dict(max_batch_size=32, max_seq_len=512, max_num_tokens=2048)  # a spec's options override them
+        if FORMATS[qformat].group_wise:
+            defaults["group_size"] = INT4_GROUP_SIZE
+        build_engine(BuildOptions(checkpoint=hf_dir, output=engine_dir, qformat=qformat, overwrite=True,
+                                  **defaults | options))
         print(f"[bench] built {spec} engine in {time.perf_counter() - t0:.1f} s", flush=True)
     return engine_dir
 
@@ -128,6 +134,16 @@ def make_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[int]
     ids = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)
     stride = max(num_tokens, (len(ids) - num_tokens) // max(num_prompts, 1))
     return [ids[i * stride: i * stride + num_tokens] for i in range(num_prompts)]
+
+
+SHARED_PREFIX = (64, 200, 56, 64)  # scenario (c): requests, prefix tokens, distinct tokens, output tokens
+
+
+def make_shared_prefix_prompts(tokenizer, num_prompts: int, prefix_tokens: int, distinct_tokens: int) -> list[list[int]]:
+    """``num_prompts`` prompts of one ``prefix_tokens``-token prefix followed by ``distinct_tokens`` tokens of
+    a different window each, all real English text."""
+    prefix = make_prompts(tokenizer, 1, prefix_tokens)[0]
+    return [prefix + tail for tail in make_prompts(tokenizer, num_prompts, distinct_tokens)]
 
 
 def linear_bytes(qformat: str, out_features: int, in_features: int) -> float:
@@ -176,16 +192,24 @@ def measure_read_bandwidth_gbs(num_bytes: int = 1 << 30, num_passes: int = 7) ->
     return num_bytes / best_s / 1e9
 
 
-def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list[list[int]], max_tokens: int) -> Result:
-    """Scenario (a), then (b) unless ``batch_prompts`` is empty."""
+def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list[list[int]], max_tokens: int,
+                 shared_prompts: list[list[int]] = (), shared_max_tokens: int = 0) -> Result:
+    """Scenario (a), then (b) unless ``batch_prompts`` is empty, then (c) unless ``shared_prompts`` is."""
     from kilnlm.runtime.executor import Executor
     from kilnlm.runtime.request import SamplingParams
 
+    def run_batch(executor: Executor, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+        """(wall seconds, output tokens) of ``prompts`` submitted together."""
+        t0 = time.perf_counter()
+        ids = [executor.submit(p, params) for p in prompts]
+        num_generated = sum(len(r.token_ids) for i in ids for r in executor.stream(i))
+        return time.perf_counter() - t0, num_generated
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    executor = Executor.from_engine_dir(engine_dir)
-    try:
-        executor.generate(single_prompt[:16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        result = Result()
+    warm_up = SamplingParams(max_tokens=4, ignore_eos=True)
+    result = Result()
+    with Executor.from_engine_dir(engine_dir) as executor:
+        executor.generate(single_prompt[:16], warm_up)
         t0 = time.perf_counter()
         rid = executor.submit(single_prompt, params)
         stamps = []
@@ -193,17 +217,16 @@ def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list
             stamps += [time.perf_counter()] * len(response.token_ids)
         result.ttft_s = stamps[0] - t0
         result.decode_tokens_per_s = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-        if not batch_prompts:
-            return result
-
-        t0 = time.perf_counter()
-        ids = [executor.submit(p, params) for p in batch_prompts]
-        num_generated = sum(len(r.token_ids) for i in ids for r in executor.stream(i))
-        result.batch_wall_s = time.perf_counter() - t0
-        result.batch_tokens_per_s = num_generated / result.batch_wall_s
-        return result
-    finally:
-        executor.shutdown()
+        if batch_prompts:
+            result.batch_wall_s, num_generated = run_batch(executor, batch_prompts, params)
+            result.batch_tokens_per_s = num_generated / result.batch_wall_s
+    if shared_prompts:  # a fresh executor: nothing of (b)'s prompts in its prefix cache
+        with Executor.from_engine_dir(engine_dir) as executor:
+            executor.generate(single_prompt[:16], warm_up)
+            wall_s, num_generated = run_batch(executor, shared_prompts,
+                                              SamplingParams(max_tokens=shared_max_tokens, temperature=0.0, ignore_eos=True))
+            result.shared_prefix_tokens_per_s = num_generated / wall_s
+    return result
 
 
 class _TimingStreamer:
@@ -342,6 +365,9 @@ def main() -> int:
     tokenizer = Tokenizer.from_dir(engines[formats[0]] / "tokenizer")
     single_prompt = make_prompts(tokenizer, 1, args.prompt_tokens[0])[0]
     batch_prompts = [] if args.decode_only else make_prompts(tokenizer, args.num_requests, args.prompt_tokens[1])
+    num_shared, prefix_tokens, distinct_tokens, shared_max_tokens = SHARED_PREFIX
+    shared_prompts = [] if args.decode_only else make_shared_prefix_prompts(tokenizer, num_shared, prefix_tokens,
+                                                                             distinct_tokens)
     print(f"[bench] torch {torch.__version__}, {torch.get_num_threads()} threads; (a) 1 x {args.prompt_tokens[0]} -> "
           f"{args.max_tokens}" + ("" if args.decode_only else f"; (b) {args.num_requests} x {args.prompt_tokens[1]} -> "
                                   f"{args.max_tokens}"), flush=True)
@@ -355,7 +381,8 @@ def main() -> int:
             hf_results[dtype] = bench_transformers(hf_dir, dtype, single_prompt, batch_prompts, args.max_tokens)
             rows.append((f"transformers {str(dtype).removeprefix('torch.')}", None, hf_results[dtype], None, None, None))
         print(f"[bench] kilnlm {qformat} ...", flush=True)
-        result = bench_engine(engines[qformat], single_prompt, batch_prompts, args.max_tokens)
+        result = bench_engine(engines[qformat], single_prompt, batch_prompts, args.max_tokens, shared_prompts,
+                              shared_max_tokens)
         weight_bytes = decode_weight_bytes(read_manifest(engines[qformat]), qformat)
         cold_s = None if args.decode_only else cold_start_s(engines[qformat])
         rows.append((f"kilnlm {qformat}", qformat, result, hf_results.get(dtype), weight_bytes, cold_s))
@@ -369,7 +396,7 @@ def main() -> int:
     bf16 = next((r for _, q, r, *_ in rows if q == "bf16"), None)
 
     header = (f"{'':<22}{'TTFT ms':>9}{'decode tok/s':>14}{'x HF':>7}{'x bf16':>8}{'MB/token':>10}{'GB/s':>7}{'% BW':>6}"
-              f"{'batch s':>9}{'batch tok/s':>13}{'x HF':>7}{'cold start s':>14}")
+              f"{'batch s':>9}{'batch tok/s':>13}{'x HF':>7}{'prefix tok/s':>14}{'x (b)':>7}{'cold start s':>14}")
     print(f"\n(memory read bandwidth {bandwidth_gbs:.1f} GB/s; C allocator {malloc_library or 'glibc malloc'})\n" + header + "\n" + "-" * len(header))
     records = []
     for name, qformat, r, base, weight_bytes, cold_s in rows:
@@ -379,6 +406,7 @@ def main() -> int:
             ratio_bf16 = statistics.median(round_ratios[qformat])
         ratio_b = r.batch_tokens_per_s / base.batch_tokens_per_s if base and batch_prompts else None
         gbs = weight_bytes * r.decode_tokens_per_s / 1e9 if weight_bytes else None
+        ratio_c = r.shared_prefix_tokens_per_s / r.batch_tokens_per_s if qformat and batch_prompts else None
 
         def cell(value, fmt, width):
             return f"{value:{width}{fmt}}" if value is not None and value == value else " " * width
@@ -386,11 +414,13 @@ def main() -> int:
         print(f"{name:<22}{r.ttft_s * 1e3:>9.1f}{r.decode_tokens_per_s:>14.1f}{cell(ratio_a, '.2f', 7)}"
               f"{cell(ratio_bf16, '.2f', 8)}{cell(weight_bytes and weight_bytes / 1e6, '.0f', 10)}{cell(gbs, '.1f', 7)}"
               f"{cell(gbs and 100 * gbs / bandwidth_gbs, '.0f', 6)}{cell(r.batch_wall_s, '.2f', 9)}"
-              f"{cell(r.batch_tokens_per_s, '.1f', 13)}{cell(ratio_b, '.2f', 7)}{cell(cold_s, '.2f', 14)}")
+              f"{cell(r.batch_tokens_per_s, '.1f', 13)}{cell(ratio_b, '.2f', 7)}{cell(r.shared_prefix_tokens_per_s, '.1f', 14)}"
+              f"{cell(ratio_c, '.2f', 7)}{cell(cold_s, '.2f', 14)}")
         records.append({"name": name, **vars(r), "weight_bytes_per_token": weight_bytes, "weight_gbs": gbs,
                         "fraction_of_bandwidth": gbs / bandwidth_gbs if gbs else None, "cold_start_s": cold_s,
                         "decode_ratio_vs_transformers": ratio_a, "decode_ratio_vs_bf16_engine": ratio_bf16,
-                        "batch_ratio_vs_transformers": ratio_b, "memory_read_bandwidth_gbs": bandwidth_gbs,
+                        "batch_ratio_vs_transformers": ratio_b, "shared_prefix_ratio_vs_batch": ratio_c,
+                        "memory_read_bandwidth_gbs": bandwidth_gbs,
                         "malloc": malloc_library,
                         "decode_tokens_per_s_rounds": rounds.get(qformat), "decode_ratio_vs_bf16_rounds": round_ratios.get(qformat)})
     if round_ratios:
