@@ -195,9 +195,24 @@ static inline void gemv_rows_nt(const uint8_t* w, int64_t in, int64_t row_begin,
   for (; r < row_end; ++r) gemv_block<1, NT, kShifts>(w + r * in, in, x, x_stride, y + r, y_stride, lut);
 }
 
-template <bool kShifts>
+// kOneOrder: every token summed as a lone token is (four chains, one row at a time), whatever num_tokens,
+// tokens in pairs (8 accumulators) and one alone -- batch invariance (cpu_features.h); otherwise tokens in
+// groups of 4 / 2 / 1, each group's accumulators as gemv_rows_nt lays them out.
+template <bool kShifts, bool kOneOrder>
 static void gemv_rows_conv(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
                            int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
+  if constexpr (kOneOrder) {
+    constexpr int A = kChains<1, 1>;
+    for (int64_t t = 0; t < num_tokens; t += 2) {
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        if (t + 1 < num_tokens)
+          gemv_block<1, 2, kShifts, A>(w + r * in, in, x + t * x_stride, x_stride, y + t * y_stride + r, y_stride, lut);
+        else
+          gemv_block<1, 1, kShifts, A>(w + r * in, in, x + t * x_stride, x_stride, y + t * y_stride + r, y_stride, lut);
+      }
+    }
+    return;
+  }
   int64_t t = 0;
   for (; t + 4 <= num_tokens; t += 4)
     gemv_rows_nt<4, kShifts>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
@@ -209,39 +224,15 @@ static void gemv_rows_conv(const uint8_t* w, int64_t in, int64_t row_begin, int6
     gemv_rows_nt<1, kShifts>(w, in, row_begin, row_end, x + t * x_stride, x_stride, y + t * y_stride, y_stride, lut);
 }
 
-// gemv_rows_conv summing every token as a lone token does (four chains, one row at a time), whatever
-// num_tokens: tokens in pairs (8 accumulators) and one alone.
-template <bool kShifts>
-static void gemv_rows_conv_one_order(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
-                                     int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
-  constexpr int A = kChains<1, 1>;
-  for (int64_t t = 0; t < num_tokens; t += 2) {
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      if (t + 1 < num_tokens)
-        gemv_block<1, 2, kShifts, A>(w + r * in, in, x + t * x_stride, x_stride, y + t * y_stride + r, y_stride, lut);
-      else
-        gemv_block<1, 1, kShifts, A>(w + r * in, in, x + t * x_stride, x_stride, y + t * y_stride + r, y_stride, lut);
-    }
-  }
-}
-
-// y[t, r] = sum_i q[r, i] * x_q[t, i] for rows [row_begin, row_end), x holding x_q laid out by prepare_x.
-// The conversion is chosen by this thread's MXCSR (FTZ bit 15, DAZ bit 6).
+// y[t, r] = sum_i q[r, i] * x_q[t, i] for rows [row_begin, row_end), x holding x_q laid out by prepare_x
+// (kOneOrder: see gemv_rows_conv). The conversion is chosen by this thread's MXCSR (FTZ bit 15, DAZ bit 6).
+template <bool kOneOrder>
 static void gemv_rows(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
                       int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
   if ((_mm_getcsr() & 0x8040u) == 0)
-    gemv_rows_conv<true>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
+    gemv_rows_conv<true, kOneOrder>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
   else
-    gemv_rows_conv<false>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
-}
-
-// gemv_rows with each token's sums in one order at every num_tokens (batch invariance, cpu_features.h).
-static void gemv_rows_one_order(const uint8_t* w, int64_t in, int64_t row_begin, int64_t row_end, const float* x,
-                                int64_t num_tokens, int64_t x_stride, float* y, int64_t y_stride, const float* lut) {
-  if ((_mm_getcsr() & 0x8040u) == 0)
-    gemv_rows_conv_one_order<true>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
-  else
-    gemv_rows_conv_one_order<false>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
+    gemv_rows_conv<false, kOneOrder>(w, in, row_begin, row_end, x, num_tokens, x_stride, y, y_stride, lut);
 }
 
 // Exact dequantization of rows [row_begin, row_end) into dst [row_end - row_begin, in] floats.

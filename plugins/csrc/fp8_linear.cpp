@@ -69,7 +69,7 @@ using DequantFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*, co
 
 GemvFn gemv_fn() {
 #if defined(__x86_64__)
-  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::gemv_rows;
+  if (kiln::cpu_has_avx2_fma_f16c()) return avx2::gemv_rows<false>;
 #endif
   return generic::gemv_rows;
 }
@@ -200,11 +200,11 @@ struct Fp8Format {
     const float* x = xq;
 #if defined(__x86_64__)
     std::vector<float> x_prepared;  // the AVX2 GEMV's activations: x_q * 2^kXScaleLog2 (exact), in its block order
-    if (gemv == avx2::gemv_rows) {
+    if (gemv == avx2::gemv_rows<false>) {
       x_prepared.resize(static_cast<size_t>(num_tokens * in));
       avx2::prepare_x(xq, num_tokens, in, x_prepared.data());
       x = x_prepared.data();
-      if (kiln::batch_invariant_requested()) gemv = avx2::gemv_rows_one_order;
+      if (kiln::batch_invariant_requested()) gemv = avx2::gemv_rows<true>;
     }
 #endif
     kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {

@@ -6,6 +6,17 @@
 // whatever the token count: eight (AVX2: two vectors of eight) running lanes over the columns, reduced the
 // same way.
 
+#if KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_GENERIC
+// A weight as float32: bfloat16 bits widened (exact), or float32 as it is.
+inline float to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline float to_float(float v) { return v; }
+#endif
+
 #if KILN_ISA == KILN_ISA_AVX512_BF16
 #include "fp8_bf16_gemm.h"  // reduce16
 #include "bf16_gemv.h"
@@ -24,14 +35,6 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline float to_float(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline float to_float(float v) { return v; }
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -108,14 +111,6 @@ void widen(const uint16_t* src, int64_t count, float* dst) {
 }
 
 #elif KILN_ISA == KILN_ISA_GENERIC
-
-inline float to_float(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline float to_float(float v) { return v; }
 
 // AVX2's gemv_rows in portable code: acc[t, r] (row stride n) = sum_c w[r, c] * x[t, c], each (token, row)
 // summed in 8 running lanes over the columns (lane c % 8), then pairwise.
