@@ -97,6 +97,25 @@ def test_foreign_cpu_isa(engine_copy, no_loading):
     assert_refused(engine_copy, "cpu_isa", "neon")
 
 
+def test_an_x86_isa_wider_than_this_cpu_is_refused(engine_copy, no_loading):
+    missing = next((isa for isa in ("avx512 avx512_vnni amx_tile", "avx512 avx512_vnni", "avx512", "avx2")
+                    if not cpu_backend.cpu_runs_isa(isa)), None)
+    if missing is None:
+        pytest.skip("this CPU runs code for every x86 ISA inductor targets, AMX included")
+    edit_manifest(engine_copy, lambda d: d["toolchain"].update(cpu_isa=missing))
+    assert_refused(engine_copy, "cpu_isa", missing)
+
+
+def test_the_isa_check_from_cpu_probes_agrees_with_inductors_own_list():
+    """verify asks torch's CPU probes (fast); inductor's list (seconds: it compiles) must say the same for
+    every ISA inductor knows."""
+    from torch._inductor.cpu_vec_isa import supported_vec_isa_list
+
+    machine = cpu_backend.machine_cpu_isas()
+    for isa in {str(i) for i in supported_vec_isa_list if str(i)}:
+        assert cpu_backend.cpu_runs_isa(isa) == (isa in machine), isa
+
+
 @pytest.mark.parametrize("field,value", [
     ("files", "../outside"), ("files", "/etc/passwd"), ("files", "tokenizer/../../outside"), ("files", "./model.pt2"),
     ("files", "manifest.sig"), ("engine_file", "../evil.pt2"), ("sha256", "../../../etc/passwd"), ("size", -1),
