@@ -79,7 +79,7 @@ inline bool cpu_has_avx512_vnni() {
 // quantized linear's GEMV instead of tiles that sum in another order (quant_linear.h). A row's result is
 // then the same bits however many rows the call has: a request's greedy tokens do not depend on what else
 // is in the batch (batch invariance; vLLM's VLLM_BATCH_INVARIANT is the same switch). It costs context-phase
-// speed only (docs/reliability.md). The ops that are invariant anyway (paged_attention, int8_sq_linear,
+// speed, and int4 some decode speed (docs/reliability.md). The ops that are invariant anyway (paged_attention, int8_sq_linear,
 // fp8 with AVX512-BF16 and VBMI) keep their paths.
 inline bool batch_invariant_requested() {
   const char* value = std::getenv("KILNLM_BATCH_INVARIANT");

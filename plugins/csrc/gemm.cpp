@@ -37,7 +37,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -98,10 +97,10 @@ bool use_avx2(const at::Tensor& x) {
 #endif
 }
 
-bool use_direct(const at::Tensor& x, const at::Tensor& weight) {
+bool use_direct(const at::Tensor& x, const at::Tensor& weight, bool batch_invariant) {
 #if defined(__x86_64__)
   return x.scalar_type() == at::kBFloat16 && weight.size(1) % 32 == 0 && weight.size(1) > 0 &&
-         kiln::cpu_has_avx512_bf16() && (x.size(0) <= kMaxDirectTokens || kiln::batch_invariant_requested());
+         kiln::cpu_has_avx512_bf16() && (x.size(0) <= kMaxDirectTokens || batch_invariant);
 #else
   return false;
 #endif
@@ -148,12 +147,12 @@ at::Tensor gemm_widened(const at::Tensor& x_in, const at::Tensor& weight_in, con
     xf = x.data_ptr<float>();
   } else {
     float* widened = kiln::thread_scratch<1>(num_tokens * k);
-    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
     at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1)), [&](int64_t t0, int64_t t1) {
 #if defined(__x86_64__)
-      if (kiln::cpu_has_avx2_fma_f16c()) return avx2::widen(xp + t0 * k, (t1 - t0) * k, widened + t0 * k);
+      if (kiln::cpu_has_avx2_fma_f16c())
+        return avx2::widen(reinterpret_cast<const uint16_t*>(xb) + t0 * k, (t1 - t0) * k, widened + t0 * k);
 #endif
-      const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
       for (int64_t i = t0 * k; i < t1 * k; ++i) widened[i] = static_cast<float>(xb[i]);
     });
     xf = widened;
@@ -198,9 +197,9 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
   if (x_in.scalar_type() == at::kFloat &&
       ((x_in.size(0) <= kMaxGemvTokensF32 && kiln::cpu_has_avx2_fma_f16c()) || batch_invariant))
     return gemm_widened<float>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
-  if (batch_invariant && !use_direct(x_in, weight_in))
-    return gemm_widened<at::BFloat16>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
-  if (!use_direct(x_in, weight_in) || x_in.size(0) == 0) return at::linear(x_in, weight_in, bias);
+  const bool direct = use_direct(x_in, weight_in, batch_invariant);
+  if (batch_invariant && !direct) return gemm_widened<at::BFloat16>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
+  if (!direct || x_in.size(0) == 0) return at::linear(x_in, weight_in, bias);
 #if defined(__x86_64__)
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();

@@ -152,7 +152,7 @@ struct Int8Format {
       // on an AMD Zen 4 just as fast), where the bf16 GEMV below is bound by its instructions (an
       // Intel Xeon, 30 cold SmolLM2 gate_up + down pairs: 62-66 against 97 us per pair at one token, 140
       // against 165 at four; a cold decode sweep 34.7 against 25.0 GB/s).
-      const bool int16_on_bf16 = bf16_gemm && !(bf16_gemv_sums_like_tiles() && kiln::batch_invariant_requested());
+      const bool int16_on_bf16 = bf16_gemm && !context_sums_like_gemv();
       if ((int16_on_bf16 || !kiln::cpu_has_avx512()) && kiln::cpu_has_avx2_fma_f16c() && in % avx2::kInt16BlockCols == 0) {
         thread_local kiln::Int16Activations xq;
         xq.resize(num_tokens, in, in / avx2::kInt16BlockCols);

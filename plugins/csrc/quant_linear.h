@@ -168,7 +168,7 @@ void run_quantized_linear(const Format& format, const LinearShape& s, scalar_t* 
   const int64_t max_gemv_tokens = bf16_gemm ? Format::kGemvTokens.with_bf16_gemm : Format::kGemvTokens.with_f32_gemm;
   if (s.num_tokens <= max_gemv_tokens) return format.generation(out);
   // batch invariance (cpu_features.h): a GEMV sums each token's row alone, in one order at every T
-  if (!format.context_sums_like_gemv() && batch_invariant_requested()) return format.generation(out);
+  if (batch_invariant_requested() && !format.context_sums_like_gemv()) return format.generation(out);
   if (bf16_gemm) return run_tiled_bf16(format, s, out);
   run_tiled_f32(format, s, out);
 }
