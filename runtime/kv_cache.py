@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,7 +143,7 @@ class KVCacheManager:
         """Free blocks a new request with prompt ``token_ids`` takes from the free queue to hold
         ``num_tokens`` tokens (default ``len(token_ids)``): its blocks minus its prefix hits, plus the hits
         that sit in the free queue (reviving a cached free block takes it from the queue too)."""
-        hits, _ = self._lookup_prefix(token_ids)
+        hits, _ = self._lookup_prefix(self._block_hashes(token_ids))
         num_tokens = len(token_ids) if num_tokens is None else max(num_tokens, len(token_ids))
         num_hits_in_free = sum(1 for b in hits if self._ref_counts[b] == 0)
         return _cdiv(num_tokens, self.tokens_per_block) - len(hits) + num_hits_in_free
@@ -161,8 +162,8 @@ class KVCacheManager:
         """
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already holds KV blocks")
-        prompt_hashes = self._full_block_hashes(token_ids)
-        hits, hashes = self._lookup_prefix(token_ids, prompt_hashes)
+        prompt_hashes = list(self._block_hashes(token_ids))
+        hits, hashes = self._lookup_prefix(prompt_hashes)
         num_new_blocks = _cdiv(len(token_ids), self.tokens_per_block) - len(hits)
         if num_new_blocks + sum(1 for b in hits if self._ref_counts[b] == 0) > len(self._free):
             return None
@@ -231,11 +232,15 @@ class KVCacheManager:
         if not self.config.enable_kv_cache_reuse:
             return
         hashes = self._hashes[request_id]
+        prompt_hashes = self._prompt_hashes[request_id]  # hashed at allocation: not hashed again here
         table = self._tables[request_id]
         num_full = num_computed_tokens // self.tokens_per_block
         for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i else b""
-            block_hash = self._hash_block(parent, token_ids[i * self.tokens_per_block : (i + 1) * self.tokens_per_block])
+            if i < len(prompt_hashes):
+                block_hash = prompt_hashes[i]
+            else:  # a block of generated tokens
+                parent = hashes[i - 1] if i else b""
+                block_hash = self._hash_block(parent, token_ids[i * self.tokens_per_block : (i + 1) * self.tokens_per_block])
             hashes.append(block_hash)
             block = table[i]
             if block_hash not in self._cached and self._block_hash[block] is None:
@@ -276,29 +281,28 @@ class KVCacheManager:
         self._ref_counts[block] = 1
         return block
 
-    def _full_block_hashes(self, token_ids: list[int]) -> list[bytes]:
-        """The chained hashes of the full blocks of ``token_ids[:-1]`` (none without prefix caching)."""
+    def _block_hashes(self, token_ids: list[int]) -> Iterator[bytes]:
+        """The chained hashes of the full blocks of ``token_ids[:-1]``, computed as they are taken (none
+        without prefix caching)."""
         if not self.config.enable_kv_cache_reuse:
-            return []
-        hashes: list[bytes] = []
+            return
         parent = b""
         for i in range((len(token_ids) - 1) // self.tokens_per_block):
             parent = self._hash_block(parent, token_ids[i * self.tokens_per_block : (i + 1) * self.tokens_per_block])
-            hashes.append(parent)
-        return hashes
+            yield parent
 
-    def _lookup_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> tuple[list[int], list[bytes]]:
-        """Cached blocks of the longest prefix of full blocks of ``token_ids[:-1]``, and their hashes
-        (``hashes``: :meth:`_full_block_hashes` of ``token_ids``, where the caller has them)."""
-        if hashes is None:
-            hashes = self._full_block_hashes(token_ids)
+    def _lookup_prefix(self, hashes: Iterable[bytes]) -> tuple[list[int], list[bytes]]:
+        """Cached blocks of the longest prefix of blocks with these chained ``hashes`` (:meth:`_block_hashes`;
+        taken only up to the first miss), and their hashes."""
         hits: list[int] = []
+        hit_hashes: list[bytes] = []
         for block_hash in hashes:
             block = self._cached.get(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, hashes[:len(hits)]
+            hit_hashes.append(block_hash)
+        return hits, hit_hashes
 
     @staticmethod
     def _hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:

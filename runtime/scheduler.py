@@ -22,11 +22,11 @@ scheduler):
    first (one token each, growing their block table as they cross a block boundary), then context-phase
    requests in admission order. A context whose next prompt block another running request is computing
    waits for it and then takes it from the prefix cache, so requests that arrive together compute a
-   shared prefix once (:mod:`kilnlm.runtime.kv_cache`). With chunked context (``enable_chunked_context``) each gets the largest
-   chunk of its pending tokens that still fits (a long prompt spreads over several iterations while others
-   keep decoding); without it a context is scheduled only when all its pending tokens fit, and it and the
-   contexts behind it wait otherwise (a recomputation after preemption longer than ``max_num_tokens`` is
-   the one context still chunked: it could never fit whole).
+   shared prefix once (:mod:`kilnlm.runtime.kv_cache`). With chunked context (``enable_chunked_context``)
+   each gets the largest chunk of its pending tokens that still fits (a long prompt spreads over several
+   iterations while others keep decoding); without it a context is scheduled only when all its pending
+   tokens fit, and it and the contexts behind it wait otherwise (a recomputation after preemption longer
+   than ``max_num_tokens`` is the one context still chunked: it could never fit whole).
 
 Requests join and leave between iterations.
 
