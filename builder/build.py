@@ -6,6 +6,8 @@ The options are resolved once (:func:`kilnlm.builder.config.resolve`); everythin
 leaves a half-written engine behind::
 
     <output>.tmp-<pid>/  model.pt2, tokenizer/, manifest.json (last)  --os.replace-->  <output>/
+
+(``model.pt2`` for ``--target cpu``; ``model.onnx`` and ``model.onnx.data`` for ``--target onnx``.)
 """
 
 from __future__ import annotations
@@ -15,9 +17,6 @@ import logging
 import os
 import shutil
 import time
-from pathlib import Path
-
-import torch
 
 from kilnlm.builder.cache_key import CacheKey, compute_cache_key
 from kilnlm.builder.checkpoint import Checkpoint, load_checkpoint
@@ -103,7 +102,7 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
         if opts.sign_key is not None:
             log.info("signed the manifest with key %s", sign_engine(tmp, load_signing_key(opts.sign_key)))
         if opts.smoke_test:
-            _smoke_test(tmp)
+            target.smoke_test(tmp, model_cfg, build_cfg)
         move_into_place(tmp, opts.output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -176,22 +175,3 @@ def quantize_kv_cache(opts: ResolvedBuildOptions, ck: Checkpoint, network: Llama
     amax = calibrate_kv_cache(ck, batches, show_progress=log.isEnabledFor(logging.INFO))
     attach_kv_scales(network, kv_scales(amax, opts.kv_cache_dtype))
     log.info("%s KV-cache calibration (ModelOpt) took %.1f s", opts.kv_cache_dtype, time.perf_counter() - t0)
-
-
-def _smoke_test(engine_dir: Path) -> None:
-    """Load the engine as the runtime does and run one forward of one token."""
-    from kilnlm.runtime.abi import EngineInputs
-    from kilnlm.runtime.engine import Engine
-
-    engine = Engine.load(engine_dir, trusted_keys=None)  # the builder's own output: no trust policy applies
-    max_blocks = engine.manifest.build.max_blocks_per_seq
-    inputs = EngineInputs(
-        input_ids=torch.tensor([1], dtype=torch.int64), positions=torch.tensor([0], dtype=torch.int64),
-        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seq_lens_kv=torch.tensor([1], dtype=torch.int32),
-        block_tables=torch.zeros(1, max_blocks, dtype=torch.int32), slot_mapping=torch.tensor([0], dtype=torch.int64),
-        logits_indices=torch.tensor([0], dtype=torch.int64),
-    )
-    logits = engine.forward(inputs, engine.allocate_kv_cache(1))
-    if logits.shape != (1, engine.manifest.model.vocab_size) or not torch.isfinite(logits).all():
-        raise BuildError(f"smoke test of the built engine failed: logits {tuple(logits.shape)}, finite="
-                         f"{bool(torch.isfinite(logits).all())}; report this as a kilnlm bug")

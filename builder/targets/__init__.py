@@ -3,8 +3,9 @@
 A target compiles the eager network (whose ``forward`` is the engine ABI of :mod:`kilnlm.runtime.abi`) into
 the files of an engine directory; the manifest records its name (``build.target``), the engine file
 (``engine_file``) and its toolchain, and the runtime picks the backend of the same name to load it.
-``cpu`` (AOTInductor, :mod:`kilnlm.builder.targets.cpu`) is the first entry; a TensorRT target is the next
-one, with the same protocol.
+``cpu`` (AOTInductor, :mod:`kilnlm.builder.targets.cpu`) compiles engines kilnlm's runtime serves; ``onnx``
+(:mod:`kilnlm.builder.targets.onnx_export`) writes the network as an ONNX model with kilnlm's plugin nodes,
+the input of a TensorRT plan, which kilnlm's runtime does not serve.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.targets.cpu import CpuTarget
+from kilnlm.builder.targets.onnx_export import OnnxTarget
 from kilnlm.runtime.manifest import BuildConfig, ModelConfig
 
 
@@ -24,11 +26,13 @@ class Target(Protocol):
 
     ``name``: the ``--target`` value and the manifest's ``build.target``; ``description``: what it compiles
     to, for the CLI's help; ``engine_file``: the compiled engine's path relative to the engine directory
-    (the manifest's ``engine_file``)."""
+    (the manifest's ``engine_file``); ``served``: whether kilnlm's runtime loads its engines (with the
+    backend of the same name, :data:`kilnlm.runtime.backends.ENGINE_BACKENDS`)."""
 
     name: str
     description: str
     engine_file: str
+    served: bool
 
     def default_compile_options(self) -> Any:
         """The compile options used when :attr:`BuildOptions.compile` is None (a frozen dataclass: the
@@ -45,7 +49,7 @@ class Target(Protocol):
 
 
 # --target name -> its implementation, in the order the CLI lists them.
-TARGETS: dict[str, Target] = {target.name: target for target in (CpuTarget(),)}
+TARGETS: dict[str, Target] = {target.name: target for target in (CpuTarget(), OnnxTarget())}
 
 
 def get_target(name: str) -> Target:

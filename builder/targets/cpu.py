@@ -147,6 +147,26 @@ def toolchain_versions() -> dict[str, str]:
             "cpu_isa": inductor_cpu_isa(), "target": CpuTarget.name}
 
 
+def smoke_test_engine(engine_dir: Path) -> None:
+    """Load the engine in ``engine_dir`` as the runtime does and run one forward of one token. Raises
+    :class:`BuildError` when the logits are not finite or not ``[1, vocab_size]``."""
+    from kilnlm.runtime.abi import EngineInputs
+    from kilnlm.runtime.engine import Engine
+
+    engine = Engine.load(engine_dir, trusted_keys=None)  # the builder's own output: no trust policy applies
+    max_blocks = engine.manifest.build.max_blocks_per_seq
+    inputs = EngineInputs(
+        input_ids=torch.tensor([1], dtype=torch.int64), positions=torch.tensor([0], dtype=torch.int64),
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seq_lens_kv=torch.tensor([1], dtype=torch.int32),
+        block_tables=torch.zeros(1, max_blocks, dtype=torch.int32), slot_mapping=torch.tensor([0], dtype=torch.int64),
+        logits_indices=torch.tensor([0], dtype=torch.int64),
+    )
+    logits = engine.forward(inputs, engine.allocate_kv_cache(1))
+    if logits.shape != (1, engine.manifest.model.vocab_size) or not torch.isfinite(logits).all():
+        raise BuildError(f"smoke test of the built engine failed: logits {tuple(logits.shape)}, finite="
+                         f"{bool(torch.isfinite(logits).all())}; report this as a kilnlm bug")
+
+
 @dataclass(frozen=True)
 class CpuTarget:
     """The ``cpu`` entry of :data:`kilnlm.builder.targets.TARGETS` (see :class:`~kilnlm.builder.targets.Target`)."""
@@ -154,6 +174,7 @@ class CpuTarget:
     name = "cpu"
     description = "AOTInductor package, C++ kernels"
     engine_file = "model.pt2"
+    served = True
 
     def default_compile_options(self) -> CompileOptions:
         return CompileOptions()
@@ -165,3 +186,7 @@ class CpuTarget:
                 out_dir: Path, options: CompileOptions) -> list[Path]:
         """AOT-compile ``network`` into ``out_dir / model.pt2`` (:func:`compile_engine`)."""
         return [compile_engine(network, model, build, dtype, Path(out_dir) / self.engine_file, options)]
+
+    def smoke_test(self, engine_dir: Path, model: ModelConfig, build: BuildConfig) -> None:
+        """One token through the engine as the runtime loads it (:func:`smoke_test_engine`)."""
+        smoke_test_engine(engine_dir)
