@@ -171,12 +171,14 @@ def make_engine_inputs(seqs: list[tuple[list[int], int]], tokens_per_block: int,
     )
 
 
-def greedy_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+def greedy_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int],
+                    num_blocks: int | None = None) -> list[int]:
     """Minimal greedy decoding through ``engine`` (a :class:`kilnlm.runtime.engine.Engine`): one context
-    step over the whole prompt, then one generation step per token, all through the paged KV cache.
-    Returns the generated token ids (without the prompt), stopping after an EOS id."""
+    step over the whole prompt, then one generation step per token, all through the paged KV cache of
+    ``num_blocks`` blocks (default: one sequence's most). Returns the generated token ids (without the
+    prompt), stopping after an EOS id."""
     build = engine.manifest.build
-    kv_cache = engine.allocate_kv_cache(build.max_blocks_per_seq)
+    kv_cache = engine.allocate_kv_cache(num_blocks or build.max_blocks_per_seq)
     generated: list[int] = []
     new_ids, num_cached = list(prompt_ids), 0
     for _ in range(max_new_tokens):
