@@ -4,7 +4,7 @@ A target compiles the eager network (whose ``forward`` is the engine ABI of :mod
 the files of an engine directory; the manifest records its name (``build.target``), the engine file
 (``engine_file``) and its toolchain, and the runtime picks the backend of the same name to load it.
 ``cpu`` (AOTInductor, :mod:`kilnlm.builder.targets.cpu`) compiles engines kilnlm's runtime serves; ``onnx``
-(:mod:`kilnlm.builder.targets.onnx_export`) writes the network as an ONNX model with kilnlm's plugin nodes,
+(:mod:`kilnlm.builder.targets.onnx_target`) writes the network as an ONNX model with kilnlm's plugin nodes,
 the input of a TensorRT plan, which kilnlm's runtime does not serve.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.targets.cpu import CpuTarget
-from kilnlm.builder.targets.onnx_export import OnnxTarget
+from kilnlm.builder.targets.onnx_target import OnnxTarget
 from kilnlm.runtime.manifest import BuildConfig, ModelConfig
 
 
