@@ -41,9 +41,10 @@ from kilnlm.runtime.kv_cache import DEFAULT_MAX_KV_CACHE_BYTES, KVCacheConfig, K
 from kilnlm.runtime.openmp import release_calling_thread_workers
 from kilnlm.runtime.output_processor import OutputProcessor
 from kilnlm.runtime.request import FinishReason, Request, Response, SamplingParams
-from kilnlm.runtime.sampler import Sampler, SamplerOutput
+from kilnlm.runtime.sampler import Sampler
 from kilnlm.runtime.scheduler import BatchSchedulerPolicy, ScheduledBatch, Scheduler, SchedulerConfig
 from kilnlm.runtime.signing import FROM_ENVIRONMENT
+from kilnlm.runtime.speculative import NgramProposer, parse_speculative_config, verify_greedy
 from kilnlm.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,9 @@ class ExecutorConfig:
         "help": "sequences per step (default: the engine's build limit, which it may only lower)"})
     max_num_tokens: int | None = field(default=None, metadata={
         "help": "tokens per step (default: the engine's build limit, which it may only lower)"})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                '"prompt_lookup_max": 3} (greedy requests; default: off)'})
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ class IterationStats:
     num_preemptions: int = 0
     num_reused_blocks: int = 0  # since start: blocks requests took from the prefix cache
     num_needed_blocks: int = 0  # since start: blocks admissions needed (reused + newly allocated)
+    total_draft_tokens: int = 0  # since start: speculative draft tokens verified (TensorRT-LLM's names)
+    total_accepted_draft_tokens: int = 0  # since start: of those, accepted
     timestamp_s: float = 0.0  # when this snapshot was taken: time.time(), seconds since the epoch
 
 
@@ -151,8 +157,10 @@ class Executor:
                                          build.max_seq_len, build.tokens_per_block, config.max_tokens_in_paged_kv_cache)
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_kv_cache_reuse))
+        self.speculative_config = parse_speculative_config(config.speculative_config)
+        proposer = NgramProposer(self.speculative_config) if self.speculative_config is not None else None
         self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens, policy, config.enable_chunked_context),
-                                   self.kv_manager)
+                                   self.kv_manager, proposer)
         self.sampler = Sampler()
         self.input_builder = InputBuilder(InputLimits(max_num_tokens, max_batch_size, max_blocks_per_seq, build.tokens_per_block))
         self.output_processor = OutputProcessor(tokenizer)
@@ -172,6 +180,8 @@ class Executor:
         self._last_batch = _LastBatch()
         self._num_iterations = 0
         self._num_preemptions = 0
+        self._num_draft_tokens = 0
+        self._num_accepted_draft_tokens = 0
         # This thread's OpenMP workers (the KV-cache allocation above made them) would slow every forward
         # of the loop thread by 2x or more (kilnlm.runtime.openmp).
         release_calling_thread_workers()
@@ -386,8 +396,7 @@ class Executor:
         logits = self._forward(batch)
         if logits is None:
             return
-        sampled = self._sample(batch, logits)
-        updated = self._update(batch, sampled.token_ids)
+        updated = self._update(batch, self._sample(batch, logits))
         self._record_iteration(batch, time.perf_counter() - start_s)
         self._respond(updated)
 
@@ -403,27 +412,51 @@ class Executor:
                 self._finish(seq.request, FinishReason.ERROR, f"engine forward failed: {exc!r}")
             return None
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> SamplerOutput:
-        """One token per sequence whose pending tokens were all computed, in batch order (a non-final
-        context chunk's logits are dropped), each request's ``last_logprobs`` set; empty after failing
-        those requests if sampling fails."""
-        rows = [b for b, seq in enumerate(batch.seqs) if seq.completes_sequence]
-        if not rows:
-            return SamplerOutput([], [])
-        requests = [batch.seqs[b].request for b in rows]
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[list[int]]:
+        """The tokens of each sequence whose pending tokens were all computed, in batch order (a non-final
+        context chunk's logits are dropped): one sampled token, or for a sequence with draft tokens the
+        greedy verification's 1 to k + 1 (:func:`~kilnlm.runtime.speculative.verify_greedy`); each
+        request's ``last_logprobs`` set. Empty after failing those requests if sampling fails.
+
+        ``logits`` holds one row per sequence, plus one per draft token after its sequence's row."""
+        first_rows, completing, row = [], [], 0
+        for b, seq in enumerate(batch.seqs):
+            if seq.completes_sequence:
+                first_rows.append(row)
+                completing.append(seq)
+            row += 1 + len(seq.draft_token_ids)
+        if not completing:
+            return []
+        requests = [seq.request for seq in completing]
         try:
             token_bitmask = self.guided_decoder.fill_token_bitmask(requests)
-            sampled = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], requests, token_bitmask)
+            sampled = self.sampler.sample(logits if len(first_rows) == len(logits) else logits[first_rows], requests,
+                                          token_bitmask)
+            step_tokens = [[token] for token in sampled.token_ids]
+            if batch.num_draft_tokens:
+                self._verify_drafts(completing, first_rows, logits, step_tokens)
         except Exception as exc:
             logger.exception("sampling failed")
             for request in requests:
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {exc!r}")
-            return SamplerOutput([], [])
+            return []
         for request, entry in zip(requests, sampled.logprobs):
             request.last_logprobs = entry
-        return sampled
+        return step_tokens
 
-    def _update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
+    def _verify_drafts(self, seqs: list, first_rows: list[int], logits: torch.Tensor, step_tokens: list[list[int]]) -> None:
+        """Extend each speculating sequence's sampled token (the argmax of its first row) with the argmax after
+        each accepted draft token (its draft rows), in place; count drafts and acceptances."""
+        for seq, row, tokens in zip(seqs, first_rows, step_tokens):
+            num_drafts = len(seq.draft_token_ids)
+            if not num_drafts:
+                continue
+            draft_argmax = logits[row + 1 : row + 1 + num_drafts].numpy().argmax(axis=-1).tolist()
+            tokens[:] = verify_greedy(tokens[0], seq.draft_token_ids, draft_argmax)
+            self._num_draft_tokens += num_drafts
+            self._num_accepted_draft_tokens += len(tokens) - 1
+
+    def _update(self, batch: ScheduledBatch, sampled_token_ids: list[list[int]]) -> list[Request]:
         """Apply the step to the requests (:meth:`Scheduler.update`) and advance the guided ones' grammar
         matchers; a request whose matcher rejects its token finishes with reason "error". Returns the
         requests that got a token and are still to be responded to."""
@@ -511,6 +544,8 @@ class Executor:
                 num_preemptions=self._num_preemptions,
                 num_reused_blocks=kv.num_reused_blocks,
                 num_needed_blocks=kv.num_needed_blocks,
+                total_draft_tokens=self._num_draft_tokens,
+                total_accepted_draft_tokens=self._num_accepted_draft_tokens,
                 timestamp_s=time.time(),
             )
 

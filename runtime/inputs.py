@@ -10,6 +10,9 @@ ones::
     slot_mapping  block_table[b][p // tokens_per_block] * tokens_per_block + p % tokens_per_block
     seq_lens_kv   start + n
     logits row    cu_seqlens_q[b+1] - 1                          (the sequence's last new token)
+
+A speculating sequence (speculative decoding) packs its ``k`` draft tokens after its new token and gets
+``k + 1`` logits rows, one per position it verifies.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class InputBuilder:
         self._slot_mapping = np.zeros(limits.max_num_tokens, dtype=np.int64)
         self._cu_seqlens_q = np.zeros(limits.max_batch_size + 1, dtype=np.int32)
         self._seq_lens_kv = np.zeros(limits.max_batch_size, dtype=np.int32)
-        self._logits_indices = np.zeros(limits.max_batch_size, dtype=np.int64)
+        self._logits_indices = np.zeros(limits.max_num_tokens, dtype=np.int64)  # draft tokens add rows
         self._block_tables = np.zeros((limits.max_batch_size, limits.max_blocks_per_seq), dtype=np.int32)
         self._table_lens = [0] * limits.max_batch_size  # row b of _block_tables is 0 from this column on
         # One-token-per-sequence batches (generation steps): cu_seqlens_q and logits_indices are constant
@@ -59,15 +62,20 @@ class InputBuilder:
         if num_tokens == num_seqs and all(s.num_new_tokens == 1 for s in batch.seqs):
             return self._build_one_token_each(batch, kv_cache)
         starts = np.fromiter((s.request.num_computed_tokens for s in batch.seqs), np.int64, num_seqs)
-        num_new = np.fromiter((s.num_new_tokens for s in batch.seqs), np.int64, num_seqs)
+        num_new = np.fromiter((s.num_scheduled_tokens for s in batch.seqs), np.int64, num_seqs)
 
         cu_seqlens_q = self._cu_seqlens_q[: num_seqs + 1]
         cu_seqlens_q[0] = 0
         np.cumsum(num_new, out=cu_seqlens_q[1:])
         seq_lens_kv = self._seq_lens_kv[:num_seqs]
         np.add(starts, num_new, out=seq_lens_kv, casting="unsafe")
-        logits_indices = self._logits_indices[:num_seqs]
-        np.subtract(cu_seqlens_q[1:], 1, out=logits_indices, casting="unsafe")
+        num_drafts = batch.num_draft_tokens
+        logits_indices = self._logits_indices[: num_seqs + num_drafts]
+        if num_drafts:  # a speculating sequence's rows: its new token's and each draft token's
+            logits_indices[:] = np.concatenate([np.arange(cu_seqlens_q[b + 1] - 1 - len(s.draft_token_ids), cu_seqlens_q[b + 1])
+                                                for b, s in enumerate(batch.seqs)])
+        else:
+            np.subtract(cu_seqlens_q[1:], 1, out=logits_indices, casting="unsafe")
 
         block_tables = self._block_tables[:num_seqs]
         block_tables.fill(0)
@@ -76,8 +84,10 @@ class InputBuilder:
             table = kv_cache.block_table(seq.request.request_id)
             block_tables[b, : len(table)] = table
             self._table_lens[b] = len(table)
-            start = int(starts[b])
-            input_ids[cu_seqlens_q[b] : cu_seqlens_q[b + 1]] = seq.request.token_ids[start : start + seq.num_new_tokens]
+            start, first = int(starts[b]), int(cu_seqlens_q[b])
+            input_ids[first : first + seq.num_new_tokens] = seq.request.token_ids[start : start + seq.num_new_tokens]
+            if seq.draft_token_ids:
+                input_ids[first + seq.num_new_tokens : cu_seqlens_q[b + 1]] = seq.draft_token_ids
 
         # seq_index [T]: which sequence each packed token belongs to; positions = start + offset in chunk.
         seq_index = np.repeat(np.arange(num_seqs), num_new)

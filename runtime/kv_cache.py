@@ -22,7 +22,9 @@ the same hash. A request whose next block another request is computing waits for
 A sequence's blocks are freed tail first, so of one sequence the blocks furthest from the shared prefix are
 evicted first. The scheduler never sees block ids: it asks ``allocate / append_slots / free`` and, to plan
 admissions, how many free blocks a request would take (:meth:`KVCacheManager.num_blocks_to_allocate`,
-:meth:`KVCacheManager.num_missing_blocks`); the input preparation reads ``block_table``.
+:meth:`KVCacheManager.num_missing_blocks`); the input preparation reads ``block_table``. Speculative decoding
+appends slots for draft tokens and trims those of rejected ones (:meth:`KVCacheManager.trim_slots`); a block
+is hashed only once all its tokens are computed and accepted (:meth:`KVCacheManager.cache_computed_blocks`).
 
 Reuse is counted cumulatively (TensorRT-LLM's ``reusedBlocks`` / ``allocTotalBlocks``): ``num_reused_blocks``
 blocks came from the prefix cache, at allocation or taken later in place of a block a request had not yet
@@ -225,6 +227,17 @@ class KVCacheManager:
             return False
         self._tables[request_id].extend(self._pop_free() for _ in range(num_missing))
         return True
+
+    def trim_slots(self, request_id: int, num_tokens: int) -> None:
+        """Shrink the request's block table to the blocks ``num_tokens`` tokens need, releasing the rest (tail
+        first): the slots of rejected draft tokens (speculative decoding). Blocks holding only computed tokens
+        of the request are never released here: it keeps at least the blocks of ``num_tokens``."""
+        table = self._tables[request_id]
+        num_kept = _cdiv(num_tokens, self.tokens_per_block)
+        if num_kept < len(self._hashes[request_id]):
+            raise ValueError(f"request {request_id}: trimming to {num_tokens} tokens would release cached blocks")
+        while len(table) > num_kept:
+            self._release(table.pop())
 
     def cache_computed_blocks(self, request_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's full blocks of computed tokens (``token_ids[:num_computed_tokens]``) for

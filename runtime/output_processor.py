@@ -38,35 +38,37 @@ class OutputProcessor:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
 
     def process(self, request: Request) -> Response:
-        """The response for a request :meth:`Scheduler.update` just gave a sampled token: it is running
-        with the token appended, or finished with reason "end_id" (the token was not appended) or "length".
-        Finds stop strings in the new text: then sets ``request.finish_reason`` to "stop" and returns a
-        finished response; the caller finishes the request in the scheduler (:meth:`Scheduler.finish`).
-        Raises whatever the tokenizer raises (the caller fails the request)."""
+        """The response for a request :meth:`Scheduler.update` just gave tokens: it is running with its
+        ``num_step_tokens`` new tokens appended (several when it speculated), or finished with reason
+        "end_id" (the end token was not appended) or "length". Finds stop strings in the new text token by
+        token: then drops the tokens after the one that completed it, sets ``request.finish_reason`` to
+        "stop" and returns a finished response; the caller finishes the request in the scheduler
+        (:meth:`Scheduler.finish`). Raises whatever the tokenizer raises (the caller fails the request)."""
         reason = request.finish_reason
-        if reason is FinishReason.END_ID:
-            return self.final_response(request, [])
-        token_id = request.token_ids[-1]
-        if request.last_logprobs is not None:
+        new_token_ids = request.token_ids[len(request.token_ids) - request.num_step_tokens :] if request.num_step_tokens else []
+        if request.last_logprobs is not None and new_token_ids:  # log-probs: one token per step (no speculation)
             request.cum_log_prob += request.last_logprobs.log_prob
-        delta = self._detokenizers[request.request_id].add([token_id])
+        detokenizer = self._detokenizers[request.request_id]
         stop = request.params.stop
-        if stop and delta:
-            search_from = max(0, len(request.output_text) - max(map(len, stop)) + 1)
-            request.output_text += delta
-            stop_at = find_stop(request.output_text, stop, search_from)
-            if stop_at is not None:
-                request.output_text = request.output_text[:stop_at]
-                request.finish_reason = FinishReason.STOP
-                return self.final_response(request, [token_id])
-        else:
-            request.output_text += delta
-        if reason is FinishReason.LENGTH:
-            return self.final_response(request, [token_id])
+        for i, token_id in enumerate(new_token_ids):
+            delta = detokenizer.add([token_id])
+            if stop and delta:
+                search_from = max(0, len(request.output_text) - max(map(len, stop)) + 1)
+                request.output_text += delta
+                stop_at = find_stop(request.output_text, stop, search_from)
+                if stop_at is not None:
+                    request.output_text = request.output_text[:stop_at]
+                    request.finish_reason = FinishReason.STOP
+                    del request.token_ids[len(request.token_ids) - (len(new_token_ids) - i - 1) :]
+                    return self.final_response(request, new_token_ids[: i + 1])
+            else:
+                request.output_text += delta
+        if reason is FinishReason.END_ID or reason is FinishReason.LENGTH:
+            return self.final_response(request, new_token_ids)
         num_visible = len(request.output_text) - num_held_back_chars(request.output_text, stop)
         text = request.output_text[request.num_text_sent : num_visible]
         request.num_text_sent = max(request.num_text_sent, num_visible)
-        return _response(request, [token_id], text, finished=False)
+        return _response(request, new_token_ids, text, finished=False)
 
     def final_response(self, request: Request, new_token_ids: list[int] | None = None) -> Response:
         """The last response of a finished request (``request.finish_reason`` set): all text still held
@@ -82,8 +84,8 @@ class OutputProcessor:
 
 
 def _response(request: Request, token_ids: list[int], text: str, finished: bool) -> Response:
-    """The response carrying ``token_ids`` (empty, or the token the request just appended) and ``text``;
-    with their log-probs when the request asked for them."""
+    """The response carrying ``token_ids`` (empty, or the tokens the request just appended) and ``text``;
+    with their log-probs when the request asked for them (one token per step then)."""
     response = Response(request.parent_request_id, token_ids, text, finished, request.finish_reason if finished else None,
                         request.num_prompt_tokens, request.num_generated_tokens,
                         request.error_message if finished else None, sequence_index=request.sequence_index)

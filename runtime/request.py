@@ -212,6 +212,7 @@ class Request:
     sequence_index: int = 0
     last_logprobs: TokenLogprobs | None = None
     cum_log_prob: float = 0.0
+    num_step_tokens: int = 0  # tokens appended to token_ids by the latest step (several when speculating)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

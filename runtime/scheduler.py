@@ -19,7 +19,8 @@ scheduler):
    Admission stops at the first request that does not fit, so a long prompt is never starved by shorter
    ones behind it.
 2. **Packing (this iteration)** -- within the token budget ``max_num_tokens``: generation-phase requests
-   first (one token each, growing their block table as they cross a block boundary), then context-phase
+   first (one token each, growing their block table as they cross a block boundary; with speculative
+   decoding also the draft tokens a proposer offers, :mod:`kilnlm.runtime.speculative`), then context-phase
    requests in admission order. A context whose next prompt block another running request is computing
    waits for it and then takes it from the prefix cache, so requests that arrive together compute a
    shared prefix once (:mod:`kilnlm.runtime.kv_cache`). With chunked context (``enable_chunked_context``)
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.kv_cache import KVCacheManager
 from kilnlm.runtime.request import FinishReason, Request, RequestStatus
+from kilnlm.runtime.speculative import NgramProposer, speculates
 
 
 class BatchSchedulerPolicy(str, enum.Enum):
@@ -82,6 +84,13 @@ class ScheduledSeq:
 
     request: Request
     num_new_tokens: int
+    # speculative decoding: tokens proposed to follow token_ids, verified by this step's forward
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens this sequence packs into the forward: its new tokens and its draft tokens."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
     def completes_sequence(self) -> bool:
@@ -104,7 +113,11 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+        return sum(s.num_scheduled_tokens for s in self.seqs)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(s.draft_token_ids) for s in self.seqs)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -116,9 +129,10 @@ class Scheduler:
     Not thread-safe: only the executor's loop thread calls it.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, proposer: NgramProposer | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.proposer = proposer  # speculative decoding's draft tokens (None: off)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._capacity = _CAPACITY_POLICIES[BatchSchedulerPolicy(config.policy)]
@@ -155,33 +169,49 @@ class Scheduler:
         request.finish_reason = reason
         request.error_message = error_message
 
-    def update(self, batch: ScheduledBatch, sampled_token_ids: Sequence[int]) -> list[Request]:
+    def update(self, batch: ScheduledBatch, sampled_token_ids: Sequence[Sequence[int]]) -> list[Request]:
         """Apply the forward of ``batch`` to its requests.
 
-        ``sampled_token_ids``: one token per sequence of ``batch`` that completed its pending tokens
-        (:attr:`ScheduledSeq.completes_sequence`), in batch order; empty when sampling failed (those
-        requests were finished already and are skipped). Every sequence's ``num_computed_tokens`` advances
-        by its new tokens and its full blocks are registered for prefix reuse; each sampled token is then
-        appended, unless it is one of the request's end ids (finish "end_id", the token is not part of the
-        output), and a request that reached ``max_tokens`` or its ``max_num_tokens`` finishes ("length").
-        Finished requests' blocks are freed.
+        ``sampled_token_ids``: per sequence of ``batch`` that completed its pending tokens
+        (:attr:`ScheduledSeq.completes_sequence`), in batch order, the tokens the step yields: one, or with
+        draft tokens the accepted drafts' successors too (:func:`kilnlm.runtime.speculative.verify_greedy`:
+        ``tokens[i]`` equals draft ``i`` for every ``i < len(tokens) - 1``); empty when sampling failed
+        (those requests were finished already and are skipped). Every sequence's ``num_computed_tokens``
+        advances by its new tokens and its accepted drafts, the slots of rejected drafts are trimmed, and its
+        full blocks of computed tokens are registered for prefix reuse; the yielded tokens are then appended
+        in order until one is an end id (finish "end_id", that token is not part of the output) or the
+        request reaches ``max_tokens`` or its ``max_num_tokens`` (finish "length", later tokens dropped).
+        ``request.num_step_tokens`` counts the tokens appended. Finished requests' blocks are freed.
 
-        Returns the requests that received a sampled token, in batch order: running with the token
-        appended (``token_ids[-1]``), or finished ("end_id" or "length").
+        Returns the requests that received tokens, in batch order: running with them appended, or finished
+        ("end_id" or "length").
         """
         updated: list[Request] = []
         tokens = iter(sampled_token_ids)
-        cache_computed_blocks = self.kv_cache.cache_computed_blocks
+        kv_cache = self.kv_cache
         for seq in batch.seqs:
             request = seq.request
             if request.status is RequestStatus.FINISHED:  # failed in sampling
                 continue
             completes_sequence = seq.num_new_tokens == request.num_pending_tokens
             request.num_computed_tokens += seq.num_new_tokens
-            cache_computed_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
-            if completes_sequence:
-                self._append_token(request, next(tokens))
-                updated.append(request)
+            if not completes_sequence:
+                kv_cache.cache_computed_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+                continue
+            step_tokens = next(tokens)
+            computed = request.token_ids
+            if seq.draft_token_ids:
+                num_accepted = len(step_tokens) - 1
+                request.num_computed_tokens += num_accepted
+                computed = computed + seq.draft_token_ids[:num_accepted]
+                kv_cache.trim_slots(request.request_id, request.num_computed_tokens + 1)
+            kv_cache.cache_computed_blocks(request.request_id, computed, request.num_computed_tokens)
+            request.num_step_tokens = 0
+            for token_id in step_tokens:
+                self._append_token(request, token_id)
+                if request.finished:
+                    break
+            updated.append(request)
         return updated
 
     def _append_token(self, request: Request, token_id: int) -> None:
@@ -191,6 +221,7 @@ class Scheduler:
             self.finish(request, FinishReason.END_ID)
             return
         request.token_ids.append(token_id)
+        request.num_step_tokens += 1
         if request.num_generated_tokens >= request.params.max_tokens or request.num_tokens >= request.max_num_tokens:
             self.finish(request, FinishReason.LENGTH)
 
@@ -222,13 +253,18 @@ class Scheduler:
             self.running.append(request)
 
     def _schedule_generation(self, batch: ScheduledBatch, token_budget: int) -> int:
-        """One token for each generation-phase request; when blocks run out, preempt from the back
-        (``max_utilization``) or let the request wait a step (``guaranteed_no_evict``, where its reserved
-        blocks make that impossible)."""
+        """One token for each generation-phase request, plus its draft tokens when it speculates and their
+        slots are free (drafts never preempt); when blocks run out for the token itself, preempt from the
+        back (``max_utilization``) or let the request wait a step (``guaranteed_no_evict``, where its
+        reserved blocks make that impossible)."""
         for request in list(self.running):
             if request not in self.running or not self._in_generation_phase(request) or token_budget == 0:
                 continue
-            granted = self.kv_cache.append_slots(request.request_id, request.num_tokens)
+            drafts = self._propose(request, token_budget - 1)
+            granted = self.kv_cache.append_slots(request.request_id, request.num_tokens + len(drafts))
+            if not granted and drafts:
+                drafts = []
+                granted = self.kv_cache.append_slots(request.request_id, request.num_tokens)
             while not granted and self._capacity.preempts:
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -236,9 +272,19 @@ class Scheduler:
                     break
                 granted = self.kv_cache.append_slots(request.request_id, request.num_tokens)
             if granted:
-                batch.seqs.append(ScheduledSeq(request, 1))
-                token_budget -= 1
+                batch.seqs.append(ScheduledSeq(request, 1, drafts))
+                token_budget -= 1 + len(drafts)
         return token_budget
+
+    def _propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Draft tokens for a generation-phase request (none without a proposer or for a request that does not
+        speculate): at most ``max_tokens``, and no more than could still be accepted (a step yields up to one
+        token past its drafts: ``max_tokens`` and ``max_num_tokens`` bound the request)."""
+        if self.proposer is None or not speculates(request):
+            return []
+        limit = min(max_tokens, request.params.max_tokens - request.num_generated_tokens - 1,
+                    request.max_num_tokens - request.num_tokens)
+        return self.proposer.propose(request.token_ids, limit) if limit > 0 else []
 
     def _schedule_context(self, batch: ScheduledBatch, token_budget: int) -> None:
         """Pending context tokens, in admission order, while the token budget lasts: the largest chunk that

@@ -113,7 +113,7 @@ def test_prefix_reuse_skips_cached_tokens_and_gives_identical_logits(make_eager_
         num_cached = request.num_computed_tokens
         assert [(s.request, s.num_new_tokens) for s in batch.seqs] == [(request, len(token_ids) - num_cached)]
         logits = engine.forward(InputBuilder(limits).build(batch, scheduler.kv_cache), pool)
-        scheduler.update(batch, logits.argmax(-1).tolist())  # registers the blocks; finishes ("length")
+        scheduler.update(batch, [[token] for token in logits.argmax(-1).tolist()])  # registers the blocks; finishes ("length")
         assert request.finished and not scheduler.has_work()
         return logits, num_cached
 

@@ -26,7 +26,7 @@ def generate(texts: list[str], max_tokens: int = 16, **sampling) -> list[Respons
     scheduler.add(request)
     responses = []
     for text in texts:
-        (updated,) = scheduler.update(scheduler.schedule(), [ID[text]])
+        (updated,) = scheduler.update(scheduler.schedule(), [[ID[text]]])
         response = processor.process(updated)
         if response.finished and not request.finished:
             scheduler.finish(request, response.finish_reason)
@@ -73,7 +73,7 @@ def test_final_response_of_a_cancelled_request_carries_the_held_back_text():
     request = make_request(1, [ID["x"]], stop=("ab",))
     processor.add_request(request)
     scheduler.add(request)
-    (updated,) = scheduler.update(scheduler.schedule(), [ID["a"]])
+    (updated,) = scheduler.update(scheduler.schedule(), [[ID["a"]]])
     assert processor.process(updated).text == ""
     scheduler.finish(request, FinishReason.CANCELLED)
     final = processor.final_response(request)
@@ -92,7 +92,7 @@ def test_log_probs_follow_the_tokens_and_the_end_id_is_left_out():
     responses = []
     for text, log_prob in (("a", -0.5), ("b", -1.25), ("</s>", -0.125)):
         request.last_logprobs = TokenLogprobs(log_prob, {ID[text]: log_prob})
-        (updated,) = scheduler.update(scheduler.schedule(), [ID[text]])
+        (updated,) = scheduler.update(scheduler.schedule(), [[ID[text]]])
         responses.append(processor.process(updated))
     assert [r.log_probs for r in responses] == [[-0.5], [-1.25], []]
     assert [r.top_logprobs for r in responses] == [[{ID["a"]: -0.5}], [{ID["b"]: -1.25}], []]

@@ -17,7 +17,7 @@ def run_step(scheduler: Scheduler, batch: ScheduledBatch, next_token: int = 7) -
     """The step after the forward: every sampled sequence samples ``next_token``; the scheduler's own
     update applies it. Returns the requests that got a token."""
     num_sampled = sum(seq.completes_sequence for seq in batch.seqs)
-    return scheduler.update(batch, [next_token] * num_sampled)
+    return scheduler.update(batch, [[next_token]] * num_sampled)
 
 
 def plan(batch: ScheduledBatch) -> list[tuple[int, int]]:
@@ -110,7 +110,7 @@ def test_update_advances_computed_tokens_and_appends_only_completed_sequences():
     scheduler.add(long_one)
     batch = scheduler.schedule()
     assert plan(batch) == [(2, 3), (1, 5)]
-    assert scheduler.update(batch, [42]) == [short]  # the long prompt's first chunk samples nothing
+    assert scheduler.update(batch, [[42]]) == [short]  # the long prompt's first chunk samples nothing
     assert (short.num_computed_tokens, short.token_ids[-1], short.num_generated_tokens) == (3, 42, 1)
     assert (long_one.num_computed_tokens, long_one.num_generated_tokens) == (5, 0)
     assert short.first_token_time_s is not None and long_one.first_token_time_s is None
@@ -120,8 +120,8 @@ def test_update_finishes_on_an_end_id_without_appending_it_and_frees_the_blocks(
     scheduler = make_scheduler()
     request = make_request(1, num_prompt_tokens=5, end_ids=frozenset({2}))
     scheduler.add(request)
-    assert scheduler.update(scheduler.schedule(), [9]) == [request]
-    assert scheduler.update(scheduler.schedule(), [2]) == [request]
+    assert scheduler.update(scheduler.schedule(), [[9]]) == [request]
+    assert scheduler.update(scheduler.schedule(), [[2]]) == [request]
     assert request.finished and request.finish_reason is FinishReason.END_ID
     assert request.output_token_ids == [9]
     assert not scheduler.has_work() and scheduler.kv_cache.num_free_blocks == 16

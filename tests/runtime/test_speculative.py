@@ -1,0 +1,127 @@
+"""Speculative decoding (:mod:`kilnlm.runtime.speculative`): the config, the n-gram proposer, greedy
+verification, the KV slots of rejected drafts, and the executor's outputs, which must be exactly those of
+non-speculative decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from factories import make_kv_cache_manager
+
+from kilnlm.runtime.errors import KilnError
+from kilnlm.runtime.executor import Executor, ExecutorConfig
+from kilnlm.runtime.request import SamplingParams
+from kilnlm.runtime.speculative import NgramProposer, SpeculativeConfig, parse_speculative_config, verify_greedy
+from kilnlm.runtime.tokenizer import Tokenizer
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+
+
+def test_the_config_takes_vllms_json():
+    assert parse_speculative_config(NGRAM) == SpeculativeConfig("ngram", 4, 3, 1)
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}) == \
+        SpeculativeConfig("ngram", 2, 3, 2)
+    assert parse_speculative_config(None) is None and parse_speculative_config("  ") is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not JSON"),
+    ("[1]", "JSON object"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method is 'eagle'"),
+    ('{"method": "ngram"}', "needs num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens is 0"),
+    ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens is True"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown fields \\['model'\\]"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4}', "prompt_lookup_min 4 exceeds"),
+])
+def test_a_bad_config_is_refused_naming_the_field(text, message):
+    with pytest.raises(KilnError, match=message):
+        parse_speculative_config(text)
+
+
+def test_ngram_proposes_what_followed_the_most_recent_longest_match():
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1))
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
+    assert proposer.propose(tokens, 3) == [2, 3, 6]  # "6 7" last seen at 6-7 (3-gram "x 6 7" unmatched)
+    assert proposer.propose(tokens, 1) == [2]  # capped by the caller's limit
+    assert proposer.propose([5, 6, 7, 8, 9, 5, 6, 7], 4) == [8, 9, 5]  # 3-gram "5 6 7", k = 3
+    assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert proposer.propose([4, 4], 3) == [4]  # a match near the end proposes what there is
+    assert NgramProposer(SpeculativeConfig("ngram", 3, 3, 2)).propose([1, 2, 3, 9, 3], 3) == []  # only 1-grams match
+
+
+def test_greedy_verification_accepts_up_to_the_first_disagreement():
+    assert verify_greedy(7, [7, 8, 9], [8, 1, 4]) == [7, 8, 1]  # drafts 7, 8 accepted; 1 replaces 9
+    assert verify_greedy(7, [7, 8, 9], [8, 9, 4]) == [7, 8, 9, 4]  # all accepted, plus the bonus token
+    assert verify_greedy(5, [7, 8], [8, 9]) == [5]  # the first draft rejected
+
+
+def test_trimming_releases_the_rejected_drafts_blocks_and_never_a_cached_one():
+    kv = make_kv_cache_manager(num_blocks=8, tokens_per_block=4, enable_kv_cache_reuse=True)
+    assert kv.allocate(1, list(range(6))) == 0
+    assert kv.append_slots(1, 6 + 5)  # 5 draft slots: blocks for 11 tokens
+    assert len(kv.block_table(1)) == 3 and kv.num_free_blocks == 5
+    kv.trim_slots(1, 7)  # one draft accepted: the pending token is the 7th
+    assert len(kv.block_table(1)) == 2 and kv.num_free_blocks == 6
+    kv.cache_computed_blocks(1, list(range(8)), 8)
+    with pytest.raises(ValueError, match="cached blocks"):
+        kv.trim_slots(1, 4)
+
+
+# ---- the executor: speculative outputs are the non-speculative ones --------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(rt_tokenizer_dir) -> Tokenizer:
+    return Tokenizer.from_dir(rt_tokenizer_dir)
+
+
+def run_together(executor, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
+    """Submit every request at once; each one's (token ids, text, finish reason) from its merged stream."""
+    ids = [executor.submit(prompt, params) for prompt, params in requests]
+    results = []
+    for rid in ids:
+        responses = list(executor.stream(rid, timeout_s=300))
+        results.append(([t for r in responses for t in r.token_ids], "".join(r.text for r in responses),
+                         responses[-1].finish_reason, responses[-1].num_generated_tokens))
+    return results
+
+
+def mixed_requests(tokenizer) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy requests (speculating: to max_tokens, to EOS, to stop strings) next to requests that do not
+    speculate (seeded sampling, a repetition penalty, log-probabilities)."""
+    prompts = [tokenizer.encode(p) for p in ("1, 2, 3, 1, 2, 3, 1, 2,", "The capital of France is", "def f(x): return f(x",
+                                             "a b a b a b", "Hi", "Once upon a time, once upon a")]
+    return [
+        (prompts[0], SamplingParams(max_tokens=40, ignore_eos=True)),
+        (prompts[1], SamplingParams(max_tokens=33)),
+        (prompts[2], SamplingParams(max_tokens=30, ignore_eos=True, stop=(", ", "))"))),
+        (prompts[3], SamplingParams(max_tokens=17, ignore_eos=True)),
+        (prompts[4], SamplingParams(max_tokens=20, temperature=0.8, seed=7)),
+        (prompts[5], SamplingParams(max_tokens=25, repetition_penalty=1.3)),
+        (prompts[0], SamplingParams(max_tokens=12, logprobs=2)),
+    ]
+
+
+@pytest.mark.parametrize("enable_kv_cache_reuse", [True, False])
+def test_speculating_requests_in_flight_produce_the_non_speculative_outputs(make_eager_engine, tokenizer,
+                                                                              enable_kv_cache_reuse):
+    """A batch mixing speculating and plain requests (small blocks, so drafts cross block boundaries, and a
+    small token budget, so drafts compete with contexts): every request's tokens, text, finish reason and
+    token count equal those without speculation; drafts were proposed and some accepted; every block is
+    back in the pool at the end."""
+    engine = make_eager_engine(max_batch_size=4, max_num_tokens=24, max_seq_len=96, tokens_per_block=4)
+    requests = mixed_requests(tokenizer)
+    with Executor(engine, tokenizer, ExecutorConfig(enable_kv_cache_reuse=enable_kv_cache_reuse)) as executor:
+        expected = run_together(executor, requests)
+    config = ExecutorConfig(enable_kv_cache_reuse=enable_kv_cache_reuse, speculative_config=NGRAM)
+    with Executor(engine, tokenizer, config) as executor:
+        actual = run_together(executor, requests)
+        stats = executor.stats()
+    assert actual == expected
+    assert stats.total_draft_tokens > 0 and 0 < stats.total_accepted_draft_tokens <= stats.total_draft_tokens
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_bad_speculative_config_is_refused_at_start(make_eager_engine, tokenizer):
+    with pytest.raises(KilnError, match="method is 'medusa'"):
+        Executor(make_eager_engine(), tokenizer, ExecutorConfig(speculative_config='{"method": "medusa"}'))
