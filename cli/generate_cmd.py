@@ -37,6 +37,9 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the engine's chat template (default: off)")
     p.add_argument("--system", default=None, help="with --chat: a system message (default: the template's own)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding of greedy requests, vLLM\'s JSON: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3} (default: off)')
     p.add_argument("--stats", action="store_true",
                    help="print token counts, time to first token (ms) and tokens/s to stderr (default: off)")
     p.set_defaults(run=run)
@@ -49,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     guided_decoding = _guided_decoding(args)
     # One request: a batch of one, and (by default) a KV pool of one max_seq_len sequence.
-    executor = Executor.from_engine_dir(args.engine, ExecutorConfig(max_batch_size=1), trusted_keys(args))
+    config = ExecutorConfig(max_batch_size=1, speculative_config=args.speculative_config)
+    executor = Executor.from_engine_dir(args.engine, config, trusted_keys(args))
     try:
         tokenizer = executor.tokenizer
         if args.chat:
@@ -74,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             last = response
         total_s = time.perf_counter() - start_s
+        stats = executor.stats()
         sys.stdout.write("\n")
         sys.stdout.flush()
     finally:
@@ -87,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"[kilnlm generate] prompt {last.num_prompt_tokens} tokens, generated {last.num_generated_tokens} "
               f"({last.finish_reason.value}); TTFT {1e3 * (first_token_s or total_s):.1f} ms; "
               f"{num_decoded / decode_s if decode_s > 0 else 0.0:.1f} tokens/s after the first", file=sys.stderr)
+        if stats.total_draft_tokens:
+            print(f"[kilnlm generate] speculative: {stats.total_accepted_draft_tokens} of {stats.total_draft_tokens} "
+                  f"draft tokens accepted ({stats.total_accepted_draft_tokens / stats.total_draft_tokens:.0%})",
+                  file=sys.stderr)
     return 0
 
 

@@ -25,6 +25,10 @@ series carries TensorRT-LLM's labels ``model`` (the served model's name) and ``v
 ``nv_trt_llm_general_metrics``             gauge      label ``general_type``: ``iteration_counter``,
                                                       ``timestamp`` (of the last stats snapshot, in
                                                       microseconds since the epoch)
+``kilnlm_speculative_decoding_metrics``    gauge      label ``spec_decoding_metric``, cumulative since
+                                                      start: ``total_draft_tokens`` (verified),
+                                                      ``total_accepted_draft_tokens``, ``acceptance_rate``
+                                                      (accepted / verified; 0 before any draft)
 ``nv_llm_input_token_len``                 histogram  prompt tokens per request, label
                                                       ``response_metric_type="total_input_tokens"``
 ``nv_llm_output_token_len``                histogram  generated tokens per sequence, label
@@ -104,6 +108,8 @@ KV_CACHE_BLOCK_METRICS = _gauge("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV
 INFLIGHT_BATCHER_METRICS = _gauge("nv_trt_llm_inflight_batcher_metrics", "TRT LLM inflight_batcher-specific metrics",
                                   "inflight_batcher_specific_metric")
 GENERAL_METRICS = _gauge("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_type")
+SPECULATIVE_DECODING_METRICS = _gauge("kilnlm_speculative_decoding_metrics", "Speculative decoding since start",
+                                      "spec_decoding_metric")
 INPUT_TOKEN_LEN = _histogram("nv_llm_input_token_len", "Prompt tokens per request", TOKEN_COUNT_BUCKETS,
                              ("response_metric_type",))
 OUTPUT_TOKEN_LEN = _histogram("nv_llm_output_token_len", "Generated tokens per sequence", TOKEN_COUNT_BUCKETS,
@@ -123,7 +129,7 @@ KV_CACHE_CACHED_BLOCKS = MetricSpec("kilnlm_kv_cache_cached_blocks", "KV-cache b
                                     MetricKind.GAUGE)
 ALL_METRICS = (REQUEST_METRICS, KV_CACHE_BLOCK_METRICS, INFLIGHT_BATCHER_METRICS, GENERAL_METRICS, INPUT_TOKEN_LEN,
                OUTPUT_TOKEN_LEN, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, QUEUE_TIME, E2E_REQUEST_LATENCY,
-               REQUESTS_FINISHED, GENERATED_TOKENS, KV_CACHE_CACHED_BLOCKS)
+               REQUESTS_FINISHED, GENERATED_TOKENS, KV_CACHE_CACHED_BLOCKS, SPECULATIVE_DECODING_METRICS)
 
 
 def _used_blocks(s) -> int:
@@ -158,6 +164,11 @@ STATS_GAUGES = {
     GENERAL_METRICS: {
         "iteration_counter": lambda s: s.num_iterations,
         "timestamp": lambda s: round(s.timestamp_s * 1e6),
+    },
+    SPECULATIVE_DECODING_METRICS: {  # TensorRT-LLM's names for the counts
+        "total_draft_tokens": lambda s: s.total_draft_tokens,
+        "total_accepted_draft_tokens": lambda s: s.total_accepted_draft_tokens,
+        "acceptance_rate": lambda s: s.total_accepted_draft_tokens / s.total_draft_tokens if s.total_draft_tokens else 0.0,
     },
 }
 

@@ -125,3 +125,34 @@ def test_speculating_requests_in_flight_produce_the_non_speculative_outputs(make
 def test_a_bad_speculative_config_is_refused_at_start(make_eager_engine, tokenizer):
     with pytest.raises(KilnError, match="method is 'medusa'"):
         Executor(make_eager_engine(), tokenizer, ExecutorConfig(speculative_config='{"method": "medusa"}'))
+
+
+# Input-grounded prompts (the output copies spans of the prompt, where prompt lookup proposes well) and free ones.
+SMOLLM2_PROMPTS = [
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the quiet river bank.",
+    "Copy the list: apples, oranges, pears, plums, cherries, grapes, lemons, limes, peaches.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The capital of France is",
+    "Write a short poem about the sea.",
+]
+
+
+@pytest.mark.parametrize("qformat", ["fp32", "bf16"])
+def test_smollm2_greedy_outputs_are_unchanged_by_speculation(qformat, smollm2_format_engine, tokenizer):
+    """SmolLM2's compiled engines, five chat prompts submitted together with two sampled requests that do not
+    speculate: each greedy completion equals the non-speculative one, token for token, and drafts were
+    accepted."""
+    engine_dir = smollm2_format_engine(qformat)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                                add_special_tokens=False) for p in SMOLLM2_PROMPTS]
+    requests = [(ids, SamplingParams(max_tokens=48)) for ids in prompts]
+    requests += [(prompts[0], SamplingParams(max_tokens=16, temperature=0.7, seed=3)),
+                 (prompts[3], SamplingParams(max_tokens=16, presence_penalty=0.5))]
+    results = {}
+    for speculative_config in (None, NGRAM):
+        config = ExecutorConfig(max_batch_size=8, speculative_config=speculative_config)
+        with Executor.from_engine_dir(engine_dir, config, trusted_keys=None) as executor:
+            results[speculative_config] = run_together(executor, requests)
+            stats = executor.stats()
+    assert results[NGRAM] == results[None]
+    assert stats.total_accepted_draft_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks

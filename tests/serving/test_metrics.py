@@ -37,6 +37,7 @@ def test_families_carry_tensorrt_llms_names_and_labels():
         "kilnlm_requests_finished_total": (MetricKind.COUNTER, ("model", "version", "finish_reason")),
         "kilnlm_generated_tokens_total": (MetricKind.COUNTER, ("model", "version")),
         "kilnlm_kv_cache_cached_blocks": (MetricKind.GAUGE, ("model", "version")),
+        "kilnlm_speculative_decoding_metrics": (MetricKind.GAUGE, ("model", "version", "spec_decoding_metric")),
     }
 
 
@@ -44,7 +45,8 @@ STATS = IterationStats(num_active_requests=3, max_num_active_requests=8, num_que
                        num_total_blocks=16, num_cached_blocks=5, tokens_per_block=4, num_iterations=41,
                        last_num_tokens=20, last_num_seqs=4, last_num_context_requests=1, last_num_context_tokens=17,
                        last_num_generation_requests=3, last_num_paused_requests=1, num_reused_blocks=6,
-                       num_needed_blocks=10, timestamp_s=1_700_000_000.25)
+                       num_needed_blocks=10, total_draft_tokens=8, total_accepted_draft_tokens=6,
+                       timestamp_s=1_700_000_000.25)
 EXPECTED_GAUGES = {
     ("nv_trt_llm_request_metrics", "request_type"): {"active": 3, "max": 8, "scheduled": 4, "context": 1, "waiting": 2},
     ("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type"): {
@@ -53,6 +55,8 @@ EXPECTED_GAUGES = {
     ("nv_trt_llm_inflight_batcher_metrics", "inflight_batcher_specific_metric"): {
         "total_context_tokens": 17, "generation_requests": 3, "micro_batch_id": 0, "paused_requests": 1},
     ("nv_trt_llm_general_metrics", "general_type"): {"iteration_counter": 41, "timestamp": 1_700_000_000_250_000},
+    ("kilnlm_speculative_decoding_metrics", "spec_decoding_metric"): {
+        "total_draft_tokens": 8, "total_accepted_draft_tokens": 6, "acceptance_rate": 0.75},
 }
 
 
