@@ -3,6 +3,7 @@
 
     python scripts/benchmark.py [--formats fp32,bf16,fp8,fp8_rowwise,int8_wo,int8_sq,int4_wo,int4_awq] [--work-dir .work/bench]
         [--num-requests 32] [--decode-only] [--no-transformers] [--decode-rounds N] [--malloc auto]
+        [--speculative-config JSON]
 
 Scenarios (greedy, EOS ignored, the same prompt token ids for both; prompts are real English text from the
 standard library's ``pydoc_data.topics``):
@@ -16,6 +17,12 @@ standard library's ``pydoc_data.topics``):
 (c) kilnlm only, shared prefix: 64 requests at once, each one 200-token prefix + 56 distinct tokens, 64
     output tokens each: output tokens/s, and its ratio to (b)'s on the same engine ("x (b)"; the prefix is
     computed once, since requests that arrive together wait for the blocks another is computing).
+
+(d) with ``--speculative-config JSON`` (vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``), kilnlm
+    only: batch-1 decode (128 output tokens, greedy, EOS ignored) of two chat prompts, with and without
+    speculative decoding in the same process, alternating, best of 3: "grounded" asks to repeat a ~150-token
+    passage of the same English text (the output copies its input, where prompt lookup pays), "free" asks
+    for a story; reports tokens/s, the speed-up and the draft acceptance rate.
 
 With ``--decode-rounds N`` scenario (a)'s decode is measured again in N rounds, each engine in a fresh process
 in turn (round-robin): on a shared machine bandwidth and load drift by tens of percent within minutes, so a
@@ -97,6 +104,7 @@ class Result:
     batch_wall_s: float = float("nan")
     batch_tokens_per_s: float = float("nan")
     shared_prefix_tokens_per_s: float = float("nan")
+    speculative: dict | None = None  # scenario (d): task -> tokens/s without and with, acceptance rate
 
 
 def prepare_hf_dir(work_dir: Path) -> Path:
@@ -229,6 +237,52 @@ def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list
     return result
 
 
+SPECULATIVE_ROUNDS = 3
+
+
+def speculative_prompts(tokenizer) -> dict[str, list[int]]:
+    """Scenario (d)'s chat prompts: "grounded" (repeat a ~150-token passage of real English text) and "free"."""
+    passage = tokenizer.decode(make_prompts(tokenizer, 1, 150)[0])
+    users = {"grounded": f"Repeat the following text exactly, word for word:\n\n{passage}",
+             "free": "Write a short story about a lighthouse keeper who finds a message in a bottle."}
+    return {task: tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                                 add_generation_prompt=True), add_special_tokens=False)
+            for task, text in users.items()}
+
+
+def bench_speculative(engine_dir: Path, prompts: dict[str, list[int]], speculative_config: str, max_tokens: int) -> dict:
+    """Scenario (d): per task, decode tokens/s (after the first token) without and with speculation, best of
+    :data:`SPECULATIVE_ROUNDS` alternating runs, and the acceptance rate of the speculative runs."""
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
+    from kilnlm.runtime.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    configs = {"off": ExecutorConfig(max_batch_size=1), "on": ExecutorConfig(max_batch_size=1, speculative_config=speculative_config)}
+    executors = {name: Executor.from_engine_dir(engine_dir, config) for name, config in configs.items()}
+    results = {}
+    try:
+        for executor in executors.values():
+            executor.generate(next(iter(prompts.values()))[:16], SamplingParams(max_tokens=4, ignore_eos=True))
+        for task, prompt in prompts.items():
+            best = {"off": 0.0, "on": 0.0}
+            before = executors["on"].stats()
+            for _ in range(SPECULATIVE_ROUNDS):
+                for name, executor in executors.items():
+                    stamps = []
+                    for response in executor.stream(executor.submit(prompt, params)):
+                        stamps += [time.perf_counter()] * len(response.token_ids)
+                    best[name] = max(best[name], (len(stamps) - 1) / (stamps[-1] - stamps[0]))
+            after = executors["on"].stats()
+            drafts = after.total_draft_tokens - before.total_draft_tokens
+            accepted = after.total_accepted_draft_tokens - before.total_accepted_draft_tokens
+            results[task] = {"tokens_per_s": best["off"], "speculative_tokens_per_s": best["on"],
+                             "speedup": best["on"] / best["off"], "acceptance_rate": accepted / drafts if drafts else 0.0}
+    finally:
+        for executor in executors.values():
+            executor.shutdown()
+    return results
+
+
 class _TimingStreamer:
     """A transformers streamer that stamps the arrival of each generated token (the first ``put`` is the
     prompt)."""
@@ -333,6 +387,9 @@ def main() -> int:
                         help="with N > 1, scenario (a)'s decode tokens/s is also measured in N round-robin rounds of one "
                              "fresh process per engine; the table then shows the median over rounds and x bf16 the "
                              "median of each round's ratio to that round's bf16 (default: 1)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='run scenario (d) with this speculative decoding config (vLLM\'s JSON, e.g. '
+                             '{"method": "ngram", "num_speculative_tokens": 4}) (default: off)')
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this file")
     parser.add_argument("--malloc", choices=MALLOC_CHOICES, default="auto",
                         help="C allocator of every process, as scripts/launch_triton.py's (default auto: TCMalloc, "
@@ -385,6 +442,9 @@ def main() -> int:
                               shared_max_tokens)
         weight_bytes = decode_weight_bytes(read_manifest(engines[qformat]), qformat)
         cold_s = None if args.decode_only else cold_start_s(engines[qformat])
+        if args.speculative_config:
+            result.speculative = bench_speculative(engines[qformat], speculative_prompts(tokenizer), args.speculative_config,
+                                                   args.max_tokens)
         rows.append((f"kilnlm {qformat}", qformat, result, hf_results.get(dtype), weight_bytes, cold_s))
     rounds = decode_rounds(engines, single_prompt, args.max_tokens, args.decode_rounds) if args.decode_rounds > 1 else {}
     round_ratios: dict[str, list[float]] = {}
@@ -428,6 +488,16 @@ def main() -> int:
         for spec, ratios in round_ratios.items():
             print(f"  {spec:<20} " + " ".join(f"{x:.2f}" for x in ratios) + f"   (min {min(ratios):.2f}, median "
                   f"{statistics.median(ratios):.2f}, max {max(ratios):.2f})")
+    if args.speculative_config:
+        print(f"\n(d) batch-1 decode with speculative decoding {args.speculative_config} (tok/s after the first token, "
+              f"best of {SPECULATIVE_ROUNDS}):")
+        print(f"{'':<22}" + "".join(f"{task + ' ' + what:>18}" for task in ("grounded", "free")
+                                    for what in ("off", "on", "x", "accepted")))
+        for name, qformat, r, *_ in rows:
+            if qformat and r.speculative:
+                print(f"{name:<22}" + "".join(
+                    f"{d['tokens_per_s']:>18.1f}{d['speculative_tokens_per_s']:>18.1f}{d['speedup']:>18.2f}"
+                    f"{100 * d['acceptance_rate']:>17.0f}%" for d in r.speculative.values()))
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
     return 0
