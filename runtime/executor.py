@@ -44,7 +44,7 @@ from kilnlm.runtime.request import FinishReason, Request, Response, SamplingPara
 from kilnlm.runtime.sampler import Sampler
 from kilnlm.runtime.scheduler import BatchSchedulerPolicy, ScheduledBatch, Scheduler, SchedulerConfig
 from kilnlm.runtime.signing import FROM_ENVIRONMENT
-from kilnlm.runtime.speculative import NgramProposer, parse_speculative_config, verify_greedy
+from kilnlm.runtime.speculative import NgramProposer, parse_speculative_config, verify_greedy, verify_sampled
 from kilnlm.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class ExecutorConfig:
         "help": "tokens per step (default: the engine's build limit, which it may only lower)"})
     speculative_config: str | None = field(default=None, metadata={
         "help": 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                '"prompt_lookup_max": 3} (greedy requests; default: off)'})
+                '"prompt_lookup_max": 3} (requests without penalties, bad words, log-probs or a grammar; default: off)'})
 
 
 @dataclass(frozen=True)
@@ -415,7 +415,7 @@ class Executor:
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[list[int]]:
         """The tokens of each sequence whose pending tokens were all computed, in batch order (a non-final
         context chunk's logits are dropped): one sampled token, or for a sequence with draft tokens the
-        greedy verification's 1 to k + 1 (:func:`~kilnlm.runtime.speculative.verify_greedy`); each
+        verification's 1 to k + 1 (:meth:`_verify_drafts`); each
         request's ``last_logprobs`` set. Empty after failing those requests if sampling fails.
 
         ``logits`` holds one row per sequence, plus one per draft token after its sequence's row."""
@@ -445,14 +445,21 @@ class Executor:
         return step_tokens
 
     def _verify_drafts(self, seqs: list, first_rows: list[int], logits: torch.Tensor, step_tokens: list[list[int]]) -> None:
-        """Extend each speculating sequence's sampled token (the argmax of its first row) with the argmax after
-        each accepted draft token (its draft rows), in place; count drafts and acceptances."""
+        """Replace each speculating sequence's sampled token by what verifying its drafts yields, in place: a
+        greedy one's argmax extended by the argmax after each accepted draft (:func:`verify_greedy`), a
+        sampling one's draws by the rejection rule over its rows' sampling distributions
+        (:func:`verify_sampled`); count drafts and acceptances."""
         for seq, row, tokens in zip(seqs, first_rows, step_tokens):
             num_drafts = len(seq.draft_token_ids)
             if not num_drafts:
                 continue
-            draft_argmax = logits[row + 1 : row + 1 + num_drafts].numpy().argmax(axis=-1).tolist()
-            tokens[:] = verify_greedy(tokens[0], seq.draft_token_ids, draft_argmax)
+            request = seq.request
+            if request.params.greedy:
+                draft_argmax = logits[row + 1 : row + 1 + num_drafts].numpy().argmax(axis=-1).tolist()
+                tokens[:] = verify_greedy(tokens[0], seq.draft_token_ids, draft_argmax)
+            else:
+                probs = self.sampler.sampling_probs(logits[row : row + 1 + num_drafts], [request] * (num_drafts + 1))
+                tokens[:] = verify_sampled(probs, seq.draft_token_ids, request.generator)
             self._num_draft_tokens += num_drafts
             self._num_accepted_draft_tokens += len(tokens) - 1
 

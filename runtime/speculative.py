@@ -17,9 +17,18 @@ The proposer (vLLM's ``--speculative-config`` JSON, :func:`parse_speculative_con
   that followed its most recent earlier occurrence. It costs no model and pays where the output copies its
   input (summaries, edits, code changes).
 
-Which requests speculate: greedy ones without penalties, ``min_tokens``, ``bad_words``, log-probabilities or
-guided decoding (their token depends on more than the argmax of the raw logits, which is what verification
-compares).
+Verification (:func:`verify_greedy`, :func:`verify_sampled`): a greedy request accepts a draft token while it
+is the argmax; a sampling request accepts draft token ``d`` at a position with probability ``p(d)``, ``p``
+being the distribution it would draw from there (temperature, top-k, top-p), and at the first rejection
+draws from ``p`` with ``d`` removed, renormalised; after its last accepted draft it draws a bonus token from
+``p``. That is speculative sampling's rejection rule (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023,
+"Accelerating Large Language Model Decoding with Speculative Sampling") for a draft distribution that puts
+all its mass on the proposed token, which keeps every output token distributed exactly as without
+speculation.
+
+Which requests speculate: those without penalties, ``min_tokens``, ``bad_words``, log-probabilities or guided
+decoding (their distribution depends on the tokens before each position, which verification does not
+re-derive per draft).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.request import Request
@@ -84,10 +94,10 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
 
 
 def speculates(request: Request) -> bool:
-    """Whether ``request``'s tokens are what verification computes: greedy, no penalties, ``min_tokens``,
-    ``bad_words``, log-probabilities or guided decoding."""
+    """Whether ``request``'s distribution at a draft position depends only on that position's logits: no
+    penalties, ``min_tokens``, ``bad_words``, log-probabilities or guided decoding."""
     p = request.params
-    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and p.min_tokens == 0 and not p.bad_words and p.logprobs is None and p.guided_decoding is None)
 
 
@@ -125,4 +135,27 @@ def verify_greedy(first_token: int, draft_token_ids: list[int], draft_argmax: li
         if tokens[-1] != draft:
             break
         tokens.append(next_token)
+    return tokens
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from ``probs`` ``[vocab]`` (the sampler's exponential race: ``argmax(p / E)``, ``E ~ Exp(1)``)."""
+    return int((probs / torch.empty_like(probs).exponential_(generator=generator)).argmax())
+
+
+def verify_sampled(probs: torch.Tensor, draft_token_ids: list[int], generator: torch.Generator) -> list[int]:
+    """The tokens a sampling step yields (see the module docstring): ``probs`` ``[k + 1, vocab]`` float32 is the
+    request's sampling distribution after its last token (row 0) and after each draft token (row ``i + 1``);
+    ``generator`` the request's own. Between 1 and ``k + 1`` tokens."""
+    tokens = []
+    for i, draft in enumerate(draft_token_ids):
+        p = probs[i]
+        if float(torch.rand((), generator=generator)) < float(p[draft]):
+            tokens.append(draft)
+            continue
+        residual = p.clone()
+        residual[draft] = 0.0  # max(0, p - q) with q all on the draft token; _draw needs no normalising
+        tokens.append(_draw(residual, generator))
+        return tokens
+    tokens.append(_draw(probs[len(draft_token_ids)], generator))
     return tokens
