@@ -144,8 +144,9 @@ def test_metrics_backend_makes_triton_families_with_buckets_for_histograms_only(
     assert all(labels.items() >= {"model": "kilnlm", "version": "1"}.items()
                for _, _, labels, _ in MetricFamily.created)
     # Every series but the per-finish-reason counters (made on first use): 19 nv_trt_llm_* gauges, 2 token
-    # length and 4 latency histograms, the cached-blocks gauge and the generated-tokens counter.
-    assert len(MetricFamily.created) == 27
+    # length and 4 latency histograms, the cached-blocks gauge, the generated-tokens counter and the 3
+    # speculative-decoding gauges.
+    assert len(MetricFamily.created) == 30
     metrics.count_finished("stop")
     assert MetricFamily.created[-1][:3] == ("kilnlm_requests_finished_total", "COUNTER",
                                             {"model": "kilnlm", "version": "1", "finish_reason": "stop"})
