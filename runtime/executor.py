@@ -415,12 +415,12 @@ class Executor:
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[list[int]]:
         """The tokens of each sequence whose pending tokens were all computed, in batch order (a non-final
         context chunk's logits are dropped): one sampled token, or for a sequence with draft tokens the
-        verification's 1 to k + 1 (:meth:`_verify_drafts`); each
-        request's ``last_logprobs`` set. Empty after failing those requests if sampling fails.
+        verification's 1 to k + 1 (:meth:`_verify_drafts`); each request's ``last_logprobs`` set. Empty
+        after failing those requests if sampling fails.
 
         ``logits`` holds one row per sequence, plus one per draft token after its sequence's row."""
         first_rows, completing, row = [], [], 0
-        for b, seq in enumerate(batch.seqs):
+        for seq in batch.seqs:
             if seq.completes_sequence:
                 first_rows.append(row)
                 completing.append(seq)

@@ -18,6 +18,7 @@ import torch
 from torch.export import Dim
 
 from kilnlm.builder.errors import BuildError
+from kilnlm.builder.targets.smoke import check_logits, one_token_inputs
 from kilnlm.builder.toolchain import inductor_cpu_isa
 from kilnlm.runtime.abi import KV_CACHE_DTYPES, EngineInputs, kv_cache_shape
 from kilnlm.runtime.manifest import BuildConfig, ModelConfig
@@ -150,21 +151,11 @@ def toolchain_versions() -> dict[str, str]:
 def smoke_test_engine(engine_dir: Path) -> None:
     """Load the engine in ``engine_dir`` as the runtime does and run one forward of one token. Raises
     :class:`BuildError` when the logits are not finite or not ``[1, vocab_size]``."""
-    from kilnlm.runtime.abi import EngineInputs
     from kilnlm.runtime.engine import Engine
 
     engine = Engine.load(engine_dir, trusted_keys=None)  # the builder's own output: no trust policy applies
-    max_blocks = engine.manifest.build.max_blocks_per_seq
-    inputs = EngineInputs(
-        input_ids=torch.tensor([1], dtype=torch.int64), positions=torch.tensor([0], dtype=torch.int64),
-        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seq_lens_kv=torch.tensor([1], dtype=torch.int32),
-        block_tables=torch.zeros(1, max_blocks, dtype=torch.int32), slot_mapping=torch.tensor([0], dtype=torch.int64),
-        logits_indices=torch.tensor([0], dtype=torch.int64),
-    )
-    logits = engine.forward(inputs, engine.allocate_kv_cache(1))
-    if logits.shape != (1, engine.manifest.model.vocab_size) or not torch.isfinite(logits).all():
-        raise BuildError(f"smoke test of the built engine failed: logits {tuple(logits.shape)}, finite="
-                         f"{bool(torch.isfinite(logits).all())}; report this as a kilnlm bug")
+    logits = engine.forward(one_token_inputs(engine.manifest.build.max_blocks_per_seq), engine.allocate_kv_cache(1))
+    check_logits(logits, engine.manifest.model.vocab_size, "smoke test of the built engine")
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from kilnlm.builder.errors import BuildError
 from kilnlm.builder.targets.onnx_export import MODEL_FILE, ONNX_OPSET, export_onnx
 from kilnlm.builder.targets.onnx_runtime import OnnxRuntimeModel
+from kilnlm.builder.targets.smoke import check_logits, one_token_inputs
 from kilnlm.plugins import PLUGIN_VERSIONS
-from kilnlm.runtime.abi import EngineInputs, kv_cache_shape
+from kilnlm.runtime.abi import kv_cache_shape
 from kilnlm.runtime.manifest import BuildConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -41,16 +41,9 @@ def smoke_test_onnx(engine_dir: Path, model: ModelConfig, build: BuildConfig) ->
         log.info("ONNX Runtime runs the attention plugin on float32 only: the %s export was checked by onnx.checker",
                  build.dtype)
         return
-    inputs = EngineInputs(
-        input_ids=torch.tensor([1], dtype=torch.int64), positions=torch.tensor([0], dtype=torch.int64),
-        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), seq_lens_kv=torch.tensor([1], dtype=torch.int32),
-        block_tables=torch.zeros(1, build.max_blocks_per_seq, dtype=torch.int32),
-        slot_mapping=torch.tensor([0], dtype=torch.int64), logits_indices=torch.tensor([0], dtype=torch.int64))
     kv_cache = torch.zeros(kv_cache_shape(model.num_layers, 1, build.tokens_per_block, model.num_kv_heads, model.head_dim))
-    logits = OnnxRuntimeModel(Path(engine_dir) / MODEL_FILE).forward(inputs, kv_cache)
-    if logits.shape != (1, model.vocab_size) or not torch.isfinite(logits).all():
-        raise BuildError(f"ONNX Runtime smoke test of the export failed: logits {tuple(logits.shape)}, finite="
-                         f"{bool(torch.isfinite(logits).all())}; report this as a kilnlm bug")
+    logits = OnnxRuntimeModel(Path(engine_dir) / MODEL_FILE).forward(one_token_inputs(build.max_blocks_per_seq), kv_cache)
+    check_logits(logits, model.vocab_size, "ONNX Runtime smoke test of the export")
 
 
 class OnnxTarget:
