@@ -88,7 +88,10 @@ class SamplingParams:
     sequences of the prompt (TensorRT-LLM's ``num_return_sequences``); ``logprobs`` ``None`` returns no
     log-probabilities, ``k`` in ``[0, MAX_LOGPROBS]`` returns each generated token's log-probability and
     its ``k`` most likely alternatives (from the model's distribution, before temperature and penalties);
-    ``guided_decoding`` constrains the output to a grammar (structured output).
+    ``guided_decoding`` constrains the output to a grammar (structured output); ``num_speculative_tokens``
+    caps the draft tokens verified per step for this request where the executor speculates
+    (:mod:`kilnlm.runtime.speculative`): None takes the executor's speculative config as it is, 0 turns
+    speculation off for the request, n drafts at most ``min(n, the config's num_speculative_tokens)``.
     """
 
     max_tokens: int = 64
@@ -107,6 +110,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON, Triton tensors) but keep the object hashable and immutable.
@@ -152,6 +156,10 @@ class SamplingParams:
             raise RequestError(f"logprobs is {self.logprobs!r}: it must be an integer in [0, {MAX_LOGPROBS}]")
         if self.guided_decoding is not None:
             self.guided_decoding.validate()
+        if self.num_speculative_tokens is not None and not (isinstance(self.num_speculative_tokens, int)
+                                                            and self.num_speculative_tokens >= 0):
+            raise RequestError(f"num_speculative_tokens is {self.num_speculative_tokens!r}: it must be an integer >= 0 "
+                               "(0 turns speculative decoding off for the request)")
 
 
 def sequence_seed(seed: int, sequence_index: int) -> int:

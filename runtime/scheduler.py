@@ -278,12 +278,14 @@ class Scheduler:
 
     def _propose(self, request: Request, max_tokens: int) -> list[int]:
         """Draft tokens for a generation-phase request (none without a proposer or for a request that does not
-        speculate): at most ``max_tokens``, and no more than could still be accepted (a step yields up to one
-        token past its drafts: ``max_tokens`` and ``max_num_tokens`` bound the request)."""
+        speculate): at most ``max_tokens`` and the request's ``num_speculative_tokens``, and no more than could
+        still be accepted (a step yields up to one token past its drafts: ``max_tokens`` and ``max_num_tokens``
+        bound the request)."""
         if self.proposer is None or not speculates(request):
             return []
+        cap = request.params.num_speculative_tokens
         limit = min(max_tokens, request.params.max_tokens - request.num_generated_tokens - 1,
-                    request.max_num_tokens - request.num_tokens)
+                    request.max_num_tokens - request.num_tokens, max_tokens if cap is None else cap)
         return self.proposer.propose(request.token_ids, limit) if limit > 0 else []
 
     def _schedule_context(self, batch: ScheduledBatch, token_budget: int) -> None:

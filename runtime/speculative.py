@@ -28,7 +28,8 @@ speculation.
 
 Which requests speculate: those without penalties, ``min_tokens``, ``bad_words``, log-probabilities or guided
 decoding (their distribution depends on the tokens before each position, which verification does not
-re-derive per draft).
+re-derive per draft), and not with ``SamplingParams.num_speculative_tokens`` 0 (which a request also uses to
+draft fewer tokens than the config's).
 """
 
 from __future__ import annotations

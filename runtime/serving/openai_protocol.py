@@ -24,6 +24,8 @@ Request fields (OpenAI's names, plus vLLM's extras that its clients send):
 ``stream`` / ``stream_options``     SSE chunks; ``include_usage`` adds a last chunk with usage, no choices
 ``top_k``, ``repetition_penalty``,  vLLM's extras (0 = off, 1.0 = off, 0, false)
 ``min_tokens``, ``ignore_eos``
+``num_speculative_tokens``          kilnlm's extra: 0 turns speculative decoding off for the request, n caps
+                                    its draft tokens per step (null: the server's ``--speculative-config``)
 ==================================  ==========================================================================
 
 Unknown fields are ignored (clients send ``user`` and the like); fields kilnlm cannot honour with a value
@@ -95,6 +97,8 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    # kilnlm's extra
+    num_speculative_tokens: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -132,6 +136,7 @@ class _SamplingRequest(BaseModel):
             n=self.n,
             logprobs=self.requested_logprobs(),
             guided_decoding=self.response_format.guided_decoding() if self.response_format else None,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 

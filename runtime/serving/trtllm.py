@@ -272,7 +272,8 @@ def parse_llm_request(read: ArrayReader, tokenizer) -> LLMRequest:
         return [] if array is None else decode_words_list(np.asarray(array).reshape(2, -1))
 
     stop = tuple(tokenizer.decode(w, skip_special_tokens=False) for w in word_list("stop_words_list"))
-    optional = {"end_id": _scalar(read, "end_id", int), "seed": _scalar(read, "seed", int)}
+    optional = {"end_id": _scalar(read, "end_id", int), "seed": _scalar(read, "seed", int),
+                "num_speculative_tokens": _scalar(read, "num_speculative_tokens", int)}
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=0 if greedy else top_k,
         top_p=top_p, stop=tuple(s for s in stop if s),
@@ -406,19 +407,20 @@ PREPROCESSING_OUTPUTS: dict[str, str] = {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT
     "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "BAD_WORDS_IDS":
     "_BAD_WORDS_IDS", "OUT_END_ID": "_PREPROCESSOR_END_ID", "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"}
 # tensorrt_llm input <- ensemble input or intermediate
-LLM_INPUTS: dict[str, str] = {"input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN", "request_output_len":
-    "_REQUEST_OUTPUT_LEN", "stop_words_list": "_STOP_WORDS_IDS", "bad_words_list": "_BAD_WORDS_IDS", "end_id":
-    "_PREPROCESSOR_END_ID", "pad_id": "_PREPROCESSOR_PAD_ID", "exclude_input_in_output": "exclude_input_in_output",
-    "runtime_top_k": "top_k", "runtime_top_p": "top_p", "temperature": "temperature", "len_penalty":
-    "length_penalty", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "presence_penalty":
-    "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed", "return_log_probs":
-    "return_log_probs", "return_context_logits": "return_context_logits", "return_generation_logits":
-    "return_generation_logits", "return_perf_metrics": "return_perf_metrics", "return_num_input_tokens":
-    "return_num_input_tokens", "return_num_output_tokens": "return_num_output_tokens", "num_return_sequences":
-    "num_return_sequences", "beam_width": "beam_width", "streaming": "stream", "prompt_embedding_table":
-    "prompt_embedding_table", "prompt_vocab_size": "prompt_vocab_size", "lora_task_id": "lora_task_id",
-    "lora_weights": "lora_weights", "lora_config": "lora_config", "guided_decoding_guide_type":
-    "guided_decoding_guide_type", "guided_decoding_guide": "guided_decoding_guide"}
+LLM_INPUTS: dict[str, str] = {"input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
+    "request_output_len": "_REQUEST_OUTPUT_LEN", "stop_words_list": "_STOP_WORDS_IDS",
+    "bad_words_list": "_BAD_WORDS_IDS", "end_id": "_PREPROCESSOR_END_ID", "pad_id": "_PREPROCESSOR_PAD_ID",
+    "exclude_input_in_output": "exclude_input_in_output", "runtime_top_k": "top_k", "runtime_top_p": "top_p",
+    "temperature": "temperature", "len_penalty": "length_penalty", "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "seed": "seed", "return_log_probs": "return_log_probs", "return_context_logits": "return_context_logits",
+    "return_generation_logits": "return_generation_logits", "return_perf_metrics": "return_perf_metrics",
+    "return_num_input_tokens": "return_num_input_tokens", "return_num_output_tokens": "return_num_output_tokens",
+    "num_return_sequences": "num_return_sequences", "num_speculative_tokens": "num_speculative_tokens",
+    "beam_width": "beam_width", "streaming": "stream", "prompt_embedding_table": "prompt_embedding_table",
+    "prompt_vocab_size": "prompt_vocab_size", "lora_task_id": "lora_task_id", "lora_weights": "lora_weights",
+    "lora_config": "lora_config", "guided_decoding_guide_type": "guided_decoding_guide_type",
+    "guided_decoding_guide": "guided_decoding_guide"}
 # tensorrt_llm output -> ensemble output or intermediate
 LLM_OUTPUTS: dict[str, str] = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH", "output_text":
     "_OUTPUT_TEXT", "cum_log_probs": "cum_log_probs", "output_log_probs": "output_log_probs", "batch_index":

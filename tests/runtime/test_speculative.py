@@ -173,6 +173,42 @@ def test_speculative_sampling_keeps_the_target_distribution(make_eager_engine, t
         assert chi2_contingency(table).pvalue > 1e-3, (position, table)
 
 
+class _RecordingProposer:
+    """Proposes token 0 as many times as allowed and records, per prompt (its first token), each allowance."""
+
+    def __init__(self):
+        self.allowances: dict[int, list[int]] = {}
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        self.allowances.setdefault(token_ids[0], []).append(max_tokens)
+        return [0] * max_tokens
+
+
+def test_a_request_turns_speculation_off_or_drafts_fewer_tokens(make_eager_engine, tokenizer):
+    """``num_speculative_tokens`` 0 never reaches the proposer, 2 caps every allowance at 2, None leaves the
+    scheduler's; each request's greedy tokens stay those without speculation; -1 is refused."""
+    engine = make_eager_engine(max_batch_size=4, max_num_tokens=64, max_seq_len=96, tokens_per_block=4)
+    prompts = [[first, *tokenizer.encode(" the cat sat on the mat")] for first in (10, 11, 12)]
+    caps = [0, 2, None]
+
+    def run(config: ExecutorConfig, proposer=None) -> list[list[int]]:
+        with Executor(engine, tokenizer, config) as executor:
+            if proposer is not None:
+                executor.scheduler.proposer = proposer
+            ids = [executor.submit(prompt, SamplingParams(max_tokens=12, ignore_eos=True, num_speculative_tokens=cap))
+                   for prompt, cap in zip(prompts, caps)]
+            return [[t for r in executor.stream(i, timeout_s=300) for t in r.token_ids] for i in ids]
+
+    expected = run(ExecutorConfig())
+    proposer = _RecordingProposer()
+    assert run(ExecutorConfig(speculative_config=NGRAM), proposer) == expected
+    assert 10 not in proposer.allowances
+    assert proposer.allowances[11] and max(proposer.allowances[11]) == 2
+    assert max(proposer.allowances[12]) > 2
+    with pytest.raises(KilnError, match="num_speculative_tokens is -1"):
+        SamplingParams(num_speculative_tokens=-1).validate(vocab_size=100)
+
+
 def test_a_bad_speculative_config_is_refused_at_start(make_eager_engine, tokenizer):
     with pytest.raises(KilnError, match="method is 'medusa'"):
         Executor(make_eager_engine(), tokenizer, ExecutorConfig(speculative_config='{"method": "medusa"}'))

@@ -175,6 +175,9 @@ def test_bad_parameter_is_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1.0)
     assert "temperature" in _error_fields(info.value)["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # kilnlm's extra, checked like the others
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"num_speculative_tokens": -1})
+    assert "num_speculative_tokens is -1" in _error_fields(info.value)["message"]
     with pytest.raises(openai.BadRequestError) as info:  # FastAPI's 422, in OpenAI's shape
         client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"max_tokens": "many"})
     assert info.value.status_code == 400 and _error_fields(info.value)["param"] == "max_tokens"

@@ -393,6 +393,7 @@ def test_dropped_http_generate_stream_is_cancelled(triton_server, smollm2_execut
     ({"text_input": "Hello", "max_tokens": 4, "top_p": 1.5}, "top_p"),
     ({"text_input": "Hello", "max_tokens": 4, "top_k": 5, "temperature": -0.5}, "temperature"),
     ({"text_input": "Hello", "max_tokens": 4, "end_id": 10_000_000}, "end_id"),
+    ({"text_input": "Hello", "max_tokens": 4, "num_speculative_tokens": -1}, "num_speculative_tokens is -1"),  # reaches the executor
 ])
 def test_bad_request_gets_an_error_and_the_server_keeps_serving(triton_server, body, message):
     status, [answer] = http_generate(triton_server, **body)

@@ -75,10 +75,12 @@ def test_parse_llm_request_maps_tensorrt_llm_inputs_to_sampling_params(tokenizer
         min_tokens=np.array([[2]]), seed=np.array([[11]], dtype=np.uint64), return_log_probs=np.array([[True]]),
         streaming=np.array([[True]]), num_return_sequences=np.array([[2]]), beam_width=np.array([[1]]),
         stop_words_list=trtllm.encode_words_list([stop])[None], end_id=np.array([[3]]),
-        guided_decoding_guide_type=np.array([[b"json"]], dtype=object))), tokenizer)
+        guided_decoding_guide_type=np.array([[b"json"]], dtype=object),
+        num_speculative_tokens=np.array([[0]], dtype=np.int32))), tokenizer)
     s = request.sampling
     assert request.prompt_ids == [5, 6, 7] and request.streaming
     assert (s.max_tokens, s.top_k, s.seed, s.min_tokens, s.n, s.logprobs, s.end_id) == (4, 40, 11, 2, 2, 0, 3)
+    assert s.num_speculative_tokens == 0
     assert s.top_p == pytest.approx(0.9) and s.temperature == pytest.approx(0.7)
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == pytest.approx((1.2, 0.5, 0.25))
     assert s.stop == (" Paris",) and s.guided_decoding.guide_type == "json"
