@@ -38,8 +38,9 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                    help="wrap the prompt as a user message in the engine's chat template (default: off)")
     p.add_argument("--system", default=None, help="with --chat: a system message (default: the template's own)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3} (default: off)')
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 3} or {"method": "draft", "model": DRAFT_ENGINE_DIR, '
+                        '"num_speculative_tokens": 3} (default: off)')
     p.add_argument("--stats", action="store_true",
                    help="print token counts, time to first token (ms) and tokens/s to stderr (default: off)")
     p.set_defaults(run=run)

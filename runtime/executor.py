@@ -44,7 +44,7 @@ from kilnlm.runtime.request import FinishReason, Request, Response, SamplingPara
 from kilnlm.runtime.sampler import Sampler
 from kilnlm.runtime.scheduler import BatchSchedulerPolicy, ScheduledBatch, Scheduler, SchedulerConfig
 from kilnlm.runtime.signing import FROM_ENVIRONMENT
-from kilnlm.runtime.speculative import NgramProposer, parse_speculative_config, verify_greedy, verify_sampled
+from kilnlm.runtime.speculative import make_proposer, parse_speculative_config, verify_greedy, verify_sampled
 from kilnlm.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class ExecutorConfig:
         "help": "tokens per step (default: the engine's build limit, which it may only lower)"})
     speculative_config: str | None = field(default=None, metadata={
         "help": 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                '"prompt_lookup_max": 3} (requests without penalties, bad words, log-probs or a grammar; default: off)'})
+                '"prompt_lookup_max": 3} or {"method": "draft", "model": DRAFT_ENGINE_DIR, "num_speculative_tokens": 3} '
+                '(requests without penalties, bad words, log-probs or a grammar; default: off)'})
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class Executor:
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_kv_cache_reuse))
         self.speculative_config = parse_speculative_config(config.speculative_config)
-        proposer = NgramProposer(self.speculative_config) if self.speculative_config is not None else None
+        proposer = make_proposer(self.speculative_config, engine)
         self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens, policy, config.enable_chunked_context),
                                    self.kv_manager, proposer)
         self.sampler = Sampler()

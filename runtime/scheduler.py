@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.kv_cache import KVCacheManager
 from kilnlm.runtime.request import FinishReason, Request, RequestStatus
-from kilnlm.runtime.speculative import NgramProposer, speculates
+from kilnlm.runtime.speculative import Proposer, speculates
 
 
 class BatchSchedulerPolicy(str, enum.Enum):
@@ -129,7 +129,7 @@ class Scheduler:
     Not thread-safe: only the executor's loop thread calls it.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, proposer: NgramProposer | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, proposer: Proposer | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.proposer = proposer  # speculative decoding's draft tokens (None: off)
@@ -159,6 +159,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
 
     def finish(self, request: Request, reason: FinishReason, error_message: str | None = None) -> None:
         """End the request with ``reason``: take it out and free its blocks (:meth:`remove`), mark it
@@ -286,7 +288,7 @@ class Scheduler:
         cap = request.params.num_speculative_tokens
         limit = min(max_tokens, request.params.max_tokens - request.num_generated_tokens - 1,
                     request.max_num_tokens - request.num_tokens, max_tokens if cap is None else cap)
-        return self.proposer.propose(request.token_ids, limit) if limit > 0 else []
+        return self.proposer.propose(request, limit) if limit > 0 else []
 
     def _schedule_context(self, batch: ScheduledBatch, token_budget: int) -> None:
         """Pending context tokens, in admission order, while the token budget lasts: the largest chunk that
@@ -318,6 +320,8 @@ class Scheduler:
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         self.running.remove(request)
         self.kv_cache.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

@@ -16,6 +16,13 @@ The proposer (vLLM's ``--speculative-config`` JSON, :func:`parse_speculative_con
   and output) of ``n_max`` down to ``n_min`` tokens that occurred earlier in them proposes the ``k`` tokens
   that followed its most recent earlier occurrence. It costs no model and pays where the output copies its
   input (summaries, edits, code changes).
+- ``{"method": "draft", "model": DIR, "num_speculative_tokens": k}``: a draft model (Leviathan et al. 2023;
+  vLLM's ``draft_model``): the kilnlm engine in ``DIR``, of the same vocabulary (e.g. the int4_awq engine of
+  the target's own checkpoint, a "self-draft"), greedily decodes ``k`` tokens after the request's tokens.
+  It runs in the executor's thread with its own paged KV pool (:class:`DraftModelProposer`), one sequence
+  per forward: it catches up on the tokens the request gained since its last draft (the accepted drafts and
+  the step's own token), then takes ``k - 1`` one-token steps. It pays where a draft step costs a small
+  fraction of a target step.
 
 Verification (:func:`verify_greedy`, :func:`verify_sampled`): a greedy request accepts a draft token while it
 is the argmax; a sampling request accepts draft token ``d`` at a position with probability ``p(d)``, ``p``
@@ -35,6 +42,7 @@ draft fewer tokens than the config's).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,19 +51,27 @@ import torch
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.request import Request
 
-SPECULATIVE_METHODS = ("ngram",)
+logger = logging.getLogger(__name__)
+
+SPECULATIVE_METHODS = ("ngram", "draft")
+# The fields each method takes, beside ``method`` (integers >= 1 unless listed in _STRING_FIELDS).
+_METHOD_FIELDS = {"ngram": ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+                  "draft": ("num_speculative_tokens", "model")}
+_STRING_FIELDS = ("model",)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """A parsed ``speculative_config`` (vLLM's field names): ``method`` (one of :data:`SPECULATIVE_METHODS`),
     ``num_speculative_tokens`` (draft tokens per step, k >= 1), ``prompt_lookup_max`` / ``prompt_lookup_min``
-    (the n-gram sizes the ``ngram`` method matches, 1 <= min <= max)."""
+    (the n-gram sizes the ``ngram`` method matches, 1 <= min <= max), ``model`` (the ``draft`` method's
+    engine directory)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    model: str | None = None
 
 
 def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | None:
@@ -74,17 +90,22 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
     method = spec.pop("method", None)
     if method not in SPECULATIVE_METHODS:
         raise KilnError(f"speculative_config method is {method!r}: it must be one of {', '.join(SPECULATIVE_METHODS)}")
-    known = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+    known = _METHOD_FIELDS[method]
     unknown = sorted(set(spec) - set(known))
     if unknown:
         raise KilnError(f"speculative_config has unknown fields {unknown} for method {method!r}: it takes {', '.join(known)}")
     if "num_speculative_tokens" not in spec:
         raise KilnError("speculative_config needs num_speculative_tokens (draft tokens per step, e.g. 4)")
+    if method == "draft" and "model" not in spec:
+        raise KilnError("speculative_config method 'draft' needs model: the draft engine's directory")
     values = {}
     for name in known:
         if name in spec:
             value = spec[name]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if name in _STRING_FIELDS:
+                if not isinstance(value, str) or not value:
+                    raise KilnError(f"speculative_config {name} is {value!r}: it must be a non-empty string")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise KilnError(f"speculative_config {name} is {value!r}: it must be an integer >= 1")
             values[name] = value
     config = SpeculativeConfig(method=method, **values)
@@ -102,13 +123,28 @@ def speculates(request: Request) -> bool:
             and p.min_tokens == 0 and not p.bad_words and p.logprobs is None and p.guided_decoding is None)
 
 
-class NgramProposer:
+class Proposer:
+    """What the scheduler asks for draft tokens (:meth:`propose`) and tells when a request's state may go
+    (:meth:`release`). Called from the executor's thread only."""
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` draft tokens continuing ``request.token_ids`` (none is always allowed)."""
+        raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        """``request_id`` finished, was cancelled or preempted: drop what the proposer holds for it."""
+
+
+class NgramProposer(Proposer):
     """Prompt lookup decoding (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        return self.lookup(request.token_ids, max_tokens)
+
+    def lookup(self, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to ``min(max_tokens, num_speculative_tokens)`` draft tokens continuing ``token_ids``: for n from
         ``prompt_lookup_max`` down to ``prompt_lookup_min``, the tokens after the most recent earlier
         occurrence of the last n tokens (fewer when that occurrence is near the end); none without a match."""
@@ -125,6 +161,113 @@ class NgramProposer:
                 follow = int(starts[-1]) + n
                 return tokens[follow : follow + k].tolist()
         return []
+
+
+@dataclass
+class _DraftSequence:
+    token_ids: list[int]  # the tokens whose K/V are in the draft pool, in order from position 0
+    blocks: list[int]  # the draft pool's blocks of this sequence, in position order
+
+
+class DraftModelProposer(Proposer):
+    """Draft tokens from a second engine (see the module docstring), greedy.
+
+    ``engine``: a loaded :class:`kilnlm.runtime.engine.Engine` (or anything with its ``manifest``,
+    ``forward``, ``allocate_kv_cache``), its vocabulary ``vocab_size`` (the target's). Its KV pool holds
+    ``max_batch_size`` sequences of ``max_seq_len`` tokens, the draft engine's build limits: build the draft
+    with the limits its pool should have. A request whose tokens plus drafts exceed the draft's
+    ``max_seq_len``, or that finds the pool full, gets no drafts (and is served as without speculation); so
+    does a request in a step where the draft engine's forward fails (logged). Raises :class:`KilnError` when
+    the vocabularies differ."""
+
+    def __init__(self, config: SpeculativeConfig, engine, vocab_size: int) -> None:
+        model, build = engine.manifest.model, engine.manifest.build
+        if model.vocab_size != vocab_size:
+            raise KilnError(f"the draft engine {config.model or ''} has a vocabulary of {model.vocab_size:,} tokens, the "
+                            f"target's {vocab_size:,}: a draft model must share the target's tokenizer")
+        self.config, self.engine = config, engine
+        self.tokens_per_block = build.tokens_per_block
+        self.max_blocks_per_seq = -(-build.max_seq_len // build.tokens_per_block)
+        self.max_seq_len, self.max_num_tokens = build.max_seq_len, build.max_num_tokens
+        num_blocks = build.max_batch_size * self.max_blocks_per_seq
+        self.kv_cache = engine.allocate_kv_cache(num_blocks)
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes the lowest
+        self.sequences: dict[str, _DraftSequence] = {}
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        k = min(max_tokens, self.config.num_speculative_tokens)
+        tokens = request.token_ids
+        if k <= 0 or len(tokens) + k - 1 > self.max_seq_len:
+            return []
+        seq = self.sequences.setdefault(request.request_id, _DraftSequence([], []))
+        # keep the K/V of the longest prefix the request still has (its rejected drafts' go), but at least
+        # the last token is fed again: its logits give the first draft
+        kept = min(len(tokens) - 1, len(seq.token_ids))
+        kept = next((i for i in range(kept) if seq.token_ids[i] != tokens[i]), kept)
+        del seq.token_ids[kept:]
+        if not self._reserve(seq, len(tokens) + k - 1):
+            return []
+        drafts: list[int] = []
+        new = tokens[kept:]
+        try:
+            while True:
+                for start in range(0, len(new), self.max_num_tokens):
+                    logits = self._forward(seq, new[start : start + self.max_num_tokens])
+                drafts.append(int(logits[0].argmax()))
+                if len(drafts) == k:
+                    return drafts
+                new = drafts[-1:]
+        except Exception:  # the draft engine's failure costs this step's drafts, never the request
+            logger.exception("the draft model's forward failed: request %s goes on without drafts this step",
+                             request.request_id)
+            self.release(request.request_id)
+            return []
+
+    def release(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            self.free_blocks.extend(reversed(seq.blocks))
+
+    def _reserve(self, seq: _DraftSequence, num_tokens: int) -> bool:
+        """Blocks for ``num_tokens`` positions of ``seq``; False (nothing taken) when the pool lacks them."""
+        needed = -(-num_tokens // self.tokens_per_block) - len(seq.blocks)
+        if needed > len(self.free_blocks):
+            return False
+        seq.blocks.extend(self.free_blocks.pop() for _ in range(max(needed, 0)))
+        return True
+
+    def _forward(self, seq: _DraftSequence, new_ids: list[int]) -> torch.Tensor:
+        """One forward of the draft engine over ``new_ids`` after ``seq``'s tokens; returns the logits after
+        the last of them ``[1, vocab_size]`` float32 and appends them to ``seq``."""
+        from kilnlm.runtime.abi import EngineInputs
+
+        start, tpb = len(seq.token_ids), self.tokens_per_block
+        positions = torch.arange(start, start + len(new_ids), dtype=torch.int64)
+        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+        block_table = torch.zeros(1, self.max_blocks_per_seq, dtype=torch.int32)
+        block_table[0, : len(seq.blocks)] = blocks.to(torch.int32)
+        inputs = EngineInputs(
+            input_ids=torch.tensor(new_ids, dtype=torch.int64), positions=positions,
+            cu_seqlens_q=torch.tensor([0, len(new_ids)], dtype=torch.int32),
+            seq_lens_kv=torch.tensor([start + len(new_ids)], dtype=torch.int32), block_tables=block_table,
+            slot_mapping=blocks[positions // tpb] * tpb + positions % tpb,
+            logits_indices=torch.tensor([len(new_ids) - 1], dtype=torch.int64))
+        logits = self.engine.forward(inputs, self.kv_cache)
+        seq.token_ids.extend(new_ids)
+        return logits
+
+
+def make_proposer(config: SpeculativeConfig | None, engine) -> Proposer | None:
+    """The proposer of ``config`` for the target ``engine`` (None: speculation off). The ``draft`` method
+    loads its engine here (:meth:`kilnlm.runtime.engine.Engine.load`, the environment's trust policy);
+    raises :class:`KilnError` (an :class:`~kilnlm.runtime.errors.EngineError` for a refused draft engine)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config)
+    from kilnlm.runtime.engine import Engine
+
+    return DraftModelProposer(config, Engine.load(config.model), engine.manifest.model.vocab_size)
 
 
 def verify_greedy(first_token: int, draft_token_ids: list[int], draft_argmax: list[int]) -> list[int]:

@@ -4,6 +4,9 @@ non-speculative decoding."""
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 
 from factories import make_kv_cache_manager
@@ -11,7 +14,8 @@ from factories import make_kv_cache_manager
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.executor import Executor, ExecutorConfig
 from kilnlm.runtime.request import SamplingParams
-from kilnlm.runtime.speculative import NgramProposer, SpeculativeConfig, parse_speculative_config, verify_greedy
+from kilnlm.runtime.speculative import (DraftModelProposer, NgramProposer, Proposer, SpeculativeConfig,
+                                        parse_speculative_config, verify_greedy)
 from kilnlm.runtime.tokenizer import Tokenizer
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
@@ -22,6 +26,8 @@ def test_the_config_takes_vllms_json():
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}) == \
         SpeculativeConfig("ngram", 2, 3, 2)
     assert parse_speculative_config(None) is None and parse_speculative_config("  ") is None
+    assert parse_speculative_config('{"method": "draft", "model": "engines/int4", "num_speculative_tokens": 3}') == \
+        SpeculativeConfig("draft", 3, model="engines/int4")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -33,6 +39,9 @@ def test_the_config_takes_vllms_json():
     ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens is True"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown fields \\['model'\\]"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4}', "prompt_lookup_min 4 exceeds"),
+    ('{"method": "draft", "num_speculative_tokens": 2}', "needs model"),
+    ('{"method": "draft", "num_speculative_tokens": 2, "model": 3}', "model is 3"),
+    ('{"method": "draft", "num_speculative_tokens": 2, "model": "x", "prompt_lookup_max": 2}', "unknown fields"),
 ])
 def test_a_bad_config_is_refused_naming_the_field(text, message):
     with pytest.raises(KilnError, match=message):
@@ -43,12 +52,12 @@ def test_ngram_proposes_what_followed_the_most_recent_longest_match():
     proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1))
     #        0  1  2  3  4  5  6  7  8  9 10 11
     tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
-    assert proposer.propose(tokens, 3) == [2, 3, 6]  # "6 7" last seen at 6-7 (3-gram "x 6 7" unmatched)
-    assert proposer.propose(tokens, 1) == [2]  # capped by the caller's limit
-    assert proposer.propose([5, 6, 7, 8, 9, 5, 6, 7], 4) == [8, 9, 5]  # 3-gram "5 6 7", k = 3
-    assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert proposer.propose([4, 4], 3) == [4]  # a match near the end proposes what there is
-    assert NgramProposer(SpeculativeConfig("ngram", 3, 3, 2)).propose([1, 2, 3, 9, 3], 3) == []  # only 1-grams match
+    assert proposer.lookup(tokens, 3) == [2, 3, 6]  # "6 7" last seen at 6-7 (3-gram "x 6 7" unmatched)
+    assert proposer.lookup(tokens, 1) == [2]  # capped by the caller's limit
+    assert proposer.lookup([5, 6, 7, 8, 9, 5, 6, 7], 4) == [8, 9, 5]  # 3-gram "5 6 7", k = 3
+    assert proposer.lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert proposer.lookup([4, 4], 3) == [4]  # a match near the end proposes what there is
+    assert NgramProposer(SpeculativeConfig("ngram", 3, 3, 2)).lookup([1, 2, 3, 9, 3], 3) == []  # only 1-grams match
 
 
 def test_greedy_verification_accepts_up_to_the_first_disagreement():
@@ -126,15 +135,106 @@ def test_speculating_requests_in_flight_produce_the_non_speculative_outputs(make
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-class _FixedProposer:
+def test_a_draft_model_in_flight_keeps_the_non_speculative_outputs(make_eager_engine, tokenizer):
+    """The ``draft`` proposer over the tiny Llama itself (every greedy draft accepted; the sampling request's
+    drafts mostly rejected, its distribution being nearly flat) and over a copy with perturbed weights (more
+    drafts rejected: its pool keeps only what each request still has), both with other limits than the
+    target's (8-token catch-up forwards, 8-token blocks): the mixed in-flight batch gives the non-speculative
+    outputs, and every draft-pool block is back when the requests are done."""
+    import dataclasses
+
+    import torch
+
+    target = make_eager_engine(max_batch_size=4, max_num_tokens=24, max_seq_len=96, tokens_per_block=4)
+    same = make_eager_engine(max_batch_size=4, max_num_tokens=8, max_seq_len=96, tokens_per_block=8)
+    network = copy.deepcopy(same.network)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in network.buffers():
+            if weight.dim() == 2 and weight.is_floating_point():
+                weight.add_(torch.randn(weight.shape, generator=generator) * 0.1 * weight.std())
+    perturbed = dataclasses.replace(same, network=network)
+    requests = mixed_requests(tokenizer)
+    sampled = [i for i, (_, params) in enumerate(requests) if not params.greedy]
+    with Executor(target, tokenizer) as executor:
+        expected = run_together(executor, requests)
+    acceptance = []
+    for draft in (same, perturbed):
+        config = SpeculativeConfig("draft", 3, model="(in memory)")
+        with Executor(target, tokenizer, ExecutorConfig(speculative_config=NGRAM)) as executor:
+            proposer = executor.scheduler.proposer = DraftModelProposer(config, draft, target.manifest.model.vocab_size)
+            actual = run_together(executor, requests)
+            stats = executor.stats()
+        assert [r for i, r in enumerate(actual) if i not in sampled] == [r for i, r in enumerate(expected) if i not in sampled]
+        for i in sampled:
+            assert actual[i][2:] == expected[i][2:] and len(actual[i][0]) == len(expected[i][0])
+        assert stats.total_draft_tokens > 100 and 0 < stats.total_accepted_draft_tokens < stats.total_draft_tokens
+        acceptance.append(stats.total_accepted_draft_tokens / stats.total_draft_tokens)
+        assert not proposer.sequences and len(proposer.free_blocks) == 4 * 12
+        assert stats.num_free_blocks == stats.num_total_blocks
+    assert acceptance[0] > 0.5 and acceptance[1] < acceptance[0] - 0.2, acceptance
+
+
+def test_the_draft_pool_keeps_only_what_the_request_still_has(make_eager_engine, tokenizer):
+    """After a draft whose second token the target rejected, the next proposal equals a fresh proposer's on
+    the same tokens (the rejected token's K/V is not attended to), and release gives every block back."""
+    from types import SimpleNamespace
+
+    engine = make_eager_engine(max_batch_size=2, max_num_tokens=8, max_seq_len=96, tokens_per_block=4)
+    config, vocab_size = SpeculativeConfig("draft", 3, model="(in memory)"), engine.manifest.model.vocab_size
+    proposer = DraftModelProposer(config, engine, vocab_size)
+    prompt = tokenizer.encode("The capital of France is Paris, and the capital of Spain is")
+    first = proposer.propose(SimpleNamespace(request_id="a", token_ids=prompt), 3)
+    assert len(first) == 3
+    rejected = (first[1] + 1) % vocab_size  # the target accepted first[0], then chose another token
+    tokens = [*prompt, first[0], rejected]
+    again = proposer.propose(SimpleNamespace(request_id="a", token_ids=tokens), 3)
+    assert proposer.sequences["a"].token_ids == [*tokens, *again[:-1]]
+    assert again == DraftModelProposer(config, engine, vocab_size).propose(SimpleNamespace(request_id="b", token_ids=tokens), 3)
+    proposer.release("a")
+    assert not proposer.sequences and sorted(proposer.free_blocks) == list(range(2 * 24))
+
+
+def test_a_failing_draft_model_costs_drafts_not_requests(make_eager_engine, tokenizer):
+    """A draft engine whose forward raises: every request still gets its non-speculative tokens."""
+    import dataclasses
+
+    import torch
+
+    class Broken(torch.nn.Module):
+        def forward(self, *args):
+            raise RuntimeError("draft engine broke")
+
+    engine = make_eager_engine(max_batch_size=4, max_num_tokens=24, max_seq_len=96, tokens_per_block=4)
+    requests = [r for r in mixed_requests(tokenizer) if r[1].greedy][:3]
+    with Executor(engine, tokenizer) as executor:
+        expected = run_together(executor, requests)
+    with Executor(engine, tokenizer, ExecutorConfig(speculative_config=NGRAM)) as executor:
+        executor.scheduler.proposer = DraftModelProposer(SpeculativeConfig("draft", 3, model="(in memory)"),
+                                                         dataclasses.replace(engine, network=Broken()),
+                                                         engine.manifest.model.vocab_size)
+        assert run_together(executor, requests) == expected
+        assert executor.stats().total_draft_tokens == 0
+
+
+def test_a_draft_model_of_another_vocabulary_or_a_missing_one_is_refused(make_eager_engine, tokenizer, tmp_path):
+    engine = make_eager_engine()
+    with pytest.raises(KilnError, match="vocabulary of 49,152 tokens, the target's 49,153"):
+        DraftModelProposer(SpeculativeConfig("draft", 2, model="x"), engine, 49_153)
+    missing = f'{{"method": "draft", "num_speculative_tokens": 2, "model": "{tmp_path / "none"}"}}'
+    with pytest.raises(KilnError, match="none"):
+        Executor(engine, tokenizer, ExecutorConfig(speculative_config=missing))
+
+
+class _FixedProposer(Proposer):
     """Proposes, for the output position a step starts at, the given tokens from that position on (as many as
     the scheduler allows)."""
 
     def __init__(self, num_prompt_tokens: int, draft_token_ids: list[int]):
         self.num_prompt_tokens, self.draft_token_ids = num_prompt_tokens, draft_token_ids
 
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        position = len(token_ids) - self.num_prompt_tokens  # the output position the first draft fills
+    def propose(self, request, max_tokens: int) -> list[int]:
+        position = len(request.token_ids) - self.num_prompt_tokens  # the output position the first draft fills
         return self.draft_token_ids[position : position + max_tokens]
 
 
@@ -173,14 +273,14 @@ def test_speculative_sampling_keeps_the_target_distribution(make_eager_engine, t
         assert chi2_contingency(table).pvalue > 1e-3, (position, table)
 
 
-class _RecordingProposer:
+class _RecordingProposer(Proposer):
     """Proposes token 0 as many times as allowed and records, per prompt (its first token), each allowance."""
 
     def __init__(self):
         self.allowances: dict[int, list[int]] = {}
 
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        self.allowances.setdefault(token_ids[0], []).append(max_tokens)
+    def propose(self, request, max_tokens: int) -> list[int]:
+        self.allowances.setdefault(request.token_ids[0], []).append(max_tokens)
         return [0] * max_tokens
 
 
@@ -224,23 +324,26 @@ SMOLLM2_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("qformat", ["fp32", "bf16"])
-def test_smollm2_greedy_outputs_are_unchanged_by_speculation(qformat, smollm2_format_engine, tokenizer):
+@pytest.mark.parametrize("qformat, method", [("fp32", "ngram"), ("bf16", "ngram"), ("bf16", "draft")])
+def test_smollm2_greedy_outputs_are_unchanged_by_speculation(qformat, method, smollm2_format_engine, tokenizer):
     """SmolLM2's compiled engines, five greedy chat prompts submitted together with a sampling request and a
     penalised one (which does not speculate): each greedy completion equals the non-speculative one, token
-    for token, and drafts were accepted."""
+    for token, and drafts were accepted. Proposers: n-gram, and SmolLM2's int4_awq engine drafting for its
+    bf16 engine (a self-draft)."""
     engine_dir = smollm2_format_engine(qformat)
+    speculative = NGRAM if method == "ngram" else json.dumps(
+        {"method": "draft", "model": str(smollm2_format_engine("int4_awq")), "num_speculative_tokens": 3})
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
                                 add_special_tokens=False) for p in SMOLLM2_PROMPTS]
     requests = [(ids, SamplingParams(max_tokens=48)) for ids in prompts]
     requests += [(prompts[0], SamplingParams(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True)),
                  (prompts[3], SamplingParams(max_tokens=16, presence_penalty=0.5))]
     results = {}
-    for speculative_config in (None, NGRAM):
+    for speculative_config in (None, speculative):
         config = ExecutorConfig(max_batch_size=8, speculative_config=speculative_config)
         with Executor.from_engine_dir(engine_dir, config, trusted_keys=None) as executor:
             results[speculative_config] = run_together(executor, requests)
             stats = executor.stats()
-    assert results[NGRAM][:5] == results[None][:5] and results[NGRAM][6] == results[None][6]
-    assert len(results[NGRAM][5][0]) == 16
+    assert results[speculative][:5] == results[None][:5] and results[speculative][6] == results[None][6]
+    assert len(results[speculative][5][0]) == 16
     assert stats.total_accepted_draft_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks
