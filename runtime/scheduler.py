@@ -280,10 +280,14 @@ class Scheduler:
 
     def _propose(self, request: Request, max_tokens: int) -> list[int]:
         """Draft tokens for a generation-phase request (none without a proposer or for a request that does not
-        speculate): at most ``max_tokens`` and the request's ``num_speculative_tokens``, and no more than could
+        speculate, or while more requests run than the config's ``disable_by_batch_size``): at most
+        ``max_tokens`` and the request's ``num_speculative_tokens``, and no more than could
         still be accepted (a step yields up to one token past its drafts: ``max_tokens`` and ``max_num_tokens``
         bound the request)."""
         if self.proposer is None or not speculates(request):
+            return []
+        busy = self.proposer.config.disable_by_batch_size
+        if busy is not None and len(self.running) > busy:
             return []
         cap = request.params.num_speculative_tokens
         limit = min(max_tokens, request.params.max_tokens - request.num_generated_tokens - 1,

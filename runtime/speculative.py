@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 # The fields each method takes, beside ``method`` (integers >= 1 unless listed in _STRING_FIELDS).
-_METHOD_FIELDS = {"ngram": ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
-                  "draft": ("num_speculative_tokens", "model")}
+_METHOD_FIELDS = {"ngram": ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"),
+                  "draft": ("num_speculative_tokens", "model", "disable_by_batch_size")}
 _STRING_FIELDS = ("model",)
 
 
@@ -65,13 +65,15 @@ class SpeculativeConfig:
     """A parsed ``speculative_config`` (vLLM's field names): ``method`` (one of :data:`SPECULATIVE_METHODS`),
     ``num_speculative_tokens`` (draft tokens per step, k >= 1), ``prompt_lookup_max`` / ``prompt_lookup_min``
     (the n-gram sizes the ``ngram`` method matches, 1 <= min <= max), ``model`` (the ``draft`` method's
-    engine directory)."""
+    engine directory), ``disable_by_batch_size`` (no drafts in a step while more requests than this run;
+    None: no limit)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
 
 def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | None:
@@ -125,7 +127,9 @@ def speculates(request: Request) -> bool:
 
 class Proposer:
     """What the scheduler asks for draft tokens (:meth:`propose`) and tells when a request's state may go
-    (:meth:`release`). Called from the executor's thread only."""
+    (:meth:`release`). Called from the executor's thread only. ``config``: its :class:`SpeculativeConfig`."""
+
+    config: SpeculativeConfig
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` draft tokens continuing ``request.token_ids`` (none is always allowed)."""

@@ -26,6 +26,8 @@ def test_the_config_takes_vllms_json():
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}) == \
         SpeculativeConfig("ngram", 2, 3, 2)
     assert parse_speculative_config(None) is None and parse_speculative_config("  ") is None
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8}') == \
+        SpeculativeConfig("ngram", 2, disable_by_batch_size=8)
     assert parse_speculative_config('{"method": "draft", "model": "engines/int4", "num_speculative_tokens": 3}') == \
         SpeculativeConfig("draft", 3, model="engines/int4")
 
@@ -230,6 +232,8 @@ class _FixedProposer(Proposer):
     """Proposes, for the output position a step starts at, the given tokens from that position on (as many as
     the scheduler allows)."""
 
+    config = SpeculativeConfig("ngram", 4)
+
     def __init__(self, num_prompt_tokens: int, draft_token_ids: list[int]):
         self.num_prompt_tokens, self.draft_token_ids = num_prompt_tokens, draft_token_ids
 
@@ -276,11 +280,14 @@ def test_speculative_sampling_keeps_the_target_distribution(make_eager_engine, t
 class _RecordingProposer(Proposer):
     """Proposes token 0 as many times as allowed and records, per prompt (its first token), each allowance."""
 
-    def __init__(self):
+    def __init__(self, config: SpeculativeConfig = SpeculativeConfig("ngram", 4)):
+        self.config = config
         self.allowances: dict[int, list[int]] = {}
+        self.generated_at_call: dict[int, list[int]] = {}
 
     def propose(self, request, max_tokens: int) -> list[int]:
         self.allowances.setdefault(request.token_ids[0], []).append(max_tokens)
+        self.generated_at_call.setdefault(request.token_ids[0], []).append(request.num_generated_tokens)
         return [0] * max_tokens
 
 
@@ -307,6 +314,28 @@ def test_a_request_turns_speculation_off_or_drafts_fewer_tokens(make_eager_engin
     assert max(proposer.allowances[12]) > 2
     with pytest.raises(KilnError, match="num_speculative_tokens is -1"):
         SamplingParams(num_speculative_tokens=-1).validate(vocab_size=100)
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(make_eager_engine, tokenizer):
+    """vLLM's ``disable_by_batch_size`` 2 with three requests running: no proposals until the shortest one
+    finished, then proposals for the other two; outputs unchanged."""
+    engine = make_eager_engine(max_batch_size=4, max_num_tokens=64, max_seq_len=96, tokens_per_block=4)
+    prompts = [[first, *tokenizer.encode(" the cat sat on the mat")] for first in (10, 11, 12)]
+    lengths = [4, 14, 14]
+
+    def run(config: ExecutorConfig, proposer=None) -> list[list[int]]:
+        with Executor(engine, tokenizer, config) as executor:
+            if proposer is not None:
+                executor.scheduler.proposer = proposer
+            ids = [executor.submit(prompt, SamplingParams(max_tokens=n, ignore_eos=True)) for prompt, n in zip(prompts, lengths)]
+            return [[t for r in executor.stream(i, timeout_s=300) for t in r.token_ids] for i in ids]
+
+    expected = run(ExecutorConfig())
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2}')
+    proposer = _RecordingProposer(config)
+    assert run(ExecutorConfig(speculative_config=NGRAM), proposer) == expected
+    assert 10 not in proposer.generated_at_call  # it ran only beside two others
+    assert min(proposer.generated_at_call[11]) >= 4 and min(proposer.generated_at_call[12]) >= 4
 
 
 def test_a_bad_speculative_config_is_refused_at_start(make_eager_engine, tokenizer):
