@@ -259,10 +259,11 @@ class Scheduler:
         slots are free (drafts never preempt); when blocks run out for the token itself, preempt from the
         back (``max_utilization``) or let the request wait a step (``guaranteed_no_evict``, where its
         reserved blocks make that impossible)."""
+        proposals = self._propose_all([r for r in self.running if self._in_generation_phase(r)], token_budget)
         for request in list(self.running):
             if request not in self.running or not self._in_generation_phase(request) or token_budget == 0:
                 continue
-            drafts = self._propose(request, token_budget - 1)
+            drafts = proposals.get(request.request_id, [])[: token_budget - 1]
             granted = self.kv_cache.append_slots(request.request_id, request.num_tokens + len(drafts))
             if not granted and drafts:
                 drafts = []
@@ -278,21 +279,31 @@ class Scheduler:
                 token_budget -= 1 + len(drafts)
         return token_budget
 
-    def _propose(self, request: Request, max_tokens: int) -> list[int]:
-        """Draft tokens for a generation-phase request (none without a proposer or for a request that does not
-        speculate, or while more requests run than the config's ``disable_by_batch_size``): at most
-        ``max_tokens`` and the request's ``num_speculative_tokens``, and no more than could
-        still be accepted (a step yields up to one token past its drafts: ``max_tokens`` and ``max_num_tokens``
-        bound the request)."""
-        if self.proposer is None or not speculates(request):
-            return []
+    def _propose_all(self, requests: list[Request], token_budget: int) -> dict[str, list[int]]:
+        """Draft tokens for the step's generation-phase ``requests``, asked of the proposer in one call: each
+        request may draft what the token budget leaves after the requests before it took their token and
+        drafts (:meth:`_draft_limit`)."""
+        if self.proposer is None:
+            return {}
+        items = []
+        for request in requests:
+            limit = self._draft_limit(request, token_budget - 1)
+            if limit > 0:
+                items.append((request, limit))
+            token_budget -= 1 + min(limit, self.proposer.config.num_speculative_tokens)
+        return {request.request_id: drafts for (request, _), drafts in zip(items, self.proposer.propose_batch(items))}
+
+    def _draft_limit(self, request: Request, max_tokens: int) -> int:
+        """How many draft tokens ``request`` may take this step: none for a request that does not speculate
+        or while more requests run than the config's ``disable_by_batch_size``; else at most ``max_tokens``
+        and the request's ``num_speculative_tokens``, and no more than could still be accepted (a step yields
+        up to one token past its drafts: ``max_tokens`` and ``max_num_tokens`` bound the request)."""
         busy = self.proposer.config.disable_by_batch_size
-        if busy is not None and len(self.running) > busy:
-            return []
+        if not speculates(request) or (busy is not None and len(self.running) > busy):
+            return 0
         cap = request.params.num_speculative_tokens
-        limit = min(max_tokens, request.params.max_tokens - request.num_generated_tokens - 1,
-                    request.max_num_tokens - request.num_tokens, max_tokens if cap is None else cap)
-        return self.proposer.propose(request, limit) if limit > 0 else []
+        return min(max_tokens, request.params.max_tokens - request.num_generated_tokens - 1,
+                   request.max_num_tokens - request.num_tokens, max_tokens if cap is None else cap)
 
     def _schedule_context(self, batch: ScheduledBatch, token_budget: int) -> None:
         """Pending context tokens, in admission order, while the token budget lasts: the largest chunk that

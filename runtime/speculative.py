@@ -126,14 +126,20 @@ def speculates(request: Request) -> bool:
 
 
 class Proposer:
-    """What the scheduler asks for draft tokens (:meth:`propose`) and tells when a request's state may go
-    (:meth:`release`). Called from the executor's thread only. ``config``: its :class:`SpeculativeConfig`."""
+    """What the scheduler asks for draft tokens (:meth:`propose`, :meth:`propose_batch`) and tells when a
+    request's state may go (:meth:`release`). Called from the executor's thread only. ``config``: its
+    :class:`SpeculativeConfig`."""
 
     config: SpeculativeConfig
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` draft tokens continuing ``request.token_ids`` (none is always allowed)."""
         raise NotImplementedError
+
+    def propose_batch(self, items: list[tuple[Request, int]]) -> list[list[int]]:
+        """:meth:`propose` for each ``(request, max_tokens)`` of one step, in order (a proposer that batches
+        its work across requests overrides this)."""
+        return [self.propose(request, max_tokens) for request, max_tokens in items]
 
     def release(self, request_id: str) -> None:
         """``request_id`` finished, was cancelled or preempted: drop what the proposer holds for it."""
@@ -174,15 +180,17 @@ class _DraftSequence:
 
 
 class DraftModelProposer(Proposer):
-    """Draft tokens from a second engine (see the module docstring), greedy.
+    """Draft tokens from a second engine (see the module docstring), greedy, for all of a step's requests
+    at once: their catch-up tokens packed into as few forwards as the draft's ``max_num_tokens`` and
+    ``max_batch_size`` allow, then one forward per draft position over every request still drafting.
 
     ``engine``: a loaded :class:`kilnlm.runtime.engine.Engine` (or anything with its ``manifest``,
     ``forward``, ``allocate_kv_cache``), its vocabulary ``vocab_size`` (the target's). Its KV pool holds
     ``max_batch_size`` sequences of ``max_seq_len`` tokens, the draft engine's build limits: build the draft
     with the limits its pool should have. A request whose tokens plus drafts exceed the draft's
     ``max_seq_len``, or that finds the pool full, gets no drafts (and is served as without speculation); so
-    does a request in a step where the draft engine's forward fails (logged). Raises :class:`KilnError` when
-    the vocabularies differ."""
+    do a step's requests when the draft engine's forward fails (logged). Raises :class:`KilnError` when the
+    vocabularies differ."""
 
     def __init__(self, config: SpeculativeConfig, engine, vocab_size: int) -> None:
         model, build = engine.manifest.model, engine.manifest.build
@@ -192,40 +200,52 @@ class DraftModelProposer(Proposer):
         self.config, self.engine = config, engine
         self.tokens_per_block = build.tokens_per_block
         self.max_blocks_per_seq = -(-build.max_seq_len // build.tokens_per_block)
-        self.max_seq_len, self.max_num_tokens = build.max_seq_len, build.max_num_tokens
+        self.max_seq_len, self.max_num_tokens, self.max_batch_size = build.max_seq_len, build.max_num_tokens, build.max_batch_size
         num_blocks = build.max_batch_size * self.max_blocks_per_seq
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes the lowest
         self.sequences: dict[str, _DraftSequence] = {}
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
-        k = min(max_tokens, self.config.num_speculative_tokens)
-        tokens = request.token_ids
-        if k <= 0 or len(tokens) + k - 1 > self.max_seq_len:
-            return []
-        seq = self.sequences.setdefault(request.request_id, _DraftSequence([], []))
-        # keep the K/V of the longest prefix the request still has (its rejected drafts' go), but at least
-        # the last token is fed again: its logits give the first draft
-        kept = min(len(tokens) - 1, len(seq.token_ids))
-        kept = next((i for i in range(kept) if seq.token_ids[i] != tokens[i]), kept)
-        del seq.token_ids[kept:]
-        if not self._reserve(seq, len(tokens) + k - 1):
-            return []
-        drafts: list[int] = []
-        new = tokens[kept:]
+        return self.propose_batch([(request, max_tokens)])[0]
+
+    def propose_batch(self, items: list[tuple[Request, int]]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in items]
+        work = []  # (index, sequence, k, tokens to feed)
+        for index, (request, max_tokens) in enumerate(items):
+            k = min(max_tokens, self.config.num_speculative_tokens)
+            tokens = request.token_ids
+            if k <= 0 or len(tokens) + k - 1 > self.max_seq_len:
+                continue
+            seq = self.sequences.setdefault(request.request_id, _DraftSequence([], []))
+            # keep the K/V of the longest prefix the request still has (its rejected drafts' go), but feed
+            # at least its last token again: its logits give the first draft
+            kept = min(len(tokens) - 1, len(seq.token_ids))
+            kept = next((i for i in range(kept) if seq.token_ids[i] != tokens[i]), kept)
+            del seq.token_ids[kept:]
+            if self._reserve(seq, len(tokens) + k - 1):
+                work.append((index, seq, k, tokens[kept:]))
         try:
-            while True:
-                for start in range(0, len(new), self.max_num_tokens):
-                    logits = self._forward(seq, new[start : start + self.max_num_tokens])
-                drafts.append(int(logits[0].argmax()))
-                if len(drafts) == k:
-                    return drafts
-                new = drafts[-1:]
-        except Exception:  # the draft engine's failure costs this step's drafts, never the request
-            logger.exception("the draft model's forward failed: request %s goes on without drafts this step",
-                             request.request_id)
-            self.release(request.request_id)
-            return []
+            # catch-up: each sequence's tokens in pieces of at most max_num_tokens, piece j in round j
+            pending = {index: (seq, [new[i : i + self.max_num_tokens] for i in range(0, len(new), self.max_num_tokens)])
+                       for index, seq, _, new in work}
+            while pending:
+                parts = [(index, seq, pieces.pop(0)) for index, (seq, pieces) in pending.items()]
+                for index, token in self._forward_all(parts):
+                    if not pending[index][1]:  # the last piece: its logits give the first draft
+                        drafts[index].append(token)
+                pending = {index: entry for index, entry in pending.items() if entry[1]}
+            # one token per sequence per forward for the remaining draft positions
+            active = [(index, seq, k) for index, seq, k, _ in work]
+            while active := [(index, seq, k) for index, seq, k in active if len(drafts[index]) < k]:
+                for index, token in self._forward_all([(index, seq, drafts[index][-1:]) for index, seq, _ in active]):
+                    drafts[index].append(token)
+        except Exception:  # the draft engine's failure costs this step's drafts, never a request
+            logger.exception("the draft model's forward failed: %d requests go on without drafts this step", len(work))
+            for index, _, _, _ in work:
+                self.release(items[index][0].request_id)
+            return [[] for _ in items]
+        return drafts
 
     def release(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
@@ -240,24 +260,49 @@ class DraftModelProposer(Proposer):
         seq.blocks.extend(self.free_blocks.pop() for _ in range(max(needed, 0)))
         return True
 
-    def _forward(self, seq: _DraftSequence, new_ids: list[int]) -> torch.Tensor:
-        """One forward of the draft engine over ``new_ids`` after ``seq``'s tokens; returns the logits after
-        the last of them ``[1, vocab_size]`` float32 and appends them to ``seq``."""
+    def _forward_all(self, parts: list[tuple[int, _DraftSequence, list[int]]]) -> list[tuple[int, int]]:
+        """``(index, sequence, new_ids)`` parts, each sequence at most once, through the draft engine in
+        forwards of at most ``max_num_tokens`` tokens and ``max_batch_size`` sequences (every part fits
+        one); returns ``(index, argmax after the part's last token)`` per part."""
+        out, group, group_tokens = [], [], 0
+        for part in [*parts, None]:
+            if part is None or len(group) == self.max_batch_size or group_tokens + len(part[2]) > self.max_num_tokens:
+                if group:
+                    logits = self._forward([(seq, new) for _, seq, new in group])
+                    out += [(index, int(row.argmax())) for (index, _, _), row in zip(group, logits)]
+                group, group_tokens = [], 0
+            if part is not None:
+                group.append(part)
+                group_tokens += len(part[2])
+        return out
+
+    def _forward(self, parts: list[tuple[_DraftSequence, list[int]]]) -> torch.Tensor:
+        """One forward of the draft engine over ``parts`` ``(sequence, new_ids)``, packed in order; returns
+        the logits after each part's last token ``[len(parts), vocab_size]`` float32 and appends the
+        tokens to their sequences."""
         from kilnlm.runtime.abi import EngineInputs
 
-        start, tpb = len(seq.token_ids), self.tokens_per_block
-        positions = torch.arange(start, start + len(new_ids), dtype=torch.int64)
-        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
-        block_table = torch.zeros(1, self.max_blocks_per_seq, dtype=torch.int32)
-        block_table[0, : len(seq.blocks)] = blocks.to(torch.int32)
+        tpb = self.tokens_per_block
+        ids, positions, slots, cu, seq_lens = [], [], [], [0], []
+        block_tables = torch.zeros(len(parts), self.max_blocks_per_seq, dtype=torch.int32)
+        for b, (seq, new_ids) in enumerate(parts):
+            start = len(seq.token_ids)
+            pos = torch.arange(start, start + len(new_ids), dtype=torch.int64)
+            blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+            block_tables[b, : len(seq.blocks)] = blocks.to(torch.int32)
+            ids += new_ids
+            positions.append(pos)
+            slots.append(blocks[pos // tpb] * tpb + pos % tpb)
+            cu.append(cu[-1] + len(new_ids))
+            seq_lens.append(start + len(new_ids))
         inputs = EngineInputs(
-            input_ids=torch.tensor(new_ids, dtype=torch.int64), positions=positions,
-            cu_seqlens_q=torch.tensor([0, len(new_ids)], dtype=torch.int32),
-            seq_lens_kv=torch.tensor([start + len(new_ids)], dtype=torch.int32), block_tables=block_table,
-            slot_mapping=blocks[positions // tpb] * tpb + positions % tpb,
-            logits_indices=torch.tensor([len(new_ids) - 1], dtype=torch.int64))
+            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.cat(positions),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens_kv=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables, slot_mapping=torch.cat(slots),
+            logits_indices=torch.tensor(cu[1:], dtype=torch.int64) - 1)
         logits = self.engine.forward(inputs, self.kv_cache)
-        seq.token_ids.extend(new_ids)
+        for seq, new_ids in parts:
+            seq.token_ids.extend(new_ids)
         return logits
 
 

@@ -142,7 +142,8 @@ def test_a_draft_model_in_flight_keeps_the_non_speculative_outputs(make_eager_en
     drafts mostly rejected, its distribution being nearly flat) and over a copy with perturbed weights (more
     drafts rejected: its pool keeps only what each request still has), both with other limits than the
     target's (8-token catch-up forwards, 8-token blocks): the mixed in-flight batch gives the non-speculative
-    outputs, and every draft-pool block is back when the requests are done."""
+    outputs, the requests of a step draft in shared forwards, and every draft-pool block is back when the
+    requests are done."""
     import dataclasses
 
     import torch
@@ -162,6 +163,14 @@ def test_a_draft_model_in_flight_keeps_the_non_speculative_outputs(make_eager_en
         expected = run_together(executor, requests)
     acceptance = []
     for draft in (same, perturbed):
+        batch_sizes = []
+        forward = draft.forward
+
+        def counting_forward(inputs, kv_cache, forward=forward):
+            batch_sizes.append(inputs.num_seqs)
+            return forward(inputs, kv_cache)
+
+        draft.forward = counting_forward
         config = SpeculativeConfig("draft", 3, model="(in memory)")
         with Executor(target, tokenizer, ExecutorConfig(speculative_config=NGRAM)) as executor:
             proposer = executor.scheduler.proposer = DraftModelProposer(config, draft, target.manifest.model.vocab_size)
@@ -172,6 +181,7 @@ def test_a_draft_model_in_flight_keeps_the_non_speculative_outputs(make_eager_en
             assert actual[i][2:] == expected[i][2:] and len(actual[i][0]) == len(expected[i][0])
         assert stats.total_draft_tokens > 100 and 0 < stats.total_accepted_draft_tokens < stats.total_draft_tokens
         acceptance.append(stats.total_accepted_draft_tokens / stats.total_draft_tokens)
+        assert max(batch_sizes) > 1  # the step's requests draft together
         assert not proposer.sequences and len(proposer.free_blocks) == 4 * 12
         assert stats.num_free_blocks == stats.num_total_blocks
     assert acceptance[0] > 0.5 and acceptance[1] < acceptance[0] - 0.2, acceptance
