@@ -33,6 +33,7 @@ num_blocks; every other dimension is fixed at build time. The argument order bel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -85,6 +86,31 @@ class EngineInputs:
     @property
     def num_logits(self) -> int:
         return int(self.logits_indices.shape[0])
+
+
+def pack_sequences(seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]], tokens_per_block: int,
+                   max_blocks_per_seq: int) -> EngineInputs:
+    """One :class:`EngineInputs` packing ``seqs`` in order, each ``(new_token_ids, num_cached, blocks)``: the
+    new tokens sit at positions ``num_cached ...`` after ``num_cached`` tokens already in the pool, and
+    ``blocks`` are the sequence's physical blocks in position order, covering every position up to its last
+    new token (at most ``max_blocks_per_seq``; the block table's other entries are 0). Logits come back for
+    each sequence's last new token. For callers that drive an engine directly (tests, a draft model); the
+    executor's :mod:`kilnlm.runtime.inputs` packs its batches itself."""
+    ids, positions, slots, cu, seq_lens = [], [], [], [0], []
+    block_tables = torch.zeros(len(seqs), max_blocks_per_seq, dtype=torch.int32)
+    for b, (new_ids, num_cached, blocks) in enumerate(seqs):
+        pos = torch.arange(num_cached, num_cached + len(new_ids), dtype=torch.int64)
+        table = torch.as_tensor(blocks, dtype=torch.int64)
+        block_tables[b, : len(table)] = table.to(torch.int32)
+        ids += new_ids
+        positions.append(pos)
+        slots.append(table[pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block)
+        cu.append(cu[-1] + len(new_ids))
+        seq_lens.append(num_cached + len(new_ids))
+    return EngineInputs(
+        input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.cat(positions),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens_kv=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables, slot_mapping=torch.cat(slots), logits_indices=torch.tensor(cu[1:], dtype=torch.int64) - 1)
 
 
 def kv_cache_shape(

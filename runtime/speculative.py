@@ -280,26 +280,10 @@ class DraftModelProposer(Proposer):
         """One forward of the draft engine over ``parts`` ``(sequence, new_ids)``, packed in order; returns
         the logits after each part's last token ``[len(parts), vocab_size]`` float32 and appends the
         tokens to their sequences."""
-        from kilnlm.runtime.abi import EngineInputs
+        from kilnlm.runtime.abi import pack_sequences
 
-        tpb = self.tokens_per_block
-        ids, positions, slots, cu, seq_lens = [], [], [], [0], []
-        block_tables = torch.zeros(len(parts), self.max_blocks_per_seq, dtype=torch.int32)
-        for b, (seq, new_ids) in enumerate(parts):
-            start = len(seq.token_ids)
-            pos = torch.arange(start, start + len(new_ids), dtype=torch.int64)
-            blocks = torch.tensor(seq.blocks, dtype=torch.int64)
-            block_tables[b, : len(seq.blocks)] = blocks.to(torch.int32)
-            ids += new_ids
-            positions.append(pos)
-            slots.append(blocks[pos // tpb] * tpb + pos % tpb)
-            cu.append(cu[-1] + len(new_ids))
-            seq_lens.append(start + len(new_ids))
-        inputs = EngineInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.cat(positions),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens_kv=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=block_tables, slot_mapping=torch.cat(slots),
-            logits_indices=torch.tensor(cu[1:], dtype=torch.int64) - 1)
+        inputs = pack_sequences([(new_ids, len(seq.token_ids), seq.blocks) for seq, new_ids in parts],
+                                self.tokens_per_block, self.max_blocks_per_seq)
         logits = self.engine.forward(inputs, self.kv_cache)
         for seq, new_ids in parts:
             seq.token_ids.extend(new_ids)

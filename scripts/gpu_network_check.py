@@ -76,32 +76,13 @@ SCHEDULE = [
 
 # ---- prepare (the build machine) -------------------------------------------------------------------------
 
-def pack(seqs: list[tuple[list[int], int]], tokens_per_block: int, max_blocks_per_seq: int) -> dict[str, torch.Tensor]:
-    """The engine inputs (runtime/abi.py's names) of sequences ``(new_ids, num_cached)`` packed in order;
-    sequence b's blocks are ``b * max_blocks_per_seq + j``; logits for each sequence's last new token."""
-    ids, positions, slots, cu, seq_lens = [], [], [], [0], []
-    for b, (new_ids, num_cached) in enumerate(seqs):
-        for i, token in enumerate(new_ids):
-            pos = num_cached + i
-            ids.append(token)
-            positions.append(pos)
-            slots.append((b * max_blocks_per_seq + pos // tokens_per_block) * tokens_per_block + pos % tokens_per_block)
-        cu.append(cu[-1] + len(new_ids))
-        seq_lens.append(num_cached + len(new_ids))
-    num_seqs = len(seqs)
-    return dict(input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(positions, dtype=torch.int64),
-                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens_kv=torch.tensor(seq_lens, dtype=torch.int32),
-                block_tables=torch.arange(num_seqs * max_blocks_per_seq, dtype=torch.int32).reshape(num_seqs, -1),
-                slot_mapping=torch.tensor(slots, dtype=torch.int64),
-                logits_indices=torch.tensor(cu[1:], dtype=torch.int64) - 1)
-
-
 def record_steps(engine, vocab_size: int) -> dict:
     """Runs :data:`SCHEDULE` through ``engine`` (teacher-forced on its greedy tokens); returns the steps'
     inputs, logits and the pool after the last step."""
-    from kilnlm.runtime.abi import EngineInputs
+    from kilnlm.runtime.abi import pack_sequences
 
     build = engine.manifest.build
+    max_blocks = build.max_blocks_per_seq
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     lengths = [0] * len(prompts)  # tokens in the cache
@@ -116,12 +97,15 @@ def record_steps(engine, vocab_size: int) -> dict:
             else:
                 start, end = (0, span[0]) if kind == "prompt" else span
                 seqs.append((prompts[b][start:end], lengths[b]))
-        inputs = pack(seqs, build.tokens_per_block, build.max_blocks_per_seq)
-        out = engine.forward(EngineInputs(**inputs), pool)
+        # sequence b owns blocks b * max_blocks ... (b + 1) * max_blocks - 1
+        inputs = pack_sequences([(new_ids, cached, range(b * max_blocks, (b + 1) * max_blocks))
+                                 for (new_ids, cached), (_, b, *_) in zip(seqs, step)],
+                                build.tokens_per_block, max_blocks)
+        out = engine.forward(inputs, pool)
         for row, ((new_ids, cached), (_, b, *_)) in enumerate(zip(seqs, step)):
             lengths[b] = cached + len(new_ids)
             last[b] = int(out[row].argmax())
-        steps.append(inputs)
+        steps.append(dict(vars(inputs)))
         logits.append(out.clone())
     return dict(steps=steps, logits=logits, pool=pool.clone())
 

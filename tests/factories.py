@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kilnlm.runtime.abi import EngineInputs
+from kilnlm.runtime.abi import EngineInputs, pack_sequences
 from kilnlm.runtime.kv_cache import KVCacheConfig, KVCacheManager
 from kilnlm.runtime.manifest import BuildConfig, GenerationDefaults, Manifest, ModelConfig
 from kilnlm.runtime.request import Request, SamplingParams
@@ -141,34 +141,15 @@ def random_fp8_weight(out_features: int, in_features: int, gen: torch.Generator)
 
 
 def make_engine_inputs(seqs: list[tuple[list[int], int]], tokens_per_block: int, max_blocks_per_seq: int) -> EngineInputs:
-    """Pack sequences into one :class:`EngineInputs`.
+    """Pack sequences into one :class:`EngineInputs` (:func:`kilnlm.runtime.abi.pack_sequences`).
 
     ``seqs``: per sequence ``(new_token_ids, num_cached)`` -- the new tokens sit at positions
     ``num_cached .. num_cached + len(new) - 1``. Sequence b owns physical blocks
     ``b * max_blocks_per_seq + j`` (so a pool of ``len(seqs) * max_blocks_per_seq`` blocks suffices and
-    a sequence keeps its blocks from step to step as long as it keeps its index b). Logits come back
-    for each sequence's last new token."""
-    input_ids, positions, slots, cu, logits_indices, seq_lens = [], [], [], [0], [], []
-    for b, (new_ids, num_cached) in enumerate(seqs):
-        for i, tok in enumerate(new_ids):
-            pos = num_cached + i
-            input_ids.append(tok)
-            positions.append(pos)
-            slots.append((b * max_blocks_per_seq + pos // tokens_per_block) * tokens_per_block + pos % tokens_per_block)
-        cu.append(cu[-1] + len(new_ids))
-        logits_indices.append(cu[-1] - 1)
-        seq_lens.append(num_cached + len(new_ids))
-    num_seqs = len(seqs)
-    block_tables = torch.arange(num_seqs * max_blocks_per_seq, dtype=torch.int32).reshape(num_seqs, max_blocks_per_seq)
-    return EngineInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        seq_lens_kv=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-    )
+    a sequence keeps its blocks from step to step as long as it keeps its index b). Logits come back for
+    each sequence's last new token."""
+    return pack_sequences([(new_ids, num_cached, range(b * max_blocks_per_seq, (b + 1) * max_blocks_per_seq))
+                           for b, (new_ids, num_cached) in enumerate(seqs)], tokens_per_block, max_blocks_per_seq)
 
 
 def greedy_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int],
