@@ -300,7 +300,11 @@ def make_proposer(config: SpeculativeConfig | None, engine) -> Proposer | None:
         return NgramProposer(config)
     from kilnlm.runtime.engine import Engine
 
-    return DraftModelProposer(config, Engine.load(config.model), engine.manifest.model.vocab_size)
+    try:
+        draft = Engine.load(config.model)
+    except KilnError as exc:  # say that it is the draft engine that is refused
+        raise type(exc)(f"speculative_config's draft model: {exc}") from exc
+    return DraftModelProposer(config, draft, engine.manifest.model.vocab_size)
 
 
 def verify_greedy(first_token: int, draft_token_ids: list[int], draft_argmax: list[int]) -> list[int]:
