@@ -159,7 +159,7 @@ class Executor:
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_kv_cache_reuse))
         self.speculative_config = parse_speculative_config(config.speculative_config)
-        proposer = make_proposer(self.speculative_config, engine)
+        proposer = make_proposer(self.speculative_config, engine, max_batch_size)
         self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens, policy, config.enable_chunked_context),
                                    self.kv_manager, proposer)
         self.sampler = Sampler()

@@ -186,13 +186,13 @@ class DraftModelProposer(Proposer):
 
     ``engine``: a loaded :class:`kilnlm.runtime.engine.Engine` (or anything with its ``manifest``,
     ``forward``, ``allocate_kv_cache``), its vocabulary ``vocab_size`` (the target's). Its KV pool holds
-    ``max_batch_size`` sequences of ``max_seq_len`` tokens, the draft engine's build limits: build the draft
-    with the limits its pool should have. A request whose tokens plus drafts exceed the draft's
-    ``max_seq_len``, or that finds the pool full, gets no drafts (and is served as without speculation); so
-    do a step's requests when the draft engine's forward fails (logged). Raises :class:`KilnError` when the
-    vocabularies differ."""
+    ``min(max_batch_size, the draft engine's max_batch_size)`` sequences of the draft's ``max_seq_len``
+    tokens (``max_batch_size``: the target executor's, None for the draft's own). A request whose tokens
+    plus drafts exceed the draft's ``max_seq_len``, or that finds the pool full, gets no drafts (and is
+    served as without speculation); so do a step's requests when the draft engine's forward fails (logged).
+    Raises :class:`KilnError` when the vocabularies differ."""
 
-    def __init__(self, config: SpeculativeConfig, engine, vocab_size: int) -> None:
+    def __init__(self, config: SpeculativeConfig, engine, vocab_size: int, max_batch_size: int | None = None) -> None:
         model, build = engine.manifest.model, engine.manifest.build
         if model.vocab_size != vocab_size:
             raise KilnError(f"the draft engine {config.model or ''} has a vocabulary of {model.vocab_size:,} tokens, the "
@@ -201,7 +201,7 @@ class DraftModelProposer(Proposer):
         self.tokens_per_block = build.tokens_per_block
         self.max_blocks_per_seq = -(-build.max_seq_len // build.tokens_per_block)
         self.max_seq_len, self.max_num_tokens, self.max_batch_size = build.max_seq_len, build.max_num_tokens, build.max_batch_size
-        num_blocks = build.max_batch_size * self.max_blocks_per_seq
+        num_blocks = min(build.max_batch_size, max_batch_size or build.max_batch_size) * self.max_blocks_per_seq
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes the lowest
         self.sequences: dict[str, _DraftSequence] = {}
@@ -290,8 +290,9 @@ class DraftModelProposer(Proposer):
         return logits
 
 
-def make_proposer(config: SpeculativeConfig | None, engine) -> Proposer | None:
-    """The proposer of ``config`` for the target ``engine`` (None: speculation off). The ``draft`` method
+def make_proposer(config: SpeculativeConfig | None, engine, max_batch_size: int) -> Proposer | None:
+    """The proposer of ``config`` for the target ``engine`` run ``max_batch_size`` sequences at a time (None:
+    speculation off). The ``draft`` method
     loads its engine here (:meth:`kilnlm.runtime.engine.Engine.load`, the environment's trust policy);
     raises :class:`KilnError` (an :class:`~kilnlm.runtime.errors.EngineError` for a refused draft engine)."""
     if config is None:
@@ -304,7 +305,7 @@ def make_proposer(config: SpeculativeConfig | None, engine) -> Proposer | None:
         draft = Engine.load(config.model)
     except KilnError as exc:  # say that it is the draft engine that is refused
         raise type(exc)(f"speculative_config's draft model: {exc}") from exc
-    return DraftModelProposer(config, draft, engine.manifest.model.vocab_size)
+    return DraftModelProposer(config, draft, engine.manifest.model.vocab_size, max_batch_size)
 
 
 def verify_greedy(first_token: int, draft_token_ids: list[int], draft_argmax: list[int]) -> list[int]:

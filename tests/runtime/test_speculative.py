@@ -205,6 +205,8 @@ def test_the_draft_pool_keeps_only_what_the_request_still_has(make_eager_engine,
     assert again == DraftModelProposer(config, engine, vocab_size).propose(SimpleNamespace(request_id="b", token_ids=tokens), 3)
     proposer.release("a")
     assert not proposer.sequences and sorted(proposer.free_blocks) == list(range(2 * 24))
+    # the pool holds no more sequences than the target runs at once
+    assert len(DraftModelProposer(config, engine, vocab_size, max_batch_size=1).free_blocks) == 24
 
 
 def test_a_failing_draft_model_costs_drafts_not_requests(make_eager_engine, tokenizer):
