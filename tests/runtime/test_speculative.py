@@ -97,6 +97,16 @@ def run_together(executor, requests: list[tuple[list[int], SamplingParams]]) -> 
     return results
 
 
+def run_with_proposer(engine, tokenizer, requests: list[tuple[list[int], SamplingParams]], proposer=None):
+    """:func:`run_together` on a fresh executor over ``engine``: without speculation, or speculating with
+    ``proposer`` (in place of the executor's own). Returns the results and the executor's stats after them."""
+    config = ExecutorConfig() if proposer is None else ExecutorConfig(speculative_config=NGRAM)
+    with Executor(engine, tokenizer, config) as executor:
+        if proposer is not None:
+            executor.scheduler.proposer = proposer
+        return run_together(executor, requests), executor.stats()
+
+
 def mixed_requests(tokenizer) -> list[tuple[list[int], SamplingParams]]:
     """Greedy requests (speculating: to max_tokens, to EOS, to stop strings), a sampling one (speculating too:
     the same distribution, not the same tokens) and requests that do not speculate (a repetition penalty,
@@ -159,8 +169,7 @@ def test_a_draft_model_in_flight_keeps_the_non_speculative_outputs(make_eager_en
     perturbed = dataclasses.replace(same, network=network)
     requests = mixed_requests(tokenizer)
     sampled = [i for i, (_, params) in enumerate(requests) if not params.greedy]
-    with Executor(target, tokenizer) as executor:
-        expected = run_together(executor, requests)
+    expected, _ = run_with_proposer(target, tokenizer, requests)
     acceptance = []
     for draft in (same, perturbed):
         batch_sizes = []
@@ -171,11 +180,9 @@ def test_a_draft_model_in_flight_keeps_the_non_speculative_outputs(make_eager_en
             return forward(inputs, kv_cache)
 
         draft.forward = counting_forward
-        config = SpeculativeConfig("draft", 3, model="(in memory)")
-        with Executor(target, tokenizer, ExecutorConfig(speculative_config=NGRAM)) as executor:
-            proposer = executor.scheduler.proposer = DraftModelProposer(config, draft, target.manifest.model.vocab_size)
-            actual = run_together(executor, requests)
-            stats = executor.stats()
+        proposer = DraftModelProposer(SpeculativeConfig("draft", 3, model="(in memory)"), draft,
+                                      target.manifest.model.vocab_size)
+        actual, stats = run_with_proposer(target, tokenizer, requests, proposer)
         assert [r for i, r in enumerate(actual) if i not in sampled] == [r for i, r in enumerate(expected) if i not in sampled]
         for i in sampled:
             assert actual[i][2:] == expected[i][2:] and len(actual[i][0]) == len(expected[i][0])
@@ -221,14 +228,11 @@ def test_a_failing_draft_model_costs_drafts_not_requests(make_eager_engine, toke
 
     engine = make_eager_engine(max_batch_size=4, max_num_tokens=24, max_seq_len=96, tokens_per_block=4)
     requests = [r for r in mixed_requests(tokenizer) if r[1].greedy][:3]
-    with Executor(engine, tokenizer) as executor:
-        expected = run_together(executor, requests)
-    with Executor(engine, tokenizer, ExecutorConfig(speculative_config=NGRAM)) as executor:
-        executor.scheduler.proposer = DraftModelProposer(SpeculativeConfig("draft", 3, model="(in memory)"),
-                                                         dataclasses.replace(engine, network=Broken()),
-                                                         engine.manifest.model.vocab_size)
-        assert run_together(executor, requests) == expected
-        assert executor.stats().total_draft_tokens == 0
+    expected, _ = run_with_proposer(engine, tokenizer, requests)
+    broken = DraftModelProposer(SpeculativeConfig("draft", 3, model="(in memory)"),
+                                dataclasses.replace(engine, network=Broken()), engine.manifest.model.vocab_size)
+    actual, stats = run_with_proposer(engine, tokenizer, requests, broken)
+    assert actual == expected and stats.total_draft_tokens == 0
 
 
 def test_a_draft_model_of_another_vocabulary_or_a_missing_one_is_refused(make_eager_engine, tokenizer, tmp_path):
@@ -308,19 +312,11 @@ def test_a_request_turns_speculation_off_or_drafts_fewer_tokens(make_eager_engin
     scheduler's; each request's greedy tokens stay those without speculation; -1 is refused."""
     engine = make_eager_engine(max_batch_size=4, max_num_tokens=64, max_seq_len=96, tokens_per_block=4)
     prompts = [[first, *tokenizer.encode(" the cat sat on the mat")] for first in (10, 11, 12)]
-    caps = [0, 2, None]
-
-    def run(config: ExecutorConfig, proposer=None) -> list[list[int]]:
-        with Executor(engine, tokenizer, config) as executor:
-            if proposer is not None:
-                executor.scheduler.proposer = proposer
-            ids = [executor.submit(prompt, SamplingParams(max_tokens=12, ignore_eos=True, num_speculative_tokens=cap))
-                   for prompt, cap in zip(prompts, caps)]
-            return [[t for r in executor.stream(i, timeout_s=300) for t in r.token_ids] for i in ids]
-
-    expected = run(ExecutorConfig())
+    requests = [(prompt, SamplingParams(max_tokens=12, ignore_eos=True, num_speculative_tokens=cap))
+                for prompt, cap in zip(prompts, [0, 2, None])]
+    expected, _ = run_with_proposer(engine, tokenizer, requests)
     proposer = _RecordingProposer()
-    assert run(ExecutorConfig(speculative_config=NGRAM), proposer) == expected
+    assert run_with_proposer(engine, tokenizer, requests, proposer)[0] == expected
     assert 10 not in proposer.allowances
     assert proposer.allowances[11] and max(proposer.allowances[11]) == 2
     assert max(proposer.allowances[12]) > 2
@@ -333,19 +329,11 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(make_eager
     finished, then proposals for the other two; outputs unchanged."""
     engine = make_eager_engine(max_batch_size=4, max_num_tokens=64, max_seq_len=96, tokens_per_block=4)
     prompts = [[first, *tokenizer.encode(" the cat sat on the mat")] for first in (10, 11, 12)]
-    lengths = [4, 14, 14]
-
-    def run(config: ExecutorConfig, proposer=None) -> list[list[int]]:
-        with Executor(engine, tokenizer, config) as executor:
-            if proposer is not None:
-                executor.scheduler.proposer = proposer
-            ids = [executor.submit(prompt, SamplingParams(max_tokens=n, ignore_eos=True)) for prompt, n in zip(prompts, lengths)]
-            return [[t for r in executor.stream(i, timeout_s=300) for t in r.token_ids] for i in ids]
-
-    expected = run(ExecutorConfig())
+    requests = [(prompt, SamplingParams(max_tokens=n, ignore_eos=True)) for prompt, n in zip(prompts, [4, 14, 14])]
+    expected, _ = run_with_proposer(engine, tokenizer, requests)
     config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2}')
     proposer = _RecordingProposer(config)
-    assert run(ExecutorConfig(speculative_config=NGRAM), proposer) == expected
+    assert run_with_proposer(engine, tokenizer, requests, proposer)[0] == expected
     assert 10 not in proposer.generated_at_call  # it ran only beside two others
     assert min(proposer.generated_at_call[11]) >= 4 and min(proposer.generated_at_call[12]) >= 4
 
