@@ -4,8 +4,8 @@ Clarity over speed: everything is computed in float32 with explicit per-sequence
 their meaning are exactly those of the op schemas in :mod:`kilnlm.plugins.schema`; the optimized kernels
 (``csrc/``) must agree with these functions within the tolerances their tests state.
 
-Registering these as the ``kilnlm`` ops' implementations is left to the caller (tests, or a builder
-fallback): importing this module only defines functions.
+Importing this module only defines functions; :func:`register_references` makes them the ``kilnlm`` ops'
+kernels where a caller wants that (tests, a check run without the C++ or GPU kernels).
 """
 
 from __future__ import annotations
@@ -301,3 +301,23 @@ def int8_sq_linear_reference(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+# The ops (``kilnlm::{name}``) whose references are :func:`{name}_reference`.
+REFERENCE_OPS = ("paged_attention", "gemm", "fp8_linear", "fp8_rowwise_linear", "int4_linear", "int8_linear",
+                 "int8_sq_linear")
+
+
+def register_references(dispatch_key: str, ops: tuple[str, ...] = REFERENCE_OPS) -> torch.library.Library | None:
+    """Register each of ``ops``' reference as ``kilnlm::{op}``'s kernel for ``dispatch_key`` ("CPU", "CUDA")
+    where no kernel is registered there yet (loaded C++ or GPU kernels keep theirs). Returns the library
+    handle, which must be kept alive as long as the registrations are used, or None when nothing was
+    registered."""
+    import kilnlm.plugins.schema  # noqa: F401  (declares the ops)
+
+    library = None
+    for op in ops:
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{op}", dispatch_key):
+            library = library or torch.library.Library("kilnlm", "IMPL")
+            library.impl(op, globals()[f"{op}_reference"], dispatch_key)
+    return library

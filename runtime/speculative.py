@@ -199,7 +199,7 @@ class DraftModelProposer(Proposer):
                             f"target's {vocab_size:,}: a draft model must share the target's tokenizer")
         self.config, self.engine = config, engine
         self.tokens_per_block = build.tokens_per_block
-        self.max_blocks_per_seq = -(-build.max_seq_len // build.tokens_per_block)
+        self.max_blocks_per_seq = build.max_blocks_per_seq
         self.max_seq_len, self.max_num_tokens, self.max_batch_size = build.max_seq_len, build.max_num_tokens, build.max_batch_size
         num_blocks = min(build.max_batch_size, max_batch_size or build.max_batch_size) * self.max_blocks_per_seq
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
@@ -292,9 +292,9 @@ class DraftModelProposer(Proposer):
 
 def make_proposer(config: SpeculativeConfig | None, engine, max_batch_size: int) -> Proposer | None:
     """The proposer of ``config`` for the target ``engine`` run ``max_batch_size`` sequences at a time (None:
-    speculation off). The ``draft`` method
-    loads its engine here (:meth:`kilnlm.runtime.engine.Engine.load`, the environment's trust policy);
-    raises :class:`KilnError` (an :class:`~kilnlm.runtime.errors.EngineError` for a refused draft engine)."""
+    speculation off). The ``draft`` method loads its engine here (:meth:`kilnlm.runtime.engine.Engine.load`,
+    the environment's trust policy); raises :class:`KilnError` (an :class:`~kilnlm.runtime.errors.EngineError`
+    for a refused draft engine)."""
     if config is None:
         return None
     if config.method == "ngram":

@@ -164,17 +164,6 @@ def prepare(checkpoint: Path, out: Path, work_dir: Path, names: list[str]) -> No
 
 # ---- run (the GPU machine) -------------------------------------------------------------------------------
 
-def register_references(library: torch.library.Library, dispatch_key: str) -> None:
-    """The plugins' plain-torch references as their kernels for ``dispatch_key`` where none is registered:
-    on CUDA the linears (see the module docstring), on CPU (a dry run) every op."""
-    from kilnlm.plugins import reference
-
-    for op in ("paged_attention", "gemm", "fp8_linear", "fp8_rowwise_linear", "int4_linear", "int8_linear",
-               "int8_sq_linear"):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{op}", dispatch_key):
-            library.impl(op, getattr(reference, f"{op}_reference"), dispatch_key)
-
-
 def margins(logits: torch.Tensor) -> torch.Tensor:
     """Top-1 minus top-2 logit per row."""
     top = logits.float().topk(2, dim=-1).values
@@ -215,7 +204,8 @@ def run_steps(forward, case: dict, device: torch.device) -> tuple[list[torch.Ten
         for inputs in case["steps"]:
             args = EngineInputs(**{k: v.to(device) for k, v in inputs.items()}).as_args(pool)
             logits.append(forward(*args))
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return logits, pool, time.perf_counter() - t0
 
 
@@ -231,15 +221,14 @@ def export_program(network: torch.nn.Module, case: dict, device: torch.device) -
 
 
 def run(payload_path: Path, device: torch.device) -> dict:
-    import kilnlm.plugins.schema  # noqa: F401  (the ops' schemas)
+    from kilnlm.plugins.reference import register_references
 
     if device.type == "cuda":
         from kilnlm.plugins.gpu import register_cuda_kernels
 
         register_cuda_kernels()
-    library = torch.library.Library("kilnlm", "IMPL")
-    for dispatch_key in ("CPU", "CUDA"):
-        register_references(library, dispatch_key)
+    # the references on CPU (every op), and on CUDA the linears (paged attention has the Triton kernels)
+    registrations = [register_references(dispatch_key) for dispatch_key in ("CPU", "CUDA")]
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     payload = torch.load(payload_path, weights_only=False)
@@ -276,6 +265,7 @@ def run(payload_path: Path, device: torch.device) -> dict:
             print(entry["error"], flush=True)
     report["passed"] = all("error" not in e and e["eager"]["passed"] and e["exported"]["passed"]
                            for e in report["cases"].values())
+    del registrations  # kept alive until here: the references stay registered while the cases run
     return report
 
 

@@ -175,15 +175,9 @@ def _register_reference_kernels():
     """Make ``kilnlm::paged_attention`` and ``kilnlm::gemm`` (the ops of the fp32 network) callable eagerly
     on CPU with their reference implementations, each unless some kernel is registered already (the C++
     kernels, loaded by an earlier test). Returns the library handle (keep it alive) or None."""
-    import kilnlm.plugins  # noqa: F401  (declares the schema)
-    from kilnlm.plugins.reference import gemm_reference, paged_attention_reference
+    from kilnlm.plugins.reference import register_references
 
-    lib = None
-    for name, reference in (("paged_attention", paged_attention_reference), ("gemm", gemm_reference)):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"kilnlm::{name}", "CPU"):
-            lib = lib or torch.library.Library("kilnlm", "IMPL")
-            lib.impl(name, reference, "CPU")
-    return lib
+    return register_references("CPU", ("paged_attention", "gemm"))
 
 
 @dataclass
