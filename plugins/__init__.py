@@ -1,12 +1,17 @@
-"""kilnlm.plugins: custom ops the engine calls (paged attention, the float and quantized GEMMs).
+"""kilnlm.plugins: custom ops the engine calls (paged attention, the float and quantized GEMMs, the
+tensor-parallel collectives).
 
 Importing this package declares the op schemas (``schema.py``). ``load_cpu_kernels()`` builds (once,
 cached) and loads the C++ CPU kernels that the CPU target's compiled engines call; ``reference.py``
-holds the plain-torch oracles. Imports neither kilnlm.builder nor kilnlm.runtime.
+holds the plain-torch oracles; ``set_tensor_parallel_group()`` (``collectives.py``) says over which
+torch.distributed group the collectives run. Imports neither kilnlm.builder nor kilnlm.runtime.
 """
 
+from kilnlm.plugins.collectives import set_tensor_parallel_group, tensor_parallel_group
 from kilnlm.plugins.cpu import KernelBuildError, load_cpu_kernels
 from kilnlm.plugins.reference import (
+    all_gather_reference,
+    all_reduce_reference,
     apply_rope_reference,
     fp8_linear_reference,
     fp8_rowwise_linear_reference,
@@ -29,6 +34,8 @@ __all__ = [
     "load_cpu_kernels",
     "PLUGIN_ACCEPTED_VERSIONS",
     "PLUGIN_VERSIONS",
+    "all_gather_reference",
+    "all_reduce_reference",
     "apply_rope_reference",
     "fp8_linear_reference",
     "fp8_rowwise_linear_reference",
@@ -42,5 +49,7 @@ __all__ = [
     "quantize_fp8_reference",
     "quantize_kv_reference",
     "quantize_int8_reference",
+    "set_tensor_parallel_group",
+    "tensor_parallel_group",
     "unpack_int4",
 ]

@@ -11,6 +11,9 @@ kernels where a caller wants that (tests, a check run without the C++ or GPU ker
 from __future__ import annotations
 
 import torch
+import torch.distributed
+
+from kilnlm.plugins.collectives import require_tensor_parallel_group
 
 FP8_E4M3_MAX = 448.0
 
@@ -303,9 +306,35 @@ def int8_sq_linear_reference(
     return y.to(x.dtype)
 
 
+def all_reduce_reference(x: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kilnlm::all_reduce``: ``torch.distributed.all_reduce`` (SUM) of a copy of x over the
+    process's tensor-parallel group (:func:`kilnlm.plugins.set_tensor_parallel_group`). x: any shape, float32 /
+    bfloat16, on the group backend's device. Returns the sum in x's dtype (summed by the backend in that
+    dtype, as the kernels do: the one reference not computed in float32). Raises RuntimeError when no group
+    is set, and the backend's error when a peer fails or the group's timeout passes."""
+    group = require_tensor_parallel_group("all_reduce")
+    out = x.clone(memory_format=torch.contiguous_format)
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_gather_reference(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Reference of ``kilnlm::all_gather``: x ``[rows, cols]`` float32 / bfloat16 of every rank of the
+    process's tensor-parallel group, which must have ``tp_size`` ranks, concatenated along the last dim in
+    group-rank order: returns ``[rows, tp_size * cols]`` in x's dtype. Raises RuntimeError when no group is
+    set or its size is not ``tp_size``."""
+    group = require_tensor_parallel_group("all_gather")
+    if group.size() != tp_size:
+        raise RuntimeError(f"kilnlm::all_gather: the engine was compiled for tp_size={tp_size} but the "
+                           f"tensor-parallel group has {group.size()} ranks: run it with a group of {tp_size} ranks")
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(tp_size)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
 # The ops (``kilnlm::{name}``) whose references are :func:`{name}_reference`.
 REFERENCE_OPS = ("paged_attention", "gemm", "fp8_linear", "fp8_rowwise_linear", "int4_linear", "int8_linear",
-                 "int8_sq_linear")
+                 "int8_sq_linear", "all_reduce", "all_gather")
 
 
 def register_references(dispatch_key: str, ops: tuple[str, ...] = REFERENCE_OPS) -> torch.library.Library | None:

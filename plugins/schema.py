@@ -80,6 +80,22 @@ block_tables, slot_mapping, scale, kv_scale=None) -> out``
     dynamic per-token activation scales instead (TensorRT-LLM's ``--per_token``): row t uses
     ``s_t = max_c |x[t, c] * pre_quant_scale[c]| / 127`` (1 for an all-zero row) in place of
     ``input_scale``, which is then ignored; ``y[t, o] = acc * (s_t * weight_scale[o])``.
+
+``all_reduce(x) -> y``   (tensor parallelism: TensorRT-LLM's AllReduce plugin, Megatron's row-parallel output)
+    x any shape, float32 / bfloat16. ``y`` (a new tensor; x is untouched) is the element-wise sum of x over
+    the ranks of the process's tensor-parallel group, identical on every rank; summed in x's dtype by the
+    group's backend (gloo adds bfloat16 in bfloat16, one rounding per addition: with 2 ranks that is the
+    float32 sum rounded once). The group is no argument: it is the one the runtime set once per process
+    with ``kilnlm.plugins.set_tensor_parallel_group`` (a ``torch.distributed`` ProcessGroup; gloo on CPU,
+    NCCL on GPU); a call with none set raises RuntimeError, never acts as identity. A call blocks until
+    every rank has made it; the group's timeout bounds the wait, and a peer that has exited is an error.
+
+``all_gather(x, tp_size) -> y``   (tensor parallelism: a vocabulary-parallel LM head's logits)
+    x ``[rows, cols]`` float32 / bfloat16 (this rank's columns); ``tp_size`` the number of ranks the engine
+    was compiled for, which must equal the size of the process's tensor-parallel group (it fixes y's shape
+    at compile time, when no group exists). Returns ``y [rows, tp_size * cols]``: the ranks' x concatenated
+    along the last dimension in group-rank order, ``y[:, r * cols:(r + 1) * cols]`` = rank r's x, bit for
+    bit. Group, errors and blocking as for ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -99,6 +115,8 @@ PLUGIN_VERSIONS: dict[str, int] = {
     "int4_linear": 4,  # 2: optional trailing weight_zero_point (asymmetric groups); 3: C shim; 4: float16 weight_scale
     "int8_linear": 2,  # 2: C shim
     "int8_sq_linear": 3,  # 2: optional trailing per_token (dynamic per-token activation scales); 3: C shim
+    "all_reduce": 1,
+    "all_gather": 1,
 }
 
 # Versions of a plugin that this kilnlm still runs (older engines whose calls the current kernels serve
@@ -113,6 +131,8 @@ PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
     "int4_linear": (1, 2, 3, 4),  # version 1's calls (no weight_zero_point) and 3's float32 scales are unchanged
     "int8_linear": (1, 2),
     "int8_sq_linear": (1, 2, 3),  # version 1's calls (no per_token) are unchanged
+    "all_reduce": (1,),
+    "all_gather": (1,),
 }
 
 _LIB = torch.library.Library("kilnlm", "DEF")
@@ -129,6 +149,8 @@ _LIB.define("int4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? p
 _LIB.define("int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
 _LIB.define("int8_sq_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, "
             "Tensor? pre_quant_scale, Tensor? bias, bool per_token=False) -> Tensor")
+_LIB.define("all_reduce(Tensor x) -> Tensor")
+_LIB.define("all_gather(Tensor x, int tp_size) -> Tensor")
 
 
 @torch.library.register_fake("kilnlm::paged_attention")
@@ -165,6 +187,16 @@ def _int8_linear_fake(x, weight, weight_scale, bias):
 @torch.library.register_fake("kilnlm::int8_sq_linear")
 def _int8_sq_linear_fake(x, weight, weight_scale, input_scale, pre_quant_scale, bias, per_token=False):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("kilnlm::all_reduce")
+def _all_reduce_fake(x):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("kilnlm::all_gather")
+def _all_gather_fake(x, tp_size):
+    return x.new_empty((x.shape[0], tp_size * x.shape[1]))
 
 
 # C types of a C shim's parameters by schema type (torchgen's convention for torch's own shims).

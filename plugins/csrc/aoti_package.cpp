@@ -1,6 +1,7 @@
 // kilnlm's AotiPackage: a loaded AOTInductor engine package whose forward runs with the Python GIL
-// released. The kernels library is a Python extension module for this class alone (kilnlm.plugins.cpu
-// imports it); the kernels themselves register with the dispatcher (TORCH_LIBRARY_IMPL) as before.
+// released. The kernels library is a Python extension module for this class (kilnlm.plugins.cpu imports
+// it) and for set_tensor_parallel_group_name, which kilnlm.plugins.set_tensor_parallel_group calls
+// (collectives.cpp); the kernels themselves register with the dispatcher (TORCH_LIBRARY_IMPL) as before.
 //
 // torch._inductor.aoti_load_package's runner (torch 2.13) calls the compiled model while holding the GIL,
 // so for the whole of every forward (3-10 ms for SmolLM2 on CPU) no other Python thread of the process
@@ -56,10 +57,18 @@ class AotiPackage {
 
 }  // namespace kiln_aoti
 
+namespace kiln_collectives {
+void set_tensor_parallel_group_name(const std::string& name);  // collectives.cpp
+}  // namespace kiln_collectives
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<kiln_aoti::AotiPackage>(m, "AotiPackage")
       .def(pybind11::init<std::string>(), pybind11::arg("package_path"))
       .def("run", &kiln_aoti::AotiPackage::run, pybind11::arg("inputs"),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("constants_span", &kiln_aoti::AotiPackage::constants_span);
+  m.def("set_tensor_parallel_group_name", &kiln_collectives::set_tensor_parallel_group_name,
+        pybind11::arg("group_name"),
+        "The c10d group name (ProcessGroup.group_name) of the process's tensor-parallel group, which "
+        "kilnlm::all_reduce / all_gather resolve on every call; empty: none.");
 }
