@@ -7,7 +7,8 @@ leaves a half-written engine behind::
 
     <output>.tmp-<pid>/  model.pt2, tokenizer/, manifest.json (last)  --os.replace-->  <output>/
 
-(``model.pt2`` for ``--target cpu``; ``model.onnx`` and ``model.onnx.data`` for ``--target onnx``.)
+(``model.pt2`` for ``--target cpu``, or ``rank0.pt2`` ... ``rank{N-1}.pt2`` with ``--tp-size N``; ``model.onnx``
+and ``model.onnx.data`` for ``--target onnx``.)
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from kilnlm.builder.config import BuildOptions, ResolvedBuildOptions, resolve
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.formats import Quantization
 from kilnlm.builder.network.llama import LlamaNetwork, model_config_from_hf
+from kilnlm.builder.network.tensor_parallel import Mapping, check_tensor_parallel, shard_network
 from kilnlm.builder.targets import get_target
 from kilnlm.plugins import PLUGIN_VERSIONS
-from kilnlm.runtime.manifest import GenerationDefaults, Manifest, ModelConfig, move_into_place, write_manifest
+from kilnlm.runtime.manifest import (BuildConfig, GenerationDefaults, Manifest, ModelConfig, move_into_place, rank_model_config,
+                                     write_manifest)
 from kilnlm.runtime.signing import load_signing_key, sign_engine
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
     ck = load_checkpoint(opts.checkpoint)
     model_cfg = model_config_from_hf(ck.config)
     _check_limits(opts, model_cfg, ck.config)
+    check_tensor_parallel(model_cfg, opts.tp_size)
     log.info("loaded %s (%s, %d layers) in %.1f s", opts.checkpoint, model_cfg.architecture, model_cfg.num_layers,
              time.perf_counter() - t_start)
 
@@ -91,13 +95,14 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        target.compile(network, model_cfg, build_cfg, opts.torch_dtype, tmp, opts.compile)
+        engine_files = compile_ranks(target, network, model_cfg, build_cfg, opts, tmp)
         del network
         ck.tokenizer.save_pretrained(tmp / "tokenizer")
         manifest = Manifest(model=model_cfg, build=build_cfg, generation=_generation_defaults(ck),
                             plugins={name: PLUGIN_VERSIONS[name] for name in opts.plugins_used(bool(build_cfg.exclude_modules))},
                             toolchain=target.toolchain_versions(), source_checkpoint_digest=ck.digest,
-                            engine_file=target.engine_file, cache_key=cache_key.key, cache_key_inputs=cache_key.inputs)
+                            engine_file=engine_files[0], engine_files=engine_files if opts.tp_size > 1 else [],
+                            cache_key=cache_key.key, cache_key_inputs=cache_key.inputs)
         write_manifest(tmp, manifest)
         if opts.sign_key is not None:
             log.info("signed the manifest with key %s", sign_engine(tmp, load_signing_key(opts.sign_key)))
@@ -109,6 +114,25 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
         raise
     log.info("built %s in %.1f s", opts.output, time.perf_counter() - t_start)
     return manifest
+
+
+def compile_ranks(target, network: LlamaNetwork, model_cfg: ModelConfig, build_cfg: BuildConfig,
+                  opts: ResolvedBuildOptions, out_dir) -> list[str]:
+    """Compile ``network`` into ``out_dir`` with ``target``: as it is (the target's engine file) for tp_size 1,
+    else each rank's shard (:func:`~kilnlm.builder.network.tensor_parallel.shard_network`) into
+    ``rank{r}.pt2``, TensorRT-LLM's rank naming. Returns the engine files in rank order."""
+    if opts.tp_size == 1:
+        target.compile(network, model_cfg, build_cfg, opts.torch_dtype, out_dir, opts.compile)
+        return [target.engine_file]
+    suffix = os.path.splitext(target.engine_file)[1]
+    rank_cfg = rank_model_config(model_cfg, opts.tp_size)
+    files = []
+    for rank in range(opts.tp_size):
+        files.append(f"rank{rank}{suffix}")
+        log.info("compiling tensor-parallel rank %d of %d", rank, opts.tp_size)
+        shard = shard_network(network, Mapping(opts.tp_size, rank))
+        target.compile(shard, rank_cfg, build_cfg, opts.torch_dtype, out_dir, opts.compile, engine_file=files[-1])
+    return files
 
 
 def _float_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:

@@ -29,7 +29,7 @@ from kilnlm.builder.calibration import CalibrationConfig, read_calibration_text
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.formats import FORMATS, PER_TOKEN_SMOOTHQUANT_ALPHA, QuantFormat, format_names, get_format
 from kilnlm.builder.kv_quant import KV_QUANT_MAX, resolve_kv_cache_dtype
-from kilnlm.builder.targets import get_target
+from kilnlm.builder.targets import TARGETS, get_target
 from kilnlm.runtime.manifest import BuildConfig
 from kilnlm.runtime.signing import load_signing_key
 
@@ -54,6 +54,7 @@ class BuildOptions:
     max_seq_len: int = 2048  # tokens of one sequence (prompt + generated)
     max_num_tokens: int = 2048  # packed tokens per forward
     tokens_per_block: int = 32  # tokens per paged-KV block
+    tp_size: int = 1  # tensor-parallel ranks: one engine per rank (kilnlm.builder.network.tensor_parallel)
     kv_cache_dtype: str = "auto"  # paged KV pool: auto (= dtype) | fp8 | int8 (8 bits, calibrated per-layer scales)
     overwrite: bool = False
     smoke_test: bool = True
@@ -101,6 +102,7 @@ class ResolvedBuildOptions:
     max_seq_len: int
     max_num_tokens: int
     tokens_per_block: int
+    tp_size: int
     kv_cache_dtype: str
     overwrite: bool
     smoke_test: bool
@@ -145,13 +147,15 @@ class ResolvedBuildOptions:
         head (every engine but a quantized one with ``--quantize-lm-head`` whose ``--auto-quantize-bits``
         search kept no linear in 16 bits: ``float_linears`` False), the format's linear op."""
         linear = [self.format.linear_plugin] if self.format.linear_plugin else []
-        return ["paged_attention"] + ([] if self.quantize_lm_head and not float_linears else ["gemm"]) + linear
+        collectives = ["all_reduce", "all_gather"] if self.tp_size > 1 else []
+        return ["paged_attention"] + ([] if self.quantize_lm_head and not float_linears else ["gemm"]) + linear + collectives
 
     def manifest_build_config(self) -> BuildConfig:
         """The manifest's build section."""
         return BuildConfig(qformat=self.qformat, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
                            max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
-                           max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block, target=self.target)
+                           max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block, target=self.target,
+                           tp_size=self.tp_size)
 
 
 def resolve_dtype(fmt: QuantFormat, dtype: str) -> str:
@@ -246,6 +250,11 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
         if getattr(options, name) < 1:
             raise BuildError(f"--{name.replace('_', '-')} is {getattr(options, name)}: it must be at least 1")
     target = get_target(options.target)
+    if options.tp_size < 1:
+        raise BuildError(f"--tp-size is {options.tp_size}: it must be at least 1")
+    if options.tp_size > 1 and not target.tensor_parallel:
+        raise BuildError(f"--tp-size {options.tp_size}: --target {target.name} builds one-rank engines only; build "
+                         f"tensor-parallel engines for --target {' / '.join(t.name for t in TARGETS.values() if t.tensor_parallel)}")
     if options.sign_key is not None:
         load_signing_key(options.sign_key)  # an unusable key fails here, before the long steps
     per_token = fmt.smoothquant and (options.per_token if options.per_token is not None else fmt.per_token)
@@ -255,7 +264,8 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
     return ResolvedBuildOptions(
         checkpoint=Path(options.checkpoint), output=Path(options.output), qformat=fmt.name, dtype=dtype,
         target=target.name, max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
-        max_num_tokens=options.max_num_tokens, tokens_per_block=options.tokens_per_block, kv_cache_dtype=kv_cache_dtype,
+        max_num_tokens=options.max_num_tokens, tokens_per_block=options.tokens_per_block, tp_size=options.tp_size,
+        kv_cache_dtype=kv_cache_dtype,
         overwrite=options.overwrite, smoke_test=options.smoke_test, group_size=options.group_size,
         zero_point=options.zero_point if options.zero_point is not None else fmt.zero_point,
         calib_data=None if options.calib_data is None else Path(options.calib_data),

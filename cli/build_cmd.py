@@ -131,6 +131,10 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                         f"(default: {default('max_num_tokens')})")
     p.add_argument("--tokens-per-block", type=int, default=default("tokens_per_block"),
                    help=f"tokens per paged-KV block (default: {default('tokens_per_block')})")
+    p.add_argument("--tp-size", type=int, default=default("tp_size"),
+                   help="tensor-parallel ranks: shard the network Megatron-style into one engine per rank (rank0.pt2, ...), "
+                        "served by that many processes joined over torch.distributed (gloo); must divide the attention "
+                        f"heads, KV heads and MLP width (default: {default('tp_size')})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
     p.add_argument("--cache", default=None, metavar="URL",
                    help="engine cache (a directory, file:///path or s3://bucket/prefix): on a hit the engine is fetched "

@@ -80,8 +80,19 @@ class Engine:
         backend. Raises :class:`EngineError` for a refused engine or one that fails to load."""
         root = Path(engine_dir)
         manifest = verify_engine(root, trusted_keys)
-        backend = engine_backend(manifest, root / MANIFEST_NAME).load(root, manifest)
-        return cls(root, manifest, backend)
+        backend_cls = engine_backend(manifest, root / MANIFEST_NAME)
+        if manifest.build.tp_size > 1:  # rank 0 here, the other ranks in processes of their own
+            from kilnlm.runtime.backends.tensor_parallel import TensorParallelBackend
+
+            return cls(root, manifest, TensorParallelBackend.load(root, manifest, backend_cls))
+        return cls(root, manifest, backend_cls.load(root, manifest))
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process: a tensor-parallel engine's other ranks stop
+        (:mod:`kilnlm.runtime.backends.tensor_parallel`). Idempotent; a no-op for one-rank engines."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes over all layers (K and V): element size of ``kv_cache_dtype`` (1 byte for

@@ -173,6 +173,7 @@ class Executor:
         self._streams: dict[int, _ResponseStream] = {}  # client request id -> its responses
         self._next_id = itertools.count(1)
         self._stopping = False
+        self._owned_engine = None  # the engine from_engine_dir loaded, closed by shutdown
         self._stats = IterationStats(num_free_blocks=num_blocks, num_total_blocks=num_blocks,
                                      max_num_active_requests=max_batch_size, tokens_per_block=build.tokens_per_block)
         # Loop-thread state.
@@ -195,11 +196,18 @@ class Executor:
         """Verify and load the engine in ``engine_dir`` (``trusted_keys``: a
         :class:`~kilnlm.runtime.signing.TrustedKeys` its signature must match; by default
         ``$KILNLM_TRUSTED_KEYS``'s, None: no check)
-        and its tokenizer, and start the loop thread."""
+        and its tokenizer, and start the loop thread. The executor owns that engine: :meth:`shutdown` closes it
+        (a tensor-parallel engine's other ranks stop)."""
         from kilnlm.runtime.engine import Engine
 
         engine = Engine.load(engine_dir, trusted_keys)
-        return cls(engine, Tokenizer.from_dir(engine.tokenizer_dir), config)
+        try:
+            executor = cls(engine, Tokenizer.from_dir(engine.tokenizer_dir), config)
+        except BaseException:
+            engine.close()
+            raise
+        executor._owned_engine = engine
+        return executor
 
     # ------------------------------------------------------------------------------- client API
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
@@ -324,6 +332,8 @@ class Executor:
             self._lock.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        if self._owned_engine is not None and not self._thread.is_alive():
+            self._owned_engine.close()
 
     def __enter__(self) -> "Executor":
         return self

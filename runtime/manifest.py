@@ -5,6 +5,7 @@ An engine is a directory::
     engine/
       manifest.json          this file's format (written last by the builder)
       model.pt2              CPU target: the AOTInductor package (TensorRT target: rank0.engine)
+      rank0.pt2, rank1.pt2   instead, a --tp-size N engine: rank r's shard (engine_files lists them in rank order)
       tokenizer/             tokenizer.json, tokenizer_config.json, chat template, ...
 
 ``manifest.json`` holds the format version, the model and build configuration, the plugins (with
@@ -15,6 +16,7 @@ directory is loaded: loading a compiled engine is executing native code. Nothing
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -72,10 +74,21 @@ class BuildConfig:
     # HF names of the decoder linears left in `dtype` by --auto-quantize-bits (TensorRT-LLM's
     # quantization.exclude_modules); empty when every linear is in the format
     exclude_modules: list[str] = field(default_factory=list)
+    tp_size: int = 1  # tensor-parallel ranks (TensorRT-LLM's mapping.tp_size): one compiled engine per rank
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_seq_len // self.tokens_per_block)
+
+
+def rank_model_config(model: ModelConfig, tp_size: int) -> ModelConfig:
+    """The shape one tensor-parallel rank computes with: ``num_heads``, ``num_kv_heads`` and
+    ``intermediate_size`` divided by ``tp_size`` (the rank's attention and paged KV pool); hidden size and
+    vocabulary unchanged (every rank returns the full logits). ``model`` itself for tp_size 1."""
+    if tp_size == 1:
+        return model
+    return dataclasses.replace(model, num_heads=model.num_heads // tp_size, num_kv_heads=model.num_kv_heads // tp_size,
+                               intermediate_size=model.intermediate_size // tp_size)
 
 
 @dataclass
@@ -93,13 +106,23 @@ class Manifest:
     plugins: dict[str, int]  # plugin name -> version the engine was compiled against
     toolchain: dict[str, str]  # kilnlm, torch, target compiler, cpu_isa, ...
     source_checkpoint_digest: str  # "sha256:<hex>" over the checkpoint's config and tensor files
-    engine_file: str = "model.pt2"  # relative path of the compiled engine
+    engine_file: str = "model.pt2"  # relative path of the compiled engine (of rank 0 in a tensor-parallel engine)
+    engine_files: list[str] = field(default_factory=list)  # tp_size > 1: rank r's compiled engine at [r]
     format_version: int = FORMAT_VERSION
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # rel path -> {"size", "sha256"}
     # The engine cache's key (64 hex digits, builder/cache_key.py) and the inputs it digests; None in
     # engines built before the cache existed (they still parse).
     cache_key: str | None = None
     cache_key_inputs: dict[str, Any] | None = None
+
+    def rank_engine_file(self, rank: int) -> str:
+        """The compiled engine of tensor-parallel rank ``rank`` (``engine_file`` in a one-rank engine).
+        Raises :class:`EngineError` when the manifest does not list one engine per rank."""
+        files = self.engine_files or [self.engine_file]
+        if len(files) != self.build.tp_size or not 0 <= rank < len(files):
+            raise EngineError(f"manifest lists {len(files)} rank engine(s) ({', '.join(files)}) for build.tp_size "
+                              f"{self.build.tp_size}: the engine is malformed, rebuild it")
+        return files[rank]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -116,7 +139,9 @@ class Manifest:
                     or not isinstance(meta.get("sha256"), str) or not _SHA256_RE.fullmatch(meta["sha256"])):
                 raise ValueError(f"files[{rel!r}] is {meta!r}: expected {{'size': bytes, 'sha256': 64 hex digits}}")
         engine_file = data.get("engine_file", "model.pt2")
-        check_engine_path(engine_file)
+        engine_files = list(data.get("engine_files", []))
+        for rel in [engine_file, *engine_files]:
+            check_engine_path(rel)
         return cls(
             model=ModelConfig(**data["model"]),
             build=BuildConfig(**data["build"]),
@@ -125,6 +150,7 @@ class Manifest:
             toolchain=dict(data["toolchain"]),
             source_checkpoint_digest=data["source_checkpoint_digest"],
             engine_file=engine_file,
+            engine_files=engine_files,
             format_version=int(data["format_version"]),
             files=files,
             cache_key=data.get("cache_key"),

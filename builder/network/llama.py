@@ -21,6 +21,7 @@ from kilnlm.builder.errors import BuildError
 from kilnlm.builder.formats import get_format
 from kilnlm.builder.network.layers import (AttentionShape, Fp8Amax, GatedMLP, IntQuantization, PagedAttention, QuantizedWeights,
                                           RMSNorm, make_linear, rope_inv_freq)
+from kilnlm.builder.network.tensor_parallel import Mapping
 from kilnlm.runtime.manifest import ModelConfig
 
 # Hugging Face linear names of one decoder layer, grouped by the fused linear they become.
@@ -105,6 +106,7 @@ class LlamaNetwork(nn.Module):
                  float_linears: tuple[str, ...] = ()):
         super().__init__()
         self.cfg = cfg
+        self.mapping = Mapping()  # a rank's shard has its own (kilnlm.builder.network.tensor_parallel.shard_network)
         self.float_linears = tuple(sorted(float_linears))
         shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         sd = _WeightReader(state_dict)
@@ -155,13 +157,23 @@ class LlamaNetwork(nn.Module):
     def forward(self, input_ids, positions, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping,
                 logits_indices, kv_cache):
         embed = self.lm_head_weight if self.embed_tokens is None else self.embed_tokens  # tied: the LM head
-        h = F.embedding(input_ids, embed)  # [T, hidden]
+        if self.mapping.tp_size == 1:
+            h = F.embedding(input_ids, embed)  # [T, hidden]
+        else:  # vocabulary-parallel: this rank's rows of the vocabulary, zeros for the other ids, summed
+            local_ids = input_ids - self.mapping.tp_rank * embed.shape[0]
+            inside = (local_ids >= 0) & (local_ids < embed.shape[0])
+            h = F.embedding(local_ids.clamp(0, embed.shape[0] - 1), embed)
+            h = torch.ops.kilnlm.all_reduce(torch.where(inside.unsqueeze(-1), h, torch.zeros_like(h)))
         for layer in self.layers:
             h = layer(h, positions, self.inv_freq, cu_seqlens_q, seq_lens_kv, block_tables, slot_mapping, kv_cache)
         h = self.norm(h.index_select(0, logits_indices))  # [B, hidden]
         if self.lm_head is not None:
-            return self.lm_head(h).float()  # [B, vocab]
-        return torch.ops.kilnlm.gemm(h, self.lm_head_weight, None).float()  # [B, vocab]
+            logits = self.lm_head(h)
+        else:
+            logits = torch.ops.kilnlm.gemm(h, self.lm_head_weight, None)
+        if self.mapping.tp_size > 1:  # each rank's vocabulary range, in rank order, without the last one's padding
+            logits = torch.ops.kilnlm.all_gather(logits, self.mapping.tp_size)[:, :self.cfg.vocab_size]
+        return logits.float()  # [B, vocab]
 
 
 def _quantized_linear(parts: list[QuantizedWeights], quant: IntQuantization, dtype: torch.dtype) -> nn.Module:

@@ -27,12 +27,14 @@ class Target(Protocol):
     ``name``: the ``--target`` value and the manifest's ``build.target``; ``description``: what it compiles
     to, for the CLI's help; ``engine_file``: the compiled engine's path relative to the engine directory
     (the manifest's ``engine_file``); ``served``: whether kilnlm's runtime loads its engines (with the
-    backend of the same name, :data:`kilnlm.runtime.backends.ENGINE_BACKENDS`)."""
+    backend of the same name, :data:`kilnlm.runtime.backends.ENGINE_BACKENDS`); ``tensor_parallel``: whether
+    it compiles ``--tp-size`` shards (one engine file per rank, ``compile``'s ``engine_file``)."""
 
     name: str
     description: str
     engine_file: str
     served: bool
+    tensor_parallel: bool
 
     def default_compile_options(self) -> Any:
         """The compile options used when :attr:`BuildOptions.compile` is None (a frozen dataclass: the
@@ -43,9 +45,10 @@ class Target(Protocol):
         GPU architecture, ...): recorded in the manifest and digested by the cache key."""
 
     def compile(self, network: torch.nn.Module, model: ModelConfig, build: BuildConfig, dtype: torch.dtype,
-                out_dir: Path, options: Any) -> list[Path]:
+                out_dir: Path, options: Any, engine_file: str | None = None) -> list[Path]:
         """Compile ``network`` (activations in ``dtype``) for the limits of ``build`` into files under
-        ``out_dir`` and return their paths (``out_dir / engine_file`` first). Raises :class:`BuildError`."""
+        ``out_dir`` and return their paths (``out_dir / engine_file`` first; ``engine_file`` None: the
+        target's). Raises :class:`BuildError`."""
 
 
 # --target name -> its implementation, in the order the CLI lists them.

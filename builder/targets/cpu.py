@@ -149,12 +149,15 @@ def toolchain_versions() -> dict[str, str]:
 
 
 def smoke_test_engine(engine_dir: Path) -> None:
-    """Load the engine in ``engine_dir`` as the runtime does and run one forward of one token. Raises
+    """Load the engine in ``engine_dir`` as the runtime does (all its ranks) and run one forward of one token. Raises
     :class:`BuildError` when the logits are not finite or not ``[1, vocab_size]``."""
     from kilnlm.runtime.engine import Engine
 
     engine = Engine.load(engine_dir, trusted_keys=None)  # the builder's own output: no trust policy applies
-    logits = engine.forward(one_token_inputs(engine.manifest.build.max_blocks_per_seq), engine.allocate_kv_cache(1))
+    try:
+        logits = engine.forward(one_token_inputs(engine.manifest.build.max_blocks_per_seq), engine.allocate_kv_cache(1))
+    finally:
+        engine.close()  # a tensor-parallel engine's other ranks
     check_logits(logits, engine.manifest.model.vocab_size, "smoke test of the built engine")
 
 
@@ -166,6 +169,7 @@ class CpuTarget:
     description = "AOTInductor package, C++ kernels"
     engine_file = "model.pt2"
     served = True
+    tensor_parallel = True
 
     def default_compile_options(self) -> CompileOptions:
         return CompileOptions()
@@ -174,9 +178,9 @@ class CpuTarget:
         return toolchain_versions()
 
     def compile(self, network: torch.nn.Module, model: ModelConfig, build: BuildConfig, dtype: torch.dtype,
-                out_dir: Path, options: CompileOptions) -> list[Path]:
-        """AOT-compile ``network`` into ``out_dir / model.pt2`` (:func:`compile_engine`)."""
-        return [compile_engine(network, model, build, dtype, Path(out_dir) / self.engine_file, options)]
+                out_dir: Path, options: CompileOptions, engine_file: str | None = None) -> list[Path]:
+        """AOT-compile ``network`` into ``out_dir / engine_file`` (default ``model.pt2``; :func:`compile_engine`)."""
+        return [compile_engine(network, model, build, dtype, Path(out_dir) / (engine_file or self.engine_file), options)]
 
     def smoke_test(self, engine_dir: Path, model: ModelConfig, build: BuildConfig) -> None:
         """One token through the engine as the runtime loads it (:func:`smoke_test_engine`)."""

@@ -56,6 +56,7 @@ class OnnxTarget:
     description = "ONNX model with kilnlm plugin nodes, the TensorRT target's input; not served"
     engine_file = MODEL_FILE
     served = False
+    tensor_parallel = False
 
     def default_compile_options(self) -> None:
         return None
@@ -64,7 +65,7 @@ class OnnxTarget:
         return toolchain_versions()
 
     def compile(self, network: torch.nn.Module, model: ModelConfig, build: BuildConfig, dtype: torch.dtype,
-                out_dir: Path, options: None) -> list[Path]:
+                out_dir: Path, options: None, engine_file: str | None = None) -> list[Path]:
         """Export ``network`` to ``out_dir / model.onnx`` and its weights (:func:`export_onnx`)."""
         return export_onnx(network, model, build, dtype, out_dir, PLUGIN_VERSIONS)
 

@@ -7,8 +7,9 @@ scheduler, the input builder and the sampler only ever see the protocol (through
 
 A backend class (the registry entry) answers two questions before and while loading::
 
-    verify(engine_dir, manifest)  does this machine run the engine?  (reads files, loads nothing)
-    load(engine_dir, manifest)    -> a backend instance              (executes the engine's native code)
+    verify(engine_dir, manifest)        does this machine run the engine?  (reads files, loads nothing)
+    load(engine_dir, manifest, rank=0)  -> a backend instance of tensor-parallel rank ``rank``'s shard
+                                           (executes the engine's native code)
 
 and a loaded backend offers the engine ABI of :mod:`kilnlm.runtime.abi`::
 
@@ -20,6 +21,10 @@ and a loaded backend offers the engine ABI of :mod:`kilnlm.runtime.abi`::
 | target | module | engine file                           |
 |--------|--------|---------------------------------------|
 | cpu    | cpu.py | ``model.pt2`` (AOTInductor package)   |
+
+An engine built with ``--tp-size N`` runs its target's backend once per rank, rank 0 wrapped by
+:class:`~kilnlm.runtime.backends.tensor_parallel.TensorParallelBackend` (:mod:`.tensor_parallel`), which
+starts and drives the other ranks.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ class EngineBackend(Protocol):
         """Refuse (:class:`EngineError`, saying what to do) an engine this machine cannot run; loads nothing."""
 
     @classmethod
-    def load(cls, engine_dir: Path, manifest: Manifest) -> "EngineBackend":
-        """Load the verified engine. Raises :class:`EngineError` when it fails to load."""
+    def load(cls, engine_dir: Path, manifest: Manifest, rank: int = 0) -> "EngineBackend":
+        """Load the verified engine's shard of tensor-parallel rank ``rank`` (the engine itself when
+        ``build.tp_size`` is 1). Raises :class:`EngineError` when it fails to load."""
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one KV block over all layers, K and V."""

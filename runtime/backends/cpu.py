@@ -13,7 +13,7 @@ import torch
 
 from kilnlm.runtime.abi import KV_CACHE_DTYPES, EngineInputs, kv_cache_bytes_per_block, kv_cache_shape
 from kilnlm.runtime.errors import EngineError
-from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest
+from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest, rank_model_config
 from kilnlm.runtime.memory import advise_huge_pages
 
 
@@ -73,13 +73,16 @@ def load_package(package_path: Path):
 
 
 class CpuBackend:
-    """A loaded ``cpu`` engine. ``package``: the AOTInductor package (its ``run`` is the forward)."""
+    """A loaded ``cpu`` engine, or one tensor-parallel rank's shard of it. ``package``: the AOTInductor package
+    (its ``run`` is the forward); ``model``: the shape it computes with (a rank's heads and KV heads,
+    :func:`~kilnlm.runtime.manifest.rank_model_config`)."""
 
     target = "cpu"
 
     def __init__(self, manifest: Manifest, package) -> None:
         self.manifest = manifest
         self.package = package
+        self.model = rank_model_config(manifest.model, manifest.build.tp_size)
         self.kv_cache_dtype = KV_CACHE_DTYPES[manifest.build.kv_cache_dtype]
 
     @classmethod
@@ -91,8 +94,9 @@ class CpuBackend:
                               f"{', '.join(sorted(machine_cpu_isas())) or 'no vector ISA'}: rebuild the engine on (or for) this machine")
 
     @classmethod
-    def load(cls, engine_dir: Path, manifest: Manifest) -> "CpuBackend":
-        """Load the plugins' CPU kernels, then the package. Raises :class:`EngineError` when either fails (the
+    def load(cls, engine_dir: Path, manifest: Manifest, rank: int = 0) -> "CpuBackend":
+        """Load the plugins' CPU kernels, then the package of tensor-parallel rank ``rank``. Raises
+        :class:`EngineError` when either fails (the
         package also when it cannot be extracted, e.g. into a full temporary directory)."""
         import kilnlm.plugins as plugins
 
@@ -100,26 +104,28 @@ class CpuBackend:
             plugins.load_cpu_kernels()
         except plugins.KernelBuildError as exc:
             raise EngineError(f"cannot serve {engine_dir}: {exc}") from None
+        package_path = engine_dir / manifest.rank_engine_file(rank)
         try:
-            package = load_package(engine_dir / manifest.engine_file)
+            package = load_package(package_path)
         except (OSError, zipfile.BadZipFile) as exc:
-            raise EngineError(f"cannot extract {engine_dir / manifest.engine_file} into {tempfile.gettempdir()}: {exc}") from None
+            raise EngineError(f"cannot extract {package_path} into {tempfile.gettempdir()}: {exc}") from None
         except RuntimeError as exc:
-            raise EngineError(f"cannot load {engine_dir / manifest.engine_file} ({str(exc).splitlines()[0]}): "
+            raise EngineError(f"cannot load {package_path} ({str(exc).splitlines()[0]}): "
                               "rebuild the engine with this torch version "
                               f"({torch.__version__}; built with {manifest.toolchain.get('torch', 'unknown')})") from None
         return cls(manifest, package)
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers (K and V) in ``kv_cache_dtype``."""
-        m = self.manifest.model
+        """Bytes one KV block takes over all layers (K and V) in ``kv_cache_dtype`` (of this rank's KV heads)."""
+        m = self.model
         return kv_cache_bytes_per_block(m.num_layers, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim,
                                         self.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Zeros ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` in ``kv_cache_dtype``,
-        CPU, backed by transparent huge pages where Linux allows (attention reads the pool every step)."""
-        m = self.manifest.model
+        CPU, backed by transparent huge pages where Linux allows (attention reads the pool every step);
+        ``num_kv_heads`` is this rank's."""
+        m = self.model
         shape = kv_cache_shape(m.num_layers, num_blocks, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim)
         # Huge pages are asked for before the zeros fault fresh pages in, since collapsing a written pool
         # copies it (~0.5 s for SmolLM2's default 377 MB); then collapsed, for memory the allocator reused

@@ -23,6 +23,7 @@ ENGINE_CHANGES = {
     "max_seq_len": ({}, {"max_seq_len": 1024}),
     "max_num_tokens": ({}, {"max_num_tokens": 512}),
     "tokens_per_block": ({}, {"tokens_per_block": 16}),
+    "tp_size": ({}, {"tp_size": 3}),
     "kv_cache_dtype": ({}, {"kv_cache_dtype": "fp8"}),
     "group_size": ({"qformat": "int4_awq"}, {"qformat": "int4_awq", "group_size": 64}),
     "calib_data": ({"qformat": "fp8"}, {"qformat": "fp8", "calib_data": "CALIB"}),

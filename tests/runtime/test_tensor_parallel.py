@@ -1,0 +1,100 @@
+"""Tensor parallelism end to end: ``--tp-size`` builds (Megatron sharding, one engine per rank), the runtime's
+rank processes joined over gloo, and their agreement with the one-rank engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from conftest import TINY_ENGINE_LIMITS, build_test_engine
+from factories import make_engine_inputs, run_in_flight
+
+from kilnlm.builder.errors import BuildError
+from kilnlm.runtime.engine import Engine
+from kilnlm.runtime.errors import EngineError
+from kilnlm.runtime.manifest import read_manifest
+
+# A packed step mixing two contexts (one chunked), then steps mixing the chunk's rest with generation.
+STEPS = [
+    [([5, 17, 301, 9, 44, 1200, 7], 0), ([88, 3, 4000], 0), ([12, 13, 14, 15, 16], 0)],
+    [([501], 7), ([23], 3), ([48000, 2, 31, 77], 5)],
+    [([9], 8), ([64], 4), ([1], 9)],
+]
+
+
+def run_steps(engine: Engine) -> list[torch.Tensor]:
+    build = engine.manifest.build
+    kv_cache = engine.allocate_kv_cache(len(STEPS[0]) * build.max_blocks_per_seq)
+    return [engine.forward(make_engine_inputs(step, build.tokens_per_block, build.max_blocks_per_seq), kv_cache)
+            for step in STEPS]
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2_engine_dir(tiny_llama_dir, tmp_path_factory):
+    return build_test_engine(tiny_llama_dir, tmp_path_factory.mktemp("engines") / "tiny_fp32_tp2", qformat="fp32",
+                             tp_size=2, **TINY_ENGINE_LIMITS)
+
+
+@pytest.fixture
+def tp2_engine(tiny_tp2_engine_dir):
+    engine = Engine.load(tiny_tp2_engine_dir)
+    yield engine
+    engine.close()
+
+
+def test_tp2_manifest_lists_one_engine_per_rank(tiny_tp2_engine_dir, tiny_engine_dir):
+    tp2, tp1 = read_manifest(tiny_tp2_engine_dir), read_manifest(tiny_engine_dir)
+    assert tp2.build.tp_size == 2 and tp2.engine_files == ["rank0.pt2", "rank1.pt2"] and tp2.engine_file == "rank0.pt2"
+    assert {"all_reduce", "all_gather"} <= set(tp2.plugins) and "all_reduce" not in tp1.plugins
+    assert tp2.cache_key_inputs["build"]["tp_size"] == 2 and tp2.cache_key != tp1.cache_key
+    assert (tiny_tp2_engine_dir / "rank1.pt2").is_file() and not (tiny_tp2_engine_dir / "model.pt2").exists()
+
+
+def test_tp2_logits_equal_tp1_on_a_packed_mixed_batch(tp2_engine, tiny_engine_dir):
+    tp1 = Engine.load(tiny_engine_dir)
+    expected, got = run_steps(tp1), run_steps(tp2_engine)
+    for step, (want, have) in enumerate(zip(expected, got)):
+        assert have.shape == want.shape == (len(STEPS[step]), tp1.manifest.model.vocab_size)
+        torch.testing.assert_close(have, want, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+
+
+def test_tp2_engine_serves_in_flight_batches_like_tp1(tiny_tp2_engine_dir, tiny_engine_dir):
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [400, 500, 600], list(range(100, 140)), [7, 7, 7, 7]]
+    max_tokens = [12, 20, 8, 16]
+    config = ExecutorConfig(max_batch_size=4, max_num_tokens=24)
+    outputs = {}
+    for name, engine_dir in (("tp1", tiny_engine_dir), ("tp2", tiny_tp2_engine_dir)):
+        with Executor.from_engine_dir(engine_dir, config) as executor:
+            outputs[name] = run_in_flight(executor, prompts, max_tokens)
+    assert outputs["tp2"] == outputs["tp1"]
+    assert [len(o) for o in outputs["tp2"]] == max_tokens
+
+
+def test_a_killed_rank_fails_the_step_and_every_later_one(tp2_engine):
+    build = tp2_engine.manifest.build
+    kv_cache = tp2_engine.allocate_kv_cache(build.max_blocks_per_seq)
+    inputs = make_engine_inputs([([1, 2, 3], 0)], build.tokens_per_block, build.max_blocks_per_seq)
+    tp2_engine.forward(inputs, kv_cache)
+    (worker,) = tp2_engine.backend._processes
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    for _ in range(2):
+        with pytest.raises(EngineError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"):
+            tp2_engine.forward(inputs, kv_cache)
+
+
+def test_tp_size_that_does_not_divide_the_heads_is_refused_before_building(tiny_llama_dir, tmp_path):
+    with pytest.raises(BuildError, match=r"--tp-size 3 does not divide the model's num_attention_heads \(4\).*--tp-size 1 / 2"):
+        build_test_engine(tiny_llama_dir, tmp_path / "out", qformat="fp32", tp_size=3, **TINY_ENGINE_LIMITS)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tp_size_is_refused_for_a_target_without_shards(tmp_path):
+    from kilnlm.builder.config import BuildOptions, resolve
+
+    with pytest.raises(BuildError, match="--target onnx builds one-rank engines only"):
+        resolve(BuildOptions(checkpoint=tmp_path, output=tmp_path / "out", target="onnx", tp_size=2))
