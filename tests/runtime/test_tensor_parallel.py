@@ -98,3 +98,55 @@ def test_tp_size_is_refused_for_a_target_without_shards(tmp_path):
 
     with pytest.raises(BuildError, match="--target onnx builds one-rank engines only"):
         resolve(BuildOptions(checkpoint=tmp_path, output=tmp_path / "out", target="onnx", tp_size=2))
+
+
+# (format, build options, tolerance on the logits against the same format's tp=1 engine). float32
+# activations: the shards run tp=1's exact quantized weights and scales, so only the row-parallel sums'
+# order differs. fp8 runs bfloat16 activations: each rank's partial sum is rounded to bfloat16 before the
+# all-reduce adds them, where tp=1 rounds the whole sum once, and an activation that moves by a bfloat16
+# ulp can cross an FP8 rounding boundary (3 mantissa bits: a 1/8 step); measured 0.14 on logits whose
+# standard deviation is 0.64, so the bound is 0.25 (the random model's near-ties among 49152 logits can then
+# swap its top token, so greedy agreement is checked on SmolLM2, not here).
+QUANTIZED_CASES = {
+    "int4_awq": (dict(qformat="int4_awq", dtype="float32", group_size=16), 1e-4),
+    "int8_sq": (dict(qformat="int8_sq", dtype="float32", per_token=False), 1e-4),
+    "fp8": (dict(qformat="fp8"), 0.25),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QUANTIZED_CASES))
+def test_quantized_shards_keep_their_scales(case, tiny_llama_dir, tmp_path):
+    options, atol = QUANTIZED_CASES[case]
+    logits = {}
+    for tp_size in (1, 2):
+        engine = Engine.load(build_test_engine(tiny_llama_dir, tmp_path / f"tp{tp_size}", tp_size=tp_size,
+                                               calib_size=4, **options, **TINY_ENGINE_LIMITS))
+        try:
+            logits[tp_size] = run_steps(engine)
+        finally:
+            engine.close()
+    for step, (want, have) in enumerate(zip(logits[1], logits[2])):
+        torch.testing.assert_close(have, want, rtol=0, atol=atol, msg=lambda m: f"step {step}: {m}")
+
+
+SMOLLM2_PROMPTS = ["The capital of France is", "Write a short poem about the sea.",
+                   "Copy the list: apples, oranges, pears, plums, cherries.", "def add(a, b):\n    return",
+                   "Explain what a paged KV cache is."]
+
+
+def test_smollm2_tp3_greedy_equals_tp1(smollm2_hf_dir, smollm2_engine_fp32_dir, hf_tokenizer, tmp_path):
+    """SmolLM2 split over its 3 KV heads (3 query heads and 512 MLP columns per rank, 16384 vocabulary rows
+    each): five chat prompts in flight give the one-rank engine's greedy completions token for token."""
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
+
+    tp3_dir = build_test_engine(smollm2_hf_dir, tmp_path / "smollm2_fp32_tp3", qformat="fp32", tp_size=3,
+                                max_batch_size=8, max_seq_len=512, max_num_tokens=512)
+    prompts = [hf_tokenizer.encode(hf_tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                                   add_generation_prompt=True), add_special_tokens=False)
+               for p in SMOLLM2_PROMPTS]
+    max_tokens = [24] * len(prompts)
+    outputs = {}
+    for name, engine_dir in (("tp1", smollm2_engine_fp32_dir), ("tp3", tp3_dir)):
+        with Executor.from_engine_dir(engine_dir, ExecutorConfig(max_batch_size=8)) as executor:
+            outputs[name] = run_in_flight(executor, prompts, max_tokens)
+    assert outputs["tp3"] == outputs["tp1"] and all(len(o) == 24 for o in outputs["tp1"])
