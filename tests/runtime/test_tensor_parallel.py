@@ -150,3 +150,31 @@ def test_smollm2_tp3_greedy_equals_tp1(smollm2_hf_dir, smollm2_engine_fp32_dir, 
         with Executor.from_engine_dir(engine_dir, ExecutorConfig(max_batch_size=8)) as executor:
             outputs[name] = run_in_flight(executor, prompts, max_tokens)
     assert outputs["tp3"] == outputs["tp1"] and all(len(o) == 24 for o in outputs["tp1"])
+
+
+@pytest.mark.triton
+@pytest.mark.e2e
+def test_triton_serves_a_tp2_engine(tiny_tp2_engine_dir, tiny_engine_dir, tmp_path):
+    """tritonserver's tensorrt_llm model loads the tp=2 engine (its rank 1 a process of the model's own) and
+    answers tritonclient's /infer with tp=1's greedy tokens."""
+    import numpy as np
+    from servers import running_tritonserver
+
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
+    from kilnlm.runtime.request import SamplingParams
+
+    httpclient = pytest.importorskip("tritonclient.http")
+    prompt_ids, max_tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 12
+    with Executor.from_engine_dir(tiny_engine_dir, ExecutorConfig(max_batch_size=2)) as executor:
+        expected = executor.generate(prompt_ids, SamplingParams(max_tokens=max_tokens), timeout_s=120)
+    with running_tritonserver(tmp_path, engine_dir=tiny_tp2_engine_dir, decoupled_mode=False) as server:
+        inputs = []
+        for name, value in (("input_ids", [prompt_ids]), ("input_lengths", [[len(prompt_ids)]]),
+                            ("request_output_len", [[max_tokens]]), ("exclude_input_in_output", [[True]])):
+            array = np.array(value, dtype=bool if name == "exclude_input_in_output" else np.int32)
+            inputs.append(httpclient.InferInput(name, list(array.shape), "BOOL" if array.dtype == bool else "INT32"))
+            inputs[-1].set_data_from_numpy(array)
+        client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+        result = client.infer("tensorrt_llm", inputs)
+    assert len(expected.token_ids) > 1
+    assert result.as_numpy("output_ids").tolist() == [[expected.token_ids]]
