@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from kilnlm.cli.trust_options import add_trusted_keys_option, trusted_keys
@@ -111,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"kilnlm serve: {engine_dir} as model '{settings.model_name}' on http://{args.host}:{args.port}/v1",
               flush=True)
-        serve(executor, settings, args.host, args.port, args.log_level)
+        engine_error = serve(executor, settings, args.host, args.port, args.log_level)
     finally:
         executor.shutdown()
+    if engine_error is not None:
+        print(f"kilnlm serve: stopped: the engine cannot run any more ({engine_error})", file=sys.stderr, flush=True)
+        return 1
     return 0

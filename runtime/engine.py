@@ -87,6 +87,12 @@ class Engine:
             return cls(root, manifest, TensorParallelBackend.load(root, manifest, backend_cls))
         return cls(root, manifest, backend_cls.load(root, manifest))
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine cannot run any more (a tensor-parallel rank died or a collective failed), or None
+        while it can."""
+        return getattr(self.backend, "broken", None)
+
     def close(self) -> None:
         """Release what the engine holds outside this process: a tensor-parallel engine's other ranks stop
         (:mod:`kilnlm.runtime.backends.tensor_parallel`). Idempotent; a no-op for one-rank engines."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kilnlm.runtime.errors import KilnError, QueueFullError, RequestError
+from kilnlm.runtime.errors import EngineError, KilnError, QueueFullError, RequestError
 from kilnlm.runtime.guided_decoding import GuidedDecoder
 from kilnlm.runtime.inputs import InputBuilder, InputLimits
 from kilnlm.runtime.kv_cache import DEFAULT_MAX_KV_CACHE_BYTES, KVCacheConfig, KVCacheManager, num_kv_cache_blocks
@@ -174,6 +174,7 @@ class Executor:
         self._next_id = itertools.count(1)
         self._stopping = False
         self._owned_engine = None  # the engine from_engine_dir loaded, closed by shutdown
+        self._engine_error: str | None = None  # set when the engine broke (Engine.broken): the loop has stopped
         self._stats = IterationStats(num_free_blocks=num_blocks, num_total_blocks=num_blocks,
                                      max_num_active_requests=max_batch_size, tokens_per_block=build.tokens_per_block)
         # Loop-thread state.
@@ -210,13 +211,21 @@ class Executor:
         return executor
 
     # ------------------------------------------------------------------------------- client API
+    @property
+    def engine_error(self) -> str | None:
+        """Why the engine cannot run any more (:attr:`Engine.broken`: a tensor-parallel rank died), or None
+        while it can. Once the loop has seen it, every request has failed with it and :meth:`submit` raises
+        :class:`EngineError`. Servers exit on it."""
+        return self._engine_error or getattr(self.engine, "broken", None)
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         """Queue a request (``params.n`` sequences of it); returns its id. Thread-safe. Raises
         :class:`RequestError` for an empty prompt, a prompt of ``max_seq_len`` tokens or more, token ids
         outside the vocabulary, bad sampling params, more sequences (``n``) than ``max_batch_size``, a sequence that cannot fit the KV cache even alone, a
         ``guided_decoding`` guide that does not compile (or without xgrammar installed), or (without chunked
         context) a prompt longer than ``max_num_tokens``; :class:`QueueFullError` when ``max_queue_size``
-        requests already wait for admission (retry later).
+        requests already wait for admission (retry later); :class:`EngineError` once the engine broke
+        (:attr:`engine_error`).
 
         The KV-capacity check is per sequence, not for ``n`` at once: the sequences are separate requests
         to the scheduler, which admits what fits and queues (or preempts) the rest, so a request whose one
@@ -254,6 +263,8 @@ class Executor:
             )
         end_ids = frozenset() if params.ignore_eos else (frozenset({params.end_id}) if params.end_id is not None else self.eos_token_ids)
         with self._lock:
+            if self._engine_error is not None:
+                raise EngineError(f"the engine cannot run any more ({self._engine_error}): restart the server")
             if self._stopping:
                 raise RequestError("the executor is shut down: create a new one")
             max_queue_size = self.config.max_queue_size
@@ -361,12 +372,21 @@ class Executor:
                     logger.exception("executor iteration failed")
                     for request in list(self._requests.values()):
                         self._finish(request, FinishReason.ERROR, f"executor iteration failed: {exc!r}")
+                broken = self.engine_error
+                if broken is not None:  # e.g. a tensor-parallel rank died: nothing can run any more
+                    logger.error("the engine cannot run any more (%s): failing every request and stopping", broken)
+                    with self._lock:
+                        self._engine_error = broken
+                        self._stopping = True
             self._publish_stats()
         with self._lock:
             new_requests, self._inbox = self._inbox, []
             self._accept(new_requests, set())
         for request in list(self._requests.values()):
-            self._finish(request, FinishReason.CANCELLED)
+            if self._engine_error is None:
+                self._finish(request, FinishReason.CANCELLED)
+            else:
+                self._finish(request, FinishReason.ERROR, f"the engine cannot run any more: {self._engine_error}")
         self._publish_stats()
 
     def _accept(self, new_requests: list[Request], cancels: set[int]) -> None:

@@ -3,7 +3,7 @@
 
     python scripts/benchmark.py [--formats fp32,bf16,fp8,fp8_rowwise,int8_wo,int8_sq,int4_wo,int4_awq] [--work-dir .work/bench]
         [--num-requests 32] [--decode-only] [--no-transformers] [--decode-rounds N] [--malloc auto]
-        [--speculative-config JSON]
+        [--speculative-config JSON] [--tp-size N]
 
 Scenarios (greedy, EOS ignored, the same prompt token ids for both; prompts are real English text from the
 standard library's ``pydoc_data.topics``):
@@ -23,6 +23,14 @@ standard library's ``pydoc_data.topics``):
     speculative decoding in the same process, alternating, best of 3: "grounded" asks to repeat a ~150-token
     passage of the same English text (the output copies its input, where prompt lookup pays), "free" asks
     for a story; reports tokens/s, the speed-up and the draft acceptance rate.
+
+With ``--tp-size N`` every format also runs as an engine built with ``--tp-size N`` (its ranks share this
+machine's threads: each rank gets threads / N), side by side with its one-rank engine, and the collectives a
+step makes are timed alone: ``kilnlm::all_reduce`` of ``[T, hidden]`` bfloat16 (2 per layer + the
+embedding's) and ``kilnlm::all_gather`` of the ``[T, vocab / N]`` logits, over a gloo group of N processes
+on this host, medians of 200 calls, for T = 1 (batch-1 decode) and T = 32 (scenario (b)'s decode steps),
+with the bytes each rank sends per step (ring all-reduce: 2 (N - 1) / N of the tensor; all-gather: (N - 1)
+/ N of the result).
 
 With ``--decode-rounds N`` scenario (a)'s decode is measured again in N rounds, each engine in a fresh process
 in turn (round-robin): on a shared machine bandwidth and load drift by tens of percent within minutes, so a
@@ -359,6 +367,70 @@ def decode_rounds(engines: dict[str, Path], prompt: list[int], max_tokens: int,
     return rates
 
 
+COLLECTIVE_CALLS = 200
+
+
+def _collectives_rank(rank: int, tp_size: int, port: int, shapes: list, results) -> None:
+    """One rank of :func:`measure_collectives` (a spawned process): median seconds per call of each shape."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from kilnlm.plugins import set_tensor_parallel_group
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=tp_size, timeout=timedelta(seconds=60))
+    set_tensor_parallel_group(dist.group.WORLD)
+    medians = []
+    for op, rows, cols in shapes:
+        x = torch.randn(rows, cols).to(torch.bfloat16)
+        call = (lambda: torch.ops.kilnlm.all_reduce(x)) if op == "all_reduce" else (
+            lambda: torch.ops.kilnlm.all_gather(x, tp_size))
+        times = []
+        for _ in range(COLLECTIVE_CALLS + 20):
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times[20:]))
+    if rank == 0:
+        results.put(medians)
+    dist.destroy_process_group()
+
+
+def measure_collectives(tp_size: int, manifest) -> dict:
+    """Seconds of collectives per step at T = 1 and 32 tokens, and the bytes each rank sends per step,
+    for ``manifest``'s model split over ``tp_size`` ranks (module docstring)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    m = manifest.model
+    vocab_per_rank = -(-m.vocab_size // tp_size)
+    shapes = [(op, t, cols) for t in (1, 32) for op, cols in (("all_reduce", m.hidden_size), ("all_gather", vocab_per_rank))]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_collectives_rank, args=(r, tp_size, port, shapes, results)) for r in range(tp_size)]
+    for p in processes:
+        p.start()
+    medians = results.get(timeout=600)
+    for p in processes:
+        p.join(60)
+    num_reduces = 2 * m.num_layers + 1
+    out = {}
+    for i, tokens in enumerate((1, 32)):
+        all_reduce_s, all_gather_s = medians[2 * i], medians[2 * i + 1]
+        sent = (num_reduces * 2 * (tp_size - 1) / tp_size * tokens * m.hidden_size * 2
+                + (tp_size - 1) * tokens * vocab_per_rank * 2)
+        out[tokens] = {"all_reduce_s": all_reduce_s, "all_gather_s": all_gather_s,
+                       "per_step_s": num_reduces * all_reduce_s + all_gather_s, "bytes_sent_per_rank": sent}
+    return out
+
+
 def cold_start_s(engine_dir: Path) -> float:
     """Seconds from launching a new Python process to its first token from ``engine_dir``."""
     t0 = time.time()
@@ -386,6 +458,9 @@ def main() -> int:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='run scenario (d) with this speculative decoding config (vLLM\'s JSON, e.g. '
                              '{"method": "ngram", "num_speculative_tokens": 4}) (default: off)')
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="with N > 1, also run each format as a --tp-size N engine, and time the collectives of a "
+                             "step (default: 1)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this file")
     parser.add_argument("--malloc", choices=MALLOC_CHOICES, default="auto",
                         help="C allocator of every process, as scripts/launch_triton.py's (default auto: TCMalloc, "
@@ -404,6 +479,8 @@ def main() -> int:
     from kilnlm.runtime.tokenizer import Tokenizer
 
     formats = [f for f in args.formats.split(",") if f]
+    if args.tp_size > 1:
+        formats = [s for f in formats for s in (f, f + ("," if OPTIONS_SEP in f else OPTIONS_SEP) + f"tp_size={args.tp_size}")]
     unknown = [f for f in formats if split_spec(f)[0] not in FORMATS]
     if unknown:
         parser.error(f"--formats {','.join(unknown)}: this kilnlm builds {', '.join(FORMATS)} "
@@ -494,6 +571,14 @@ def main() -> int:
                 print(f"{name:<22}" + "".join(
                     f"{d['tokens_per_s']:>18.1f}{d['speculative_tokens_per_s']:>18.1f}{d['speedup']:>18.2f}"
                     f"{100 * d['acceptance_rate']:>17.0f}%" for d in r.speculative.values()))
+    if args.tp_size > 1:
+        collectives = measure_collectives(args.tp_size, read_manifest(engines[formats[0]]))
+        print(f"\ncollectives of one step at --tp-size {args.tp_size} (timed alone over gloo, medians of "
+              f"{COLLECTIVE_CALLS} calls):")
+        for tokens, c in collectives.items():
+            print(f"  T={tokens:<3} all_reduce {c['all_reduce_s'] * 1e6:.0f} us, all_gather {c['all_gather_s'] * 1e6:.0f} us; "
+                  f"per step {c['per_step_s'] * 1e3:.2f} ms, {c['bytes_sent_per_rank'] / 1e3:.0f} KB sent per rank")
+        records.append({"name": f"collectives tp_size={args.tp_size}", **{f"T={t}": c for t, c in collectives.items()}})
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
     return 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import multiprocessing as mp
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # a collective (and the group's rendezvous) that waits longer fails
 _STARTUP_TIMEOUT_S = 300.0  # a rank that has not loaded its shard by then is given up on
+_EXIT_GRACE_S = 2.0  # after a failed collective, how long a peer may take to finish exiting (to be named)
 
 
 def _init_group(store, rank: int, tp_size: int, timeout_s: float) -> None:
@@ -161,12 +163,22 @@ class TensorParallelBackend:
         log.info("started %d tensor-parallel ranks of %s (%d threads each)", tp_size, engine_dir, num_threads)
         return cls(manifest, local, processes, pipes, store)
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine cannot run any more (a rank died, a collective failed, or it was closed), else None."""
+        if self._broken is None:
+            self._find_dead_rank()
+        return self._broken
+
+    def _find_dead_rank(self) -> None:
+        for rank, process in enumerate(self._processes, start=1):
+            if not process.is_alive():
+                self._broken = f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+                return
+
     def _check_ranks(self) -> None:
         if self._broken is None:
-            for rank, process in enumerate(self._processes, start=1):
-                if not process.is_alive():
-                    self._broken = (f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
-                    break
+            self._find_dead_rank()
         if self._broken is not None:
             raise EngineError(f"{self._broken}: the engine cannot run any more; restart the server (or reload the engine)")
 
@@ -196,7 +208,12 @@ class TensorParallelBackend:
         try:
             return self.local.forward(inputs, kv_cache)
         except RuntimeError as exc:
-            self._broken = f"a tensor-parallel collective failed ({str(exc).splitlines()[0]})"
+            # Name the rank whose exit broke the collective, if one did (given a moment to finish exiting).
+            deadline_s = time.monotonic() + _EXIT_GRACE_S
+            while self._broken is None and time.monotonic() < deadline_s:
+                self._find_dead_rank()
+                time.sleep(0.05)
+            self._broken = self._broken or f"a tensor-parallel collective failed ({str(exc).splitlines()[0]})"
             self._check_ranks()
             raise
 

@@ -369,9 +369,22 @@ def _internal_error(http_request: Request, exc: Exception) -> JSONResponse:
     return APIError(500, f"kilnlm internal error: {exc!r}").reply()
 
 
-def serve(executor, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> None:
-    """Serve ``executor`` on ``host:port`` until interrupted (uvicorn, one worker: the executor lives in
-    this process)."""
+def serve(executor, settings: ServerSettings, host: str, port: int, log_level: str = "info",
+          engine_poll_s: float = 0.5) -> str | None:
+    """Serve ``executor`` on ``host:port`` until interrupted or until its engine breaks (uvicorn, one worker:
+    the executor lives in this process). Returns why the engine broke (``executor.engine_error``: e.g. a
+    tensor-parallel rank died; checked every ``engine_poll_s``), or None after an interruption."""
     import uvicorn
 
-    uvicorn.run(OpenAIServer(executor, settings).app, host=host, port=port, log_level=log_level)
+    server = uvicorn.Server(uvicorn.Config(OpenAIServer(executor, settings).app, host=host, port=port, log_level=log_level))
+
+    def stop_on_broken_engine() -> None:
+        while not server.should_exit:
+            if executor.engine_error is not None:
+                server.should_exit = True
+                return
+            time.sleep(engine_poll_s)
+
+    threading.Thread(target=stop_on_broken_engine, name="kilnlm-engine-watch", daemon=True).start()
+    server.run()
+    return executor.engine_error

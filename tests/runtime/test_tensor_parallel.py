@@ -4,7 +4,9 @@ rank processes joined over gloo, and their agreement with the one-rank engine.""
 from __future__ import annotations
 
 import os
+import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +87,26 @@ def test_a_killed_rank_fails_the_step_and_every_later_one(tp2_engine):
     for _ in range(2):
         with pytest.raises(EngineError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"):
             tp2_engine.forward(inputs, kv_cache)
+
+
+def test_a_killed_rank_fails_every_request_and_stops_the_executor(tiny_tp2_engine_dir):
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
+    from kilnlm.runtime.request import FinishReason, SamplingParams
+
+    with Executor.from_engine_dir(tiny_tp2_engine_dir, ExecutorConfig(max_batch_size=2)) as executor:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = executor.stream(executor.submit([1, 2, 3], params), timeout_s=60)
+        next(stream)  # generating
+        queued = executor.submit([4, 5, 6], params)
+        (worker,) = executor.engine.backend._processes
+        os.kill(worker.pid, signal.SIGKILL)
+        finals = [list(stream)[-1], list(executor.stream(queued, timeout_s=60))[-1]]
+        for final in finals:
+            assert final.finish_reason is FinishReason.ERROR and "tensor-parallel rank 1" in final.error
+        assert "tensor-parallel rank 1" in executor.engine_error
+        with pytest.raises(EngineError, match="the engine cannot run any more"):
+            executor.submit([7, 8], params)
+    assert executor.engine.broken is not None and not worker.is_alive()
 
 
 def test_tp_size_that_does_not_divide_the_heads_is_refused_before_building(tiny_llama_dir, tmp_path):
@@ -178,3 +200,26 @@ def test_triton_serves_a_tp2_engine(tiny_tp2_engine_dir, tiny_engine_dir, tmp_pa
         result = client.infer("tensorrt_llm", inputs)
     assert len(expected.token_ids) > 1
     assert result.as_numpy("output_ids").tolist() == [[expected.token_ids]]
+
+
+@pytest.mark.e2e
+def test_kilnlm_serve_exits_when_a_rank_dies(tiny_tp2_engine_dir, tmp_path):
+    """``kilnlm serve`` of a tp=2 engine answers the openai client; once its rank 1 is killed, the server
+    exits with status 1 saying which rank died (rather than serving errors forever)."""
+    import time
+
+    openai = pytest.importorskip("openai")
+    from servers import running_kilnlm_serve
+
+    with running_kilnlm_serve(["--engine", str(tiny_tp2_engine_dir)], tmp_path) as served:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+        completion = client.completions.create(model="tiny_fp32_tp2", prompt="Hello", max_tokens=4)
+        assert completion.choices[0].text
+        children = (Path("/proc") / str(served.process.pid) / "task" / str(served.process.pid) / "children").read_text()
+        (rank1,) = [int(pid) for pid in children.split() if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(rank1, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while served.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert served.process.returncode == 1
+    assert re.search(r"the engine cannot run any more \(tensor-parallel rank 1 \(pid \d+\) exited", served.log_path.read_text())
