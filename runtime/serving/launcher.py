@@ -87,6 +87,8 @@ class ServerConfig:
             and ``tensorrt_llm_bls`` decoupled (streaming, several sequences; Triton then refuses HTTP
             ``/infer`` on them and on ``ensemble``), False one response per request (``/infer`` works,
             streaming is refused).
+        world_size: TensorRT-LLM's launcher's ``--world_size``: the ranks the engine runs on, which must be
+            the engine's ``--tp-size`` (kilnlm's runtime starts them itself); None takes the engine's.
     """
 
     engine_dir: Path | None = None
@@ -101,6 +103,7 @@ class ServerConfig:
     repository_poll_s: int | None = None
     extra_args: tuple[str, ...] = ()
     decoupled_mode: bool = True
+    world_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,10 +282,25 @@ def check_deployed_repository(repository: Path) -> Path:
     return repository
 
 
+def check_world_size(engine_dir: Path, world_size: int) -> None:
+    """Refuse a ``--world-size`` other than the engine's tensor-parallel size (:class:`LaunchError`)."""
+    from kilnlm.runtime.manifest import read_manifest
+
+    try:
+        tp_size = read_manifest(engine_dir).build.tp_size
+    except KilnError as exc:
+        raise LaunchError(str(exc)) from None
+    if world_size != tp_size:
+        raise LaunchError(f"--world-size {world_size} but {engine_dir} was built with --tp-size {tp_size}: kilnlm starts "
+                          f"the engine's {tp_size} rank(s) itself; drop --world-size or pass {tp_size}")
+
+
 def prepare_server(config: ServerConfig) -> PreparedServer:
     """Find the binary and assemble the backend directory (and, with ``config.engine_dir``, the repository
     copy) under ``config.work_dir`` (made a fresh temporary directory, and stored back in ``config``,
-    when None)."""
+    when None). Raises :class:`LaunchError` when ``config.world_size`` is not the engine's tp_size."""
+    if config.world_size is not None and config.engine_dir is not None:
+        check_world_size(config.engine_dir, config.world_size)
     tritonserver = find_tritonserver(config.tritonserver)
     if config.work_dir is None:
         config.work_dir = Path(tempfile.mkdtemp(prefix="kilnlm-triton-"))
@@ -428,6 +446,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="where to assemble the repository copy (default: a temporary directory, "
                              "removed on exit)")
+    parser.add_argument("--world-size", "--world_size", type=int, default=None,
+                        help="TensorRT-LLM's launcher's ranks: must equal the engine's --tp-size, whose ranks the model "
+                             "starts as processes of its own (default: the engine's)")
     parser.add_argument("--malloc", choices=MALLOC_CHOICES, default="auto",
                         help="C allocator of tritonserver and its backend stubs, through LD_PRELOAD (default auto: "
                              "TCMalloc, else jemalloc, when installed; system: glibc's)")
@@ -444,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
             tritonserver=args.tritonserver, log_verbose=args.log_verbose,
             repository_poll_s=args.poll_repository_s, decoupled_mode=args.decoupled_mode == "true",
+            world_size=args.world_size,
             **({} if args.model_repository is None else {"model_repository": args.model_repository}))
         prepared = prepare_server(config)
     except LaunchError as exc:

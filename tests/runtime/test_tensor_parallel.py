@@ -202,6 +202,13 @@ def test_triton_serves_a_tp2_engine(tiny_tp2_engine_dir, tiny_engine_dir, tmp_pa
     assert result.as_numpy("output_ids").tolist() == [[expected.token_ids]]
 
 
+def test_launcher_world_size_must_be_the_engines_tp_size(tiny_tp2_engine_dir, launcher, capsys):
+    """TensorRT-LLM's ``launch_triton_server.py --world_size N``, checked against the engine before anything starts."""
+    launcher.check_world_size(tiny_tp2_engine_dir, 2)
+    assert launcher.main(["--engine", str(tiny_tp2_engine_dir), "--world_size", "4"]) == 2
+    assert re.search(r"--world-size 4 but \S+ was built with --tp-size 2", capsys.readouterr().err)
+
+
 @pytest.mark.e2e
 def test_kilnlm_serve_exits_when_a_rank_dies(tiny_tp2_engine_dir, tmp_path):
     """``kilnlm serve`` of a tp=2 engine answers the openai client; once its rank 1 is killed, the server
