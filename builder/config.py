@@ -246,12 +246,10 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
     dtype = resolve_dtype(fmt, options.dtype)
     kv_cache_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, dtype)
     check_quant_options(options, fmt)
-    for name in LIMIT_FIELDS:
+    for name in (*LIMIT_FIELDS, "tp_size"):
         if getattr(options, name) < 1:
             raise BuildError(f"--{name.replace('_', '-')} is {getattr(options, name)}: it must be at least 1")
     target = get_target(options.target)
-    if options.tp_size < 1:
-        raise BuildError(f"--tp-size is {options.tp_size}: it must be at least 1")
     if options.tp_size > 1 and not target.tensor_parallel:
         raise BuildError(f"--tp-size {options.tp_size}: --target {target.name} builds one-rank engines only; build "
                          f"tensor-parallel engines for --target {' / '.join(t.name for t in TARGETS.values() if t.tensor_parallel)}")

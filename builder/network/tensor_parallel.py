@@ -61,9 +61,8 @@ class Mapping:
 
 def check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
     """Refuse a ``--tp-size`` that does not divide the attention heads, the KV heads or the MLP width (before
-    anything is built). Raises :class:`BuildError` naming the dimension and the sizes that would work."""
-    if tp_size < 1:
-        raise BuildError(f"--tp-size is {tp_size}: it must be at least 1")
+    anything is built; ``tp_size`` >= 1, as :func:`kilnlm.builder.config.resolve` checks). Raises
+    :class:`BuildError` naming the dimension and the sizes that would work."""
     dims = {"num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
             "intermediate_size": model.intermediate_size}
     for name, value in dims.items():
@@ -118,11 +117,15 @@ def _slice_linear(module: nn.Module, rows: torch.Tensor | None = None, columns: 
             buf = shard._buffers.get(name)
             if buf is None or buf.dim() == 0 or buf.shape[0] != out_features:
                 continue  # absent, or a per-tensor scale
-            kept = buf if rows is None else buf.index_select(0, rows)
-            if pad_rows:
-                kept = torch.cat([kept, kept.new_zeros((pad_rows, *kept.shape[1:]))])
-            shard._buffers[name] = kept.contiguous()
+            shard._buffers[name] = _pad_rows(buf if rows is None else buf.index_select(0, rows), pad_rows)
     return shard
+
+
+def _pad_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``tensor`` with ``num_rows`` zero rows appended (a vocabulary range padded to ceil(vocab / tp_size)), contiguous."""
+    if num_rows:
+        tensor = torch.cat([tensor, tensor.new_zeros((num_rows, *tensor.shape[1:]))])
+    return tensor.contiguous()
 
 
 def _head_rows(start: int, stop: int, head_dim: int, offset: int = 0) -> torch.Tensor:
@@ -140,10 +143,7 @@ def vocab_range(vocab_size: int, mapping: Mapping) -> tuple[int, int, int]:
 
 def _vocab_rows(tensor: torch.Tensor, mapping: Mapping) -> torch.Tensor:
     start, stop, padding = vocab_range(tensor.shape[0], mapping)
-    rows = tensor[start:stop]
-    if padding:
-        rows = torch.cat([rows, rows.new_zeros((padding, *rows.shape[1:]))])
-    return rows.contiguous()
+    return _pad_rows(tensor[start:stop], padding)
 
 
 def shard_network(network: nn.Module, mapping: Mapping) -> nn.Module:

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 import multiprocessing as mp
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -177,10 +177,9 @@ class TensorParallelBackend:
                 return
 
     def _check_ranks(self) -> None:
-        if self._broken is None:
-            self._find_dead_rank()
-        if self._broken is not None:
-            raise EngineError(f"{self._broken}: the engine cannot run any more; restart the server (or reload the engine)")
+        broken = self.broken
+        if broken is not None:
+            raise EngineError(f"{broken}: the engine cannot run any more; restart the server (or reload the engine)")
 
     def _send(self, command: str, payload) -> None:
         self._check_ranks()
