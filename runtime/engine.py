@@ -77,11 +77,15 @@ class Engine:
     @classmethod
     def load(cls, engine_dir: str | os.PathLike, trusted_keys: TrustedKeys | str | None = FROM_ENVIRONMENT) -> "Engine":
         """:func:`verify_engine` (``trusted_keys``: see there), then load the engine with its target's
-        backend. Raises :class:`EngineError` for a refused engine or one that fails to load."""
+        backend. A tensor-parallel engine (``build.tp_size`` > 1) starts its other ranks, or, in a process a
+        launcher such as torchrun started as one of them, joins theirs: there the call returns on rank 0 only,
+        and every other rank serves rank 0 until it closes the engine, then exits
+        (:mod:`kilnlm.runtime.backends.tensor_parallel`). Raises :class:`EngineError` for a refused engine or
+        one that fails to load."""
         root = Path(engine_dir)
         manifest = verify_engine(root, trusted_keys)
         backend_cls = engine_backend(manifest, root / MANIFEST_NAME)
-        if manifest.build.tp_size > 1:  # rank 0 here, the other ranks in processes of their own
+        if manifest.build.tp_size > 1:  # one process per rank
             from kilnlm.runtime.backends.tensor_parallel import TensorParallelBackend
 
             return cls(root, manifest, TensorParallelBackend.load(root, manifest, backend_cls))

@@ -215,17 +215,18 @@ class KilnlmServe:
 
 @contextlib.contextmanager
 def running_kilnlm_serve(args: list[str], work_dir: Path, env: dict[str, str] | None = None,
-                         start_timeout_s: float = OPENAI_START_TIMEOUT_S) -> Iterator[KilnlmServe]:
+                         start_timeout_s: float = OPENAI_START_TIMEOUT_S,
+                         launch: list[str] = ()) -> Iterator[KilnlmServe]:
     """``kilnlm serve ARGS --port <free>`` as a subprocess of this interpreter's venv (``env`` added to the
-    environment), waited for on ``/health``; its log is ``work_dir/serve.log`` and is shown when it fails to
-    start. Stopped with :func:`stop_process` when the block ends."""
+    environment; ``launch``, e.g. :func:`torchrun`'s, put before the command), waited for on ``/health``; its
+    log is ``work_dir/serve.log`` and is shown when it fails to start. Stopped with :func:`stop_process` when
+    the block ends."""
     import os
-    import sys
 
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / "serve.log"
-    port = _free_port()
-    command = [str(Path(sys.executable).with_name("kilnlm")), "serve", *args, "--port", str(port)]
+    port = free_port()
+    command = [*launch, venv_executable("kilnlm"), "serve", *args, "--port", str(port)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     served = KilnlmServe(process, f"http://127.0.0.1:{port}", log_path)
@@ -240,12 +241,27 @@ def running_kilnlm_serve(args: list[str], work_dir: Path, env: dict[str, str] | 
         stop_process(process)
 
 
+def venv_executable(name: str) -> str:
+    """The path of ``name`` among this interpreter's venv scripts (``kilnlm``, ``torchrun``)."""
+    import sys
+
+    return str(Path(sys.executable).with_name(name))
+
+
+def torchrun(nnodes: int, node_rank: int, master_port: int, nproc_per_node: int = 1) -> list[str]:
+    """torchrun's command line for one host (``node_rank``) of ``nnodes`` meeting at 127.0.0.1:``master_port``
+    (static rendezvous, so host 0 holds rank 0), followed by the executable to run (``--no-python``)."""
+    return [venv_executable("torchrun"), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+            "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+            "--no-python"]
+
+
 def all_blocks_free(executor) -> bool:
     stats = executor.stats()
     return stats.num_active_requests == 0 and stats.num_queued == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -258,7 +274,7 @@ def running_s3_server() -> Iterator[S3Server]:
     where s3fs or moto's server is not installed."""
     pytest.importorskip("s3fs", reason="s3:// caches need s3fs (pip install 'kilnlm[s3]')")
     server_mod = pytest.importorskip("moto.server", reason="the S3 test server needs moto[server]")
-    port = _free_port()
+    port = free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {

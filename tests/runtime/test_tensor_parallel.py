@@ -81,7 +81,7 @@ def test_a_killed_rank_fails_the_step_and_every_later_one(tp2_engine):
     kv_cache = tp2_engine.allocate_kv_cache(build.max_blocks_per_seq)
     inputs = make_engine_inputs([([1, 2, 3], 0)], build.tokens_per_block, build.max_blocks_per_seq)
     tp2_engine.forward(inputs, kv_cache)
-    (worker,) = tp2_engine.backend._processes
+    (worker,) = tp2_engine.backend.processes
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(10)
     for _ in range(2):
@@ -98,7 +98,7 @@ def test_a_killed_rank_fails_every_request_and_stops_the_executor(tiny_tp2_engin
         stream = executor.stream(executor.submit([1, 2, 3], params), timeout_s=60)
         next(stream)  # generating
         queued = executor.submit([4, 5, 6], params)
-        (worker,) = executor.engine.backend._processes
+        (worker,) = executor.engine.backend.processes
         os.kill(worker.pid, signal.SIGKILL)
         finals = [list(stream)[-1], list(executor.stream(queued, timeout_s=60))[-1]]
         for final in finals:
@@ -230,3 +230,114 @@ def test_kilnlm_serve_exits_when_a_rank_dies(tiny_tp2_engine_dir, tmp_path):
             time.sleep(0.2)
         assert served.process.returncode == 1
     assert re.search(r"the engine cannot run any more \(tensor-parallel rank 1 \(pid \d+\) exited", served.log_path.read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ranks started by a launcher (torchrun): two "hosts" on loopback, each with its own copy of the engine.
+
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1"}  # two ranks on this machine's cores
+
+
+def host_copies(engine_dir: Path, tmp_path: Path) -> list[Path]:
+    """The engine directory as two hosts would hold it: a copy each."""
+    import shutil
+
+    return [Path(shutil.copytree(engine_dir, tmp_path / f"host{host}" / engine_dir.name)) for host in (0, 1)]
+
+
+def launch_two_hosts(command: list[str], engine_dirs: list[Path], tmp_path: Path) -> list:
+    """``torchrun`` of ``command --engine DIR`` for hosts 0 and 1 (each its own engine copy), run to the end;
+    their CompletedProcess-like results in host order."""
+    import subprocess
+
+    from servers import free_port, torchrun
+
+    port = free_port()
+    processes = [subprocess.Popen([*torchrun(2, host, port), *command, "--engine", str(engine_dir)], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **LAUNCH_ENV})
+                 for host, engine_dir in enumerate(engine_dirs)]
+    results = []
+    for process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for p in processes:
+                p.kill()
+            raise
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+@pytest.mark.e2e
+def test_torchrun_across_two_hosts_generates_tp1s_completion(tiny_tp2_engine_dir, tiny_engine_dir, tmp_path):
+    """``torchrun --nnodes 2 ... kilnlm generate`` of a tp=2 engine: rank 0 prints tp=1's greedy completion,
+    rank 1 serves it and exits 0 when rank 0 closes the engine."""
+    import subprocess
+
+    from servers import venv_executable
+
+    generate = [venv_executable("kilnlm"), "generate", "--max-tokens", "12", "--ignore-eos", "Hello there"]
+    expected = subprocess.run([*generate, "--engine", str(tiny_engine_dir)], capture_output=True, text=True, check=True)
+    host0, host1 = launch_two_hosts(generate, host_copies(tiny_tp2_engine_dir, tmp_path), tmp_path)
+    assert host0.returncode == 0 and host1.returncode == 0, host0.stderr[-3000:] + host1.stderr[-3000:]
+    assert host0.stdout == expected.stdout and expected.stdout.strip()
+    assert host1.stdout == ""
+
+
+def test_launched_ranks_refuse_different_manifests(tiny_tp2_engine_dir, tmp_path):
+    """Each host verifies its own copy; copies whose manifests differ (here by one byte, still valid) are
+    refused on both hosts, naming the rank, before any request."""
+    from servers import venv_executable
+
+    copies = host_copies(tiny_tp2_engine_dir, tmp_path)
+    with open(copies[1] / "manifest.json", "a") as manifest:
+        manifest.write("\n")
+    host0, host1 = launch_two_hosts([venv_executable("kilnlm"), "generate", "Hello"], copies, tmp_path)
+    assert host0.returncode != 0 and host1.returncode != 0 and host0.stdout == ""
+    assert "rank 1's manifest.json is not rank 0's" in host0.stderr
+
+
+def test_a_launch_of_another_world_size_is_refused(tiny_tp2_engine_dir, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # never reached: refused before joining
+    with pytest.raises(EngineError, match=r"launched as one of WORLD_SIZE=3 ranks, but \S+ has tp_size 2"):
+        Engine.load(tiny_tp2_engine_dir)
+
+
+@pytest.mark.e2e
+def test_kilnlm_serve_across_two_hosts_exits_when_the_other_hosts_rank_dies(tiny_tp2_engine_dir, tmp_path):
+    """``kilnlm serve`` under torchrun on two hosts answers the openai client from host 0; once host 1's rank
+    is killed, the next request gets an error, host 0's server exits with status 1 and both torchruns end."""
+    import subprocess
+    import time
+
+    openai = pytest.importorskip("openai")
+    from servers import free_port, running_kilnlm_serve, stop_process, torchrun, venv_executable
+
+    copies = host_copies(tiny_tp2_engine_dir, tmp_path)
+    port = free_port()
+    host1 = subprocess.Popen([*torchrun(2, 1, port), venv_executable("kilnlm"), "serve", "--engine", str(copies[1]),
+                              "--port", str(free_port())], env={**os.environ, **LAUNCH_ENV},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with running_kilnlm_serve(["--engine", str(copies[0])], tmp_path, env=LAUNCH_ENV,
+                                  launch=torchrun(2, 0, port)) as served:
+            client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+            assert client.completions.create(model="tiny_fp32_tp2", prompt="Hello", max_tokens=4).choices[0].text
+            children = (Path("/proc") / str(host1.pid) / "task" / str(host1.pid) / "children").read_text()
+            (rank1,) = [int(pid) for pid in children.split()]
+            assert b"RANK=1\0" in Path(f"/proc/{rank1}/environ").read_bytes()
+            os.kill(rank1, signal.SIGKILL)
+            with pytest.raises(openai.APIError):
+                client.completions.create(model="tiny_fp32_tp2", prompt="Hello", max_tokens=4)
+            deadline = time.monotonic() + 30
+            while served.process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert served.process.returncode not in (None, 0)
+        assert host1.wait(30) != 0
+    finally:
+        stop_process(host1)
+    assert re.search(r"the engine cannot run any more \(a tensor-parallel (rank stopped taking commands|collective "
+                     r"failed)", served.log_path.read_text())
