@@ -341,3 +341,29 @@ def test_kilnlm_serve_across_two_hosts_exits_when_the_other_hosts_rank_dies(tiny
         stop_process(host1)
     assert re.search(r"the engine cannot run any more \(a tensor-parallel (rank stopped taking commands|collective "
                      r"failed)", served.log_path.read_text())
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_vocabulary_tp_size_does_not_divide_is_padded_on_the_last_rank(tied, smollm2_hf_dir, tmp_path):
+    """vocab 49155 at tp=2: rank 0 holds 24578 rows, rank 1 24577 and one padding row that the all-gather
+    drops; the logits (all 49155 columns) and the embedding of the last rank's ids equal tp=1's."""
+    from factories import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "checkpoint", smollm2_hf_dir, "llama", vocab_size=49155,
+                                      tie_word_embeddings=tied)
+    engines = [Engine.load(build_test_engine(checkpoint, tmp_path / f"tp{tp_size}", qformat="fp32", tp_size=tp_size,
+                                             **TINY_ENGINE_LIMITS)) for tp_size in (1, 2)]
+    steps = [[([49154, 24578, 24577, 3], 0), ([49153, 2], 0)], [([0], 4), ([49154], 2)]]
+    try:
+        logits = []
+        for engine in engines:
+            build = engine.manifest.build
+            kv_cache = engine.allocate_kv_cache(len(steps[0]) * build.max_blocks_per_seq)
+            logits.append([engine.forward(make_engine_inputs(step, build.tokens_per_block, build.max_blocks_per_seq),
+                                          kv_cache) for step in steps])
+    finally:
+        for engine in engines:
+            engine.close()
+    for want, have in zip(*logits):
+        assert have.shape == want.shape and want.shape[-1] == 49155
+        torch.testing.assert_close(have, want, rtol=0, atol=1e-5)
