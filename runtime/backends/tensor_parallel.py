@@ -145,7 +145,7 @@ def _rank_main(engine_dir: str, rank: int, tp_size: int, store_port: int, timeou
         _serve_commands(backend, receive, rank)
     except _RankZeroGone:  # rank 0's process is gone
         return
-    dist.destroy_process_group()
+    _leave_group()
 
 
 class _Pipes:
