@@ -357,7 +357,8 @@ class TensorParallelBackend:
             self._check_ranks()
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers and all ranks (every rank's pool is in this host's memory)."""
+        """Bytes one KV block takes over all layers and all ranks: a KV-cache budget (``--kv-cache-bytes``)
+        counts every rank's pool, on this host or another."""
         return self.local.kv_cache_bytes_per_block() * self.manifest.build.tp_size
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
