@@ -466,6 +466,13 @@ static inline void softmax_update(float* s, int64_t n, float m_new, float& m, fl
   l += block_exp(s, m_new, n);
 }
 
+// softmax_update for one query vector's block scores s[0:n], the running max m raised to their largest.
+static inline void softmax_update_block(float* s, int64_t n, float& m, float& l, float* acc, int64_t D) {
+  float block_max = -__builtin_inff();
+  for (int64_t o = 0; o < n; ++o) block_max = s[o] > block_max ? s[o] : block_max;
+  softmax_update(s, n, block_max > m ? block_max : m, m, l, acc, D);
+}
+
 #if KILN_ISA == KILN_ISA_AVX2
 // A block for G query heads of one GQA group (query vectors, running max / sum and outputs consecutive per
 // head): scores all G together, updates each head's softmax state, adds all G outputs together.
@@ -556,11 +563,8 @@ static inline void attend_tile(const float* const* q, const int64_t* idx, const 
   float* outputs[NQ];
   for (int j = 0; j < NQ; ++j) {
     const int64_t i = idx[j];
-    float* sj = s + j * tpb;
-    float block_max = -__builtin_inff();
-    for (int64_t o = 0; o < n; ++o) block_max = sj[o] > block_max ? sj[o] : block_max;
     outputs[j] = acc + i * D;
-    softmax_update(sj, n, block_max > m[i] ? block_max : m[i], m[i], l[i], outputs[j], D);
+    softmax_update_block(s + j * tpb, n, m[i], l[i], outputs[j], D);
   }
   tile_pv<NQ>(s, tpb, v, row_stride, n, D, outputs);
 }
@@ -642,10 +646,8 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
       const int64_t i = qi * num_heads_item + h;
       const float* qv = w.q + qi * w.q_tok_stride + h * D;
       block_scores(qv, k_head, row_stride, num_valid, D, s);
-      float block_max = -__builtin_inff();
-      for (int64_t o = 0; o < num_valid; ++o) block_max = s[o] > block_max ? s[o] : block_max;
       float* a = acc + i * D;
-      softmax_update(s, num_valid, block_max > m[i] ? block_max : m[i], m[i], l[i], a, D);
+      softmax_update_block(s, num_valid, m[i], l[i], a, D);
       block_pv(s, v_head, row_stride, num_valid, D, a);
     }
   }
@@ -668,7 +670,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   float* acc = l + M;                                  // [M, D] unnormalized output
   float* s = acc + M * D;                              // [kScoreRows, tpb] scores, then probabilities, of
                                                        //   one block (one row per vector scored together)
-  float* k_f32 = s + kScoreRows * tpb;                // [tpb, span] the item's KV heads' rows of a block,
+  float* k_f32 = s + kScoreRows * tpb;                 // [tpb, span] the item's KV heads' rows of a block,
   float* v_f32 = k_f32 + tpb * row_stride;             //   as float32 (span <= row_stride)
   for (int64_t i = 0; i < M; ++i) {
     m[i] = -__builtin_inff();

@@ -245,7 +245,7 @@ def host_copies(engine_dir: Path, tmp_path: Path) -> list[Path]:
     return [Path(shutil.copytree(engine_dir, tmp_path / f"host{host}" / engine_dir.name)) for host in (0, 1)]
 
 
-def launch_two_hosts(command: list[str], engine_dirs: list[Path], tmp_path: Path) -> list:
+def launch_two_hosts(command: list[str], engine_dirs: list[Path]) -> list:
     """``torchrun`` of ``command --engine DIR`` for hosts 0 and 1 (each its own engine copy), run to the end;
     their CompletedProcess-like results in host order."""
     import subprocess
@@ -278,7 +278,7 @@ def test_torchrun_across_two_hosts_generates_tp1s_completion(tiny_tp2_engine_dir
 
     generate = [venv_executable("kilnlm"), "generate", "--max-tokens", "12", "--ignore-eos", "Hello there"]
     expected = subprocess.run([*generate, "--engine", str(tiny_engine_dir)], capture_output=True, text=True, check=True)
-    host0, host1 = launch_two_hosts(generate, host_copies(tiny_tp2_engine_dir, tmp_path), tmp_path)
+    host0, host1 = launch_two_hosts(generate, host_copies(tiny_tp2_engine_dir, tmp_path))
     assert host0.returncode == 0 and host1.returncode == 0, host0.stderr[-3000:] + host1.stderr[-3000:]
     assert host0.stdout == expected.stdout and expected.stdout.strip()
     assert host1.stdout == ""
@@ -292,7 +292,7 @@ def test_launched_ranks_refuse_different_manifests(tiny_tp2_engine_dir, tmp_path
     copies = host_copies(tiny_tp2_engine_dir, tmp_path)
     with open(copies[1] / "manifest.json", "a") as manifest:
         manifest.write("\n")
-    host0, host1 = launch_two_hosts([venv_executable("kilnlm"), "generate", "Hello"], copies, tmp_path)
+    host0, host1 = launch_two_hosts([venv_executable("kilnlm"), "generate", "Hello"], copies)
     assert host0.returncode != 0 and host1.returncode != 0 and host0.stdout == ""
     assert "rank 1's manifest.json is not rank 0's" in host0.stderr
 
