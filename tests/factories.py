@@ -122,8 +122,9 @@ BATCH_INVARIANT_SKIP_REASON = ("without KILNLM_BATCH_INVARIANT=1 the linear kern
 
 def cpu_has(*flags: str) -> bool:
     """Whether this CPU reports every one of ``flags`` in /proc/cpuinfo (and KILNLM_CPU_ISA does not cap the
-    kernels below AVX-512)."""
-    if os.environ.get("KILNLM_CPU_ISA", "").lower() in ("generic", "avx2"):
+    kernels below AVX-512, or below AMX for AMX flags)."""
+    cap = os.environ.get("KILNLM_CPU_ISA", "").lower()
+    if cap in ("generic", "avx2") or (cap in ("avx512", "avx512bf16") and any(f.startswith("amx") for f in flags)):
         return False
     try:
         with open("/proc/cpuinfo") as cpuinfo:

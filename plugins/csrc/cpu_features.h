@@ -6,11 +6,17 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace kiln {
 
 // The environment variable KILNLM_CPU_ISA (read once per process) caps the paths used, e.g. to test the
 // portable ones on a machine that has more: "generic" (scalar only), "avx2" (no AVX-512 paths) or
-// "avx512" (no AVX512-VNNI path).
+// "avx512" (no AVX512-VNNI or AMX path) or "avx512bf16" (no AMX path).
 inline bool cpu_isa_capped_at(const char* level) {
   const char* cap = std::getenv("KILNLM_CPU_ISA");
   return cap != nullptr && std::strcmp(cap, level) == 0;
@@ -67,6 +73,26 @@ inline bool cpu_has_avx512_bf16_vbmi() {
 inline bool cpu_has_avx512_vnni() {
 #if defined(__x86_64__)
   static const bool has = cpu_has_avx512() && !cpu_isa_capped_at("avx512") && __builtin_cpu_supports("avx512vnni");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// AMX with BF16 tiles (Intel Sapphire Rapids and later), which Linux lends a process only on request:
+// CPUID.(EAX=7, ECX=0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), then arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA) granting the tile data state (without it the first tile instruction raises SIGILL).
+// The bfloat16 gemm at every token count (gemm.cpp). KILNLM_CPU_ISA=avx512 or avx512bf16 turns it off.
+inline bool cpu_has_amx_bf16() {
+#if defined(__x86_64__)
+  static const bool has = [] {
+    if (!cpu_has_avx512_bf16() || cpu_isa_capped_at("avx512") || cpu_isa_capped_at("avx512bf16")) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if ((edx & (1u << 22)) == 0 || (edx & (1u << 24)) == 0) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // linux/arch/x86/include/uapi/asm/prctl.h
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
   return has;
 #else
   return false;

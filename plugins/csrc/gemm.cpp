@@ -1,8 +1,13 @@
 // kilnlm::gemm, CPU kernel (schema and numerics: kilnlm/plugins/schema.py): the 16/32-bit float linear
 // layers and the LM head, y [T, out] = x [T, in] @ weight [out, in].T + bias, accumulated in float32.
 //
+// - bfloat16 on CPUs with AMX-BF16 (Intel Sapphire Rapids and later), in_features a multiple of 32: AMX
+//   tiles at every token count (bf16_amx_gemm.h), the weight tiles loaded straight from the [out, in]
+//   tensor. Each (token, row) sums in one order whatever the token count, so this path is batch-invariant
+//   as it is. It streams the weights at decode as fast as the direct kernel below and runs the context
+//   phase and batched decode at several times its speed (docs/performance.md).
 // - bfloat16, up to kMaxDirectTokens = 64 tokens (generation steps of up to 64 sequences), on CPUs with
-//   AVX512-BF16: the weight rows are read once per call, straight from the [out, in] tensor, and multiplied with VDPBF16PS
+//   AVX512-BF16 but no AMX: the weight rows are read once per call, straight from the [out, in] tensor, and multiplied with VDPBF16PS
 //   (pairwise bf16 products, exact in float32, accumulated in float32) against every token; the tokens
 //   are taken in groups of 4 / 2 / 1 while a 16-row block of the weight is in L1/L2, so a batch of T
 //   generation tokens reads the weights from memory once (decode is bound by the bytes of weights read;
@@ -106,6 +111,39 @@ bool use_direct(const at::Tensor& x, const at::Tensor& weight, bool batch_invari
 #endif
 }
 
+bool use_amx(const at::Tensor& x, const at::Tensor& weight) {
+#if defined(__x86_64__)
+  return x.scalar_type() == at::kBFloat16 && weight.size(1) % 32 == 0 && weight.size(1) > 0 && x.size(0) > 0 &&
+         kiln::cpu_has_amx_bf16();
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__)
+// The AMX path (top of the file): x packed into B tiles once, then 32-row blocks of the weight split
+// between the threads.
+at::Tensor gemm_amx(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const int64_t num_tokens = x.size(0), k = x.size(1), n = weight.size(0);
+  at::Tensor y = at::empty({num_tokens, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (n == 0) return y;
+  const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* packed = reinterpret_cast<uint32_t*>(kiln::thread_scratch<0>(amxbf16::amx_packed_x_size(num_tokens, k)));
+  amxbf16::amx_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), num_tokens, x.stride(0), k, packed);
+  const amxbf16::GemvEpilogue epilogue(y.data_ptr<at::BFloat16>(), n, b);
+  kiln::parallel_row_blocks(n, amxbf16::kAmxBlockRows, [&](int64_t r0, int64_t r1) {
+    // 32 rows of bfloat16 for a partial last block
+    auto* tail = reinterpret_cast<uint16_t*>(kiln::thread_scratch<1>(amxbf16::kAmxBlockRows * k / 2));
+    amxbf16::amx_gemm_rows(packed, num_tokens, wp, k, r0, r1, tail, epilogue);
+  });
+  return y;
+}
+#endif
+
 // acc[t, r] (row stride n) for weight rows [r0, r1): the AVX2 GEMV where the CPU has it, else its portable
 // twin (gemm_kernels.h).
 template <typename W>
@@ -197,6 +235,9 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
   if (x_in.scalar_type() == at::kFloat &&
       ((x_in.size(0) <= kMaxGemvTokensF32 && kiln::cpu_has_avx2_fma_f16c()) || batch_invariant))
     return gemm_widened<float>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
+#if defined(__x86_64__)
+  if (use_amx(x_in, weight_in)) return gemm_amx(x_in, weight_in, bias);
+#endif
   const bool direct = use_direct(x_in, weight_in, batch_invariant);
   if (batch_invariant && !direct) return gemm_widened<at::BFloat16>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
   if (!direct || x_in.size(0) == 0) return at::linear(x_in, weight_in, bias);

@@ -1,5 +1,5 @@
 // Kernels of kilnlm::gemm, compiled per ISA by isa_variants.h (see there for the rules a kernel header
-// follows): the AVX512-BF16 GEMV (bf16_gemv.h over plain bfloat16 rows); the float32-accumulating GEMV of
+// follows): the AMX bfloat16 GEMM (bf16_amx_gemm.h); the AVX512-BF16 GEMV (bf16_gemv.h over plain bfloat16 rows); the float32-accumulating GEMV of
 // AVX2 (bfloat16 weights widened to float32 in registers, or float32 weights) and its portable scalar
 // twin, for bfloat16 on CPUs without AVX512-BF16 and, batch-invariant, for float32; the widening of weight
 // tiles for the float32 context-phase GEMM (see gemm.cpp). The GEMVs sum each (token, row) in one order
@@ -26,6 +26,11 @@ void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const ui
                const float* bias, uint16_t* y, int64_t r0, int64_t r1) {
   gemv_any_rows(x, num_tokens, x_stride, PlainRows<Bf16Weights>{w, k}, n, k, r0, r1, GemvEpilogue(y, n, bias));
 }
+
+#elif KILN_ISA == KILN_ISA_AMX_BF16
+#include "fp8_bf16_gemm.h"  // reduce16, for bf16_gemv.h
+#include "bf16_gemv.h"      // GemvEpilogue
+#include "bf16_amx_gemm.h"
 
 #elif KILN_ISA == KILN_ISA_AVX2
 

@@ -4,7 +4,7 @@
 //
 //   namespace kiln_fp8 {
 //   #define KILN_ISA_KERNELS "fp8_kernels.h"
-//   #include "isa_variants.h"   // kiln_fp8::generic::, avx2::, avx512::, avx512bf16::, avx512vbmi::, avx512vnni::
+//   #include "isa_variants.h"   // kiln_fp8::generic::, avx2::, ..., avx512vnni::, amxbf16::
 //   #undef KILN_ISA_KERNELS
 //
 // Inside the kernel header, KILN_ISA is the instruction set of the copy being compiled (one of the
@@ -21,6 +21,7 @@
 //   KILN_ISA_AVX512_BF16   avx512bf16   avx512 f/bw/vl/bf16, f16c                        cpu_has_avx512_bf16
 //   KILN_ISA_AVX512_VBMI   avx512vbmi   avx512 f/bw/vl/bf16/vbmi, f16c                   cpu_has_avx512_bf16_vbmi
 //   KILN_ISA_AVX512_VNNI   avx512vnni   avx512 f/bw/vl/dq/vnni + avx2, fma, f16c         cpu_has_avx512_vnni
+//   KILN_ISA_AMX_BF16      amxbf16      avx512 f/bw/vl/bf16, amx-tile, amx-bf16, f16c    cpu_has_amx_bf16
 //
 // No include guard: an op file includes it once per kernel header.
 
@@ -30,6 +31,7 @@
 #define KILN_ISA_AVX512_BF16 3
 #define KILN_ISA_AVX512_VBMI 4
 #define KILN_ISA_AVX512_VNNI 5
+#define KILN_ISA_AMX_BF16 6
 
 #ifndef KILN_ISA_KERNELS
 #error "define KILN_ISA_KERNELS as the kernel header to compile per ISA before including isa_variants.h"
@@ -96,6 +98,17 @@ namespace {
 #include KILN_ISA_KERNELS
 }  // namespace
 }  // namespace avx512vnni
+#undef KILN_ISA
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16,f16c")
+#define KILN_ISA KILN_ISA_AMX_BF16
+namespace amxbf16 {
+namespace {
+#include KILN_ISA_KERNELS
+}  // namespace
+}  // namespace amxbf16
 #undef KILN_ISA
 #pragma GCC pop_options
 #endif

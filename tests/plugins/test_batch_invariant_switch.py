@@ -65,7 +65,7 @@ print("\n".join(failures) or "ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["native", "avx512", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["native", "avx512bf16", "avx512", "avx2", "generic"])
 def test_every_linear_gives_each_row_its_bits_alone_on_every_isa_path(isa):
     env = dict(os.environ, KILNLM_BATCH_INVARIANT="1")
     env.pop("KILNLM_CPU_ISA", None)

@@ -1,7 +1,9 @@
 """The C++ kilnlm::gemm kernel (the 16/32-bit float linear layers and the LM head).
 
-bfloat16 with up to 64 tokens and in_features a multiple of 32 runs kilnlm's own AVX512-BF16 kernel
-where the CPU has it, float32 with up to 64 tokens kilnlm's AVX2 GEMV; more tokens or other shapes go to
+bfloat16 with in_features a multiple of 32 runs on AMX tiles at every token count where the CPU has AMX-BF16
+(Intel Sapphire Rapids and later; each row's bits then do not depend on the token count, checked below); else,
+up to 64 tokens, kilnlm's own AVX512-BF16 kernel where the CPU has it (KILNLM_CPU_ISA=avx512bf16 forces it on
+an AMX machine), float32 with up to 64 tokens kilnlm's AVX2 GEMV; more tokens or other shapes go to
 at::linear: the token sweep crosses those boundaries. On AVX2 CPUs without AVX512-BF16, bfloat16 runs kilnlm's AVX2 GEMV up to 16 tokens and float32
 tiles through at::mm beyond; the capped-ISA test checks those paths on any x86-64 machine. Both are checked against exact float64 dot products of the same
 bfloat16 operands: float32 accumulation in another summation order (a few float32 ulps of the
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from kilnlm.plugins.reference import gemm_reference
+from factories import cpu_has
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -100,12 +103,39 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512bf16"])
 def test_capped_isa_paths_match_exact_dot_products(isa):
     """bfloat16 through the AVX2 GEMV and float32 tiles, float32 through the same GEMV up to 64 tokens
     (KILNLM_CPU_ISA=avx2: 960x576 and 37x64 take the vector loop, 40x200 and 13x20 its 8-column and scalar
-    tails) and through at::linear (generic), in a fresh process, whatever the machine has."""
+    tails) and through at::linear (generic), and the AVX512-BF16 direct kernel up to 64 tokens with AMX
+    turned off (avx512bf16, on CPUs with AVX512-BF16), in a fresh process, whatever the machine has."""
     env = dict(os.environ, KILNLM_CPU_ISA=isa)
     result = subprocess.run([sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.skipif(not cpu_has("amx_bf16", "amx_tile"), reason="this CPU has no AMX-BF16 tiles (or KILNLM_CPU_ISA caps them)")
+@pytest.mark.parametrize("shape", [(960, 576), (200, 64), (49155, 576), (37, 1536)], ids=lambda s: "x".join(map(str, s)))
+def test_amx_rows_get_their_bits_alone_at_every_token_count(shape):
+    """On AMX every token count takes the tiles, without KILNLM_BATCH_INVARIANT: a row of x gives the same
+    bits alone, in any batch (across the 16-token B tiles and the 32-token pairs of them, past the direct
+    kernel's 64 and at::linear's range), and from a row-strided view; the rows of a partial last 32-row weight
+    block (960 = 30 x 32; 200, 49155 and 37 are not multiples of 32) included. An outlier channel makes the
+    float32 sums' order show in the bfloat16 output."""
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(out_features)
+    x = torch.randn(150, in_features, generator=gen) * 3
+    x[:, 5] *= 40
+    x = x.bfloat16()
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    alone = torch.cat([gemm(x[i:i + 1], w, bias) for i in range(40)])
+    for num_tokens in (2, 4, 5, 16, 17, 31, 32, 33, 64, 65, 150):
+        batch = gemm(x[:num_tokens], w, bias)
+        n = min(num_tokens, 40)
+        assert torch.equal(batch[:n], alone[:n]), f"{num_tokens} tokens: rows {(batch[:n] != alone[:n]).any(1).nonzero().flatten().tolist()}"
+    check_against_exact(gemm(x, w, bias), x, w, bias)
+    wide = torch.zeros(150, 2 * in_features).bfloat16()
+    wide[:, :in_features] = x
+    assert torch.equal(gemm(wide[:40, :in_features], w, bias), alone)

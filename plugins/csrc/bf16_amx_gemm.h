@@ -1,0 +1,164 @@
+// bfloat16 GEMM on AMX tiles (Intel Sapphire Rapids and later), y [T, n] = x [T, k] @ w [n, k].T, for
+// every token count T: the AMX copy of gemm_kernels.h (isa_variants.h), after bf16_gemv.h (GemvEpilogue).
+//
+// TDPBF16PS multiplies an A tile (16 rows of 32 bfloat16) by a B tile (16 rows of 16 bfloat16 pairs) into
+// a C tile (16 x 16 float32), each product exact in float32 and added to C in k order. Here A is the
+// weight itself -- 16 rows x 32 columns of the plain [n, k] tensor, loaded with a row stride of k, so the
+// weights need no repacking and the tied LM head keeps sharing the embedding's tensor -- and B is x
+// transposed into bfloat16 pairs (amx_pack_x, [T/16][k/32][16 pairs][16 tokens]), so a C tile is 16
+// weight rows x 16 tokens, transposed back on the way out. A block of 32 weight rows is multiplied against
+// 32 tokens at a time (4 C tiles, 2 A, 2 B: each loaded tile feeds two TDPBF16PS); its rows are read
+// from memory once per call and from cache for the further token blocks.
+//
+// Every (token, row) is one float32 chain over k in 32-column steps whatever the token count and whatever
+// tile the token or the row lands in, so a row's result is the same bits alone or in a batch of any size
+// (batch invariance; speculative verification sums as plain decoding does). Rows past the last whole
+// 32-row block are copied into a zero-padded block first, so they take the same arithmetic too.
+
+constexpr int64_t kAmxBlockRows = 32;  // weight rows per block: two 16-row A tiles
+constexpr int64_t kAmxTokens = 16;     // tokens per B / C tile
+
+// uint32 elements of amx_pack_x's output for num_tokens tokens of k columns (k a multiple of 32).
+inline int64_t amx_packed_x_size(int64_t num_tokens, int64_t k) {
+  return (num_tokens + kAmxTokens - 1) / kAmxTokens * kAmxTokens * (k / 2);
+}
+
+// In-register transpose of a 16 x 16 matrix of 32-bit elements, v[i] its row i in and its column i out.
+inline void transpose16x16(__m512 v[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    v[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    v[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    v[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    v[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  // v[4i + q], 128-bit lane l: rows 4i..4i+3, column 4l + q; gather the lanes
+  for (int q = 0; q < 4; ++q) {
+    const __m512 b0 = _mm512_shuffle_f32x4(v[q], v[4 + q], 0x88), b1 = _mm512_shuffle_f32x4(v[q], v[4 + q], 0xdd);
+    const __m512 b2 = _mm512_shuffle_f32x4(v[8 + q], v[12 + q], 0x88), b3 = _mm512_shuffle_f32x4(v[8 + q], v[12 + q], 0xdd);
+    t[q] = _mm512_shuffle_f32x4(b0, b2, 0x88);
+    t[8 + q] = _mm512_shuffle_f32x4(b0, b2, 0xdd);
+    t[4 + q] = _mm512_shuffle_f32x4(b1, b3, 0x88);
+    t[12 + q] = _mm512_shuffle_f32x4(b1, b3, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
+}
+
+// packed[b][i][p][t] = bfloat16 pair (x[16b + t, 32i + 2p], x[16b + t, 32i + 2p + 1]) as uint32, zero for
+// the tokens past num_tokens: B tile (b, i) is the 1 KiB at packed + (b * k / 32 + i) * 256.
+void amx_pack_x(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t k, uint32_t* packed) {
+  const int64_t steps = k / 32;
+  for (int64_t b = 0; b * kAmxTokens < num_tokens; ++b)
+    for (int64_t i = 0; i < steps; ++i) {
+      __m512 v[16];
+      for (int64_t t = 0; t < kAmxTokens; ++t) {
+        const int64_t token = b * kAmxTokens + t;
+        v[t] = token < num_tokens ? _mm512_loadu_ps(x + token * x_stride + 32 * i) : _mm512_setzero_ps();
+      }
+      transpose16x16(v);
+      float* tile = reinterpret_cast<float*>(packed + (b * steps + i) * 256);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_ps(tile + 16 * p, v[p]);
+    }
+}
+
+// Palette 1, all eight tiles 16 rows x 64 bytes: C tiles 0-3, A (weights) 4-5, B (x) 6-7.
+inline void amx_configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  _tile_loadconfig(&config);
+}
+
+// One 32-row block of weights w (rows k apart) against every token of packed x: y rows r..r + valid_rows
+// through `epilogue`.
+inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, int64_t num_tokens, int64_t r,
+                      int64_t valid_rows, const GemvEpilogue& epilogue) {
+  const int64_t steps = k / 32, stride = k * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t token_blocks = (num_tokens + kAmxTokens - 1) / kAmxTokens;
+  const uint16_t* w1 = w + 16 * k;
+  alignas(64) float c[4][16][16];  // C tile q: rows 16 * (q / 2).., tokens of block b + q % 2
+  for (int64_t b = 0; b < token_blocks; b += 2) {
+    const bool two = b + 1 < token_blocks;
+    const uint32_t* b0 = packed_x + b * steps * 256;
+    const uint32_t* b1 = b0 + steps * 256;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (two) {
+      for (int64_t i = 0; i < steps; ++i) {
+        _tile_loadd(4, w + 32 * i, stride);
+        _tile_loadd(5, w1 + 32 * i, stride);
+        _tile_loadd(6, b0 + 256 * i, 64);
+        _tile_loadd(7, b1 + 256 * i, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    } else {
+      for (int64_t i = 0; i < steps; ++i) {
+        _tile_loadd(4, w + 32 * i, stride);
+        _tile_loadd(5, w1 + 32 * i, stride);
+        _tile_loadd(6, b0 + 256 * i, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    if (two) {
+      _tile_stored(1, c[1], 64);
+      _tile_stored(3, c[3], 64);
+    }
+    for (int q = 0; q < 4; ++q) {
+      const int64_t t0 = (b + q % 2) * kAmxTokens, row0 = 16 * (q / 2);
+      // (no std::min here: see isa_variants.h)
+      const int64_t rows = valid_rows - row0 < 16 ? valid_rows - row0 : 16;
+      const int64_t tokens = num_tokens - t0 < kAmxTokens ? num_tokens - t0 : kAmxTokens;
+      if (rows <= 0 || tokens <= 0) continue;
+      __m512 v[16];
+      if (tokens <= 4) {  // a few tokens (decode): each one's column of C alone
+        const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32(16));
+        for (int64_t t = 0; t < tokens; ++t) v[t] = _mm512_i32gather_ps(column, &c[q][0][t], 4);
+      } else {
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_load_ps(c[q][i]);
+        transpose16x16(v);
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (rows == 16) {
+          epilogue.store16<16>(t0 + t, r + row0, v[t]);
+        } else {
+          alignas(64) float sums[16];
+          _mm512_store_ps(sums, v[t]);
+          for (int64_t i = 0; i < rows; ++i) epilogue.store1(t0 + t, r + row0 + i, sums[i]);
+        }
+      }
+    }
+  }
+}
+
+// y rows [r0, r1) of w [n, k] (r0 a multiple of 32; k a multiple of 32) against every token of packed x
+// (amx_pack_x), through `epilogue`. tail_block: 32 * k bfloat16 of scratch for the rows past the last
+// whole block (r1 == n, n % 32 != 0).
+void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t* w, int64_t k, int64_t r0, int64_t r1,
+                   uint16_t* tail_block, const GemvEpilogue& epilogue) {
+  amx_configure_tiles();
+  int64_t r = r0;
+  for (; r + kAmxBlockRows <= r1; r += kAmxBlockRows) amx_block(w + r * k, k, packed_x, num_tokens, r, kAmxBlockRows, epilogue);
+  if (r < r1) {
+    __builtin_memcpy(tail_block, w + r * k, static_cast<size_t>((r1 - r) * k) * sizeof(uint16_t));
+    __builtin_memset(tail_block + (r1 - r) * k, 0, static_cast<size_t>((kAmxBlockRows - (r1 - r)) * k) * sizeof(uint16_t));
+    amx_block(tail_block, k, packed_x, num_tokens, r, r1 - r, epilogue);
+  }
+  _tile_release();
+}
