@@ -4,15 +4,15 @@
 // - bfloat16 on CPUs with AMX-BF16 (Intel Sapphire Rapids and later), in_features a multiple of 32: AMX
 //   tiles at every token count (bf16_amx_gemm.h), the weight tiles loaded straight from the [out, in]
 //   tensor. Each (token, row) sums in one order whatever the token count, so this path is batch-invariant
-//   as it is. It streams the weights at decode as fast as the direct kernel below and runs the context
-//   phase and batched decode at several times its speed (docs/performance.md).
+//   as it is. At one token it streams the weights as fast as the direct kernel below, at 16-64 tokens it
+//   is 2.6-3.5x faster, and past 64 about as fast as at::linear (oneDNN on AMX; docs/performance.md).
 // - bfloat16, up to kMaxDirectTokens = 64 tokens (generation steps of up to 64 sequences), on CPUs with
-//   AVX512-BF16 but no AMX: the weight rows are read once per call, straight from the [out, in] tensor, and multiplied with VDPBF16PS
-//   (pairwise bf16 products, exact in float32, accumulated in float32) against every token; the tokens
-//   are taken in groups of 4 / 2 / 1 while a 16-row block of the weight is in L1/L2, so a batch of T
-//   generation tokens reads the weights from memory once (decode is bound by the bytes of weights read;
-//   bf16_gemv.h). The last out % 16 rows are computed one at a time. With KILNLM_BATCH_INVARIANT=1
-//   (cpu_features.h), every token count, 64 tokens at a time.
+//   AVX512-BF16 but no AMX: the weight rows are read once per call, straight from the [out, in] tensor,
+//   and multiplied with VDPBF16PS (pairwise bf16 products, exact in float32, accumulated in float32)
+//   against every token; the tokens are taken in groups of 4 / 2 / 1 while a 16-row block of the weight
+//   is in L1/L2, so a batch of T generation tokens reads the weights from memory once (decode is bound by
+//   the bytes of weights read; bf16_gemv.h). The last out % 16 rows are computed one at a time. With
+//   KILNLM_BATCH_INVARIANT=1 (cpu_features.h), every token count, 64 tokens at a time.
 // - bfloat16 on CPUs with AVX2 but not AVX512-BF16 (AMD Zen 2/3, Intel before Cooper Lake): at::linear's
 //   bfloat16 GEMM there has no native bf16 arithmetic and runs at ~13 GB/s in the generation phase and
 //   ~8 GFLOP/s in the context phase (SmolLM2's layers, 2 cores). Up to kMaxDirectTokensAvx2 tokens, a GEMV
