@@ -80,7 +80,7 @@ inline void amx_configure_tiles() {
 // One 32-row block of weights w (rows k apart) against every token of packed x: y rows r..r + valid_rows
 // through `epilogue`.
 inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, int64_t num_tokens, int64_t r,
-                      int64_t valid_rows, const uint16_t* prefetch_rows, const GemvEpilogue& epilogue) {
+                      int64_t valid_rows, const GemvEpilogue& epilogue) {
   const int64_t steps = k / 32, stride = k * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t token_blocks = (num_tokens + kAmxTokens - 1) / kAmxTokens;
   const uint16_t* w1 = w + 16 * k;
@@ -106,8 +106,6 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
       }
     } else {
       for (int64_t i = 0; i < steps; ++i) {
-        if (prefetch_rows != nullptr && b == 0)  // the block after next, one 64-byte line per row per step
-          for (int j = 0; j < 32; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch_rows + j * k + 32 * i), _MM_HINT_T0);
         _tile_loadd(4, w + 32 * i, stride);
         _tile_loadd(5, w1 + 32 * i, stride);
         _tile_loadd(6, b0 + 256 * i, 64);
@@ -156,15 +154,11 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
                    uint16_t* tail_block, const GemvEpilogue& epilogue) {
   amx_configure_tiles();
   int64_t r = r0;
-  for (; r + kAmxBlockRows <= r1; r += kAmxBlockRows) {
-    const int64_t ahead = r + 2 * kAmxBlockRows;
-    amx_block(w + r * k, k, packed_x, num_tokens, r, kAmxBlockRows, ahead + kAmxBlockRows <= r1 ? w + ahead * k : nullptr,
-              epilogue);
-  }
+  for (; r + kAmxBlockRows <= r1; r += kAmxBlockRows) amx_block(w + r * k, k, packed_x, num_tokens, r, kAmxBlockRows, epilogue);
   if (r < r1) {
     __builtin_memcpy(tail_block, w + r * k, static_cast<size_t>((r1 - r) * k) * sizeof(uint16_t));
     __builtin_memset(tail_block + (r1 - r) * k, 0, static_cast<size_t>((kAmxBlockRows - (r1 - r)) * k) * sizeof(uint16_t));
-    amx_block(tail_block, k, packed_x, num_tokens, r, r1 - r, nullptr, epilogue);
+    amx_block(tail_block, k, packed_x, num_tokens, r, r1 - r, epilogue);
   }
   _tile_release();
 }

@@ -232,6 +232,10 @@ struct Fp8Format {
 
   bool context_sums_like_gemv() const { return bf16_context_gemm() && gemv_order64(); }
 
+  // No AMX for the context tiles: with AVX512-BF16 and VBMI (every AMX CPU) they sum each row as the GEMV
+  // does, so a row's bits never depend on the token count (tests/plugins/test_fp8_linear_cpu.py).
+  bool amx_context() const { return false; }
+
   void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const {
     exact_bf16_row(x, shape.in, dst);
 #if defined(__x86_64__)

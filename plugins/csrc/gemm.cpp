@@ -47,6 +47,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_bf16.h"
 #include "bf16_bits.h"
 #include "c_shim.h"
 #include "cpu_features.h"
@@ -265,6 +266,25 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
 }
 
 }  // namespace kiln_gemm
+
+#if defined(__x86_64__)
+namespace kiln {
+
+int64_t amx_bf16_packed_size(int64_t num_tokens, int64_t k) { return kiln_gemm::amxbf16::amx_packed_x_size(num_tokens, k); }
+
+void amx_bf16_pack(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t k, uint32_t* packed) {
+  kiln_gemm::amxbf16::amx_pack_x(x, num_tokens, x_stride, k, packed);
+}
+
+void amx_bf16_sums(const uint32_t* packed, int64_t num_tokens, const uint16_t* w, int64_t rows, int64_t k, float* acc,
+                   int64_t acc_stride) {
+  TORCH_CHECK(rows % kiln_gemm::amxbf16::kAmxBlockRows == 0, "amx_bf16_sums: rows must be a multiple of 32, got ", rows);
+  const kiln_gemm::amxbf16::GemvEpilogue sums(acc, acc_stride, /*bias=*/nullptr, /*row_scale=*/nullptr, /*out_bf16=*/false);
+  kiln_gemm::amxbf16::amx_gemm_rows(packed, num_tokens, w, k, 0, rows, /*tail_block=*/nullptr, sums);
+}
+
+}  // namespace kiln
+#endif
 
 TORCH_LIBRARY_IMPL(kilnlm, CPU, m) { m.impl("gemm", &kiln_gemm::gemm_cpu); }
 

@@ -277,6 +277,9 @@ struct Int4Format {
   // The tiles round x to bfloat16 (or sum through at::mm) where the GEMV does not.
   bool context_sums_like_gemv() const { return false; }
 
+  // The bf16 context tiles run on AMX where the CPU has it (quant_linear.h).
+  bool amx_context() const { return true; }
+
   // xs in `order`.
   void prepare_xs(XOrder order) const {
     if (x_bf16()) prepare_activations<at::BFloat16>(x, pqs, problem.group_size, order, xs);

@@ -141,6 +141,10 @@ struct Int8Format {
   // as the GEMV does.
   bool context_sums_like_gemv() const { return bf16_gemv_sums_like_tiles() && kiln::batch_invariant_requested(); }
 
+  // The bf16 context tiles run on AMX where the CPU has it (quant_linear.h), but for KILNLM_BATCH_INVARIANT,
+  // where they must sum as the bf16 GEMV does.
+  bool amx_context() const { return !context_sums_like_gemv(); }
+
   template <typename scalar_t>
   void generation(scalar_t* out) const {
     const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;

@@ -9,7 +9,8 @@
 //   T <= the format's GEMV token limit  -> generation phase: format.generation(out), a fused
 //   (every T with KILNLM_BATCH_INVARIANT   dequantize-and-multiply GEMV (each weight byte read once per
 //   where the tiles sum in another order)  call; memory bound), usually through run_gemv below
-//   more tokens, bf16 context GEMM      -> tiles of kTileRows output rows as exact bfloat16, VDPBF16PS
+//   more tokens, bf16 context GEMM      -> tiles of kTileRows output rows as exact bfloat16, VDPBF16PS (AMX
+//                                          tiles where the CPU has AMX-BF16 and the format's amx_context())
 //   more tokens, otherwise              -> tiles of kTileRows output rows as float32, at::mm
 //
 // A format (Fp8Format, Int4Format, Int8Format in the ops' files) provides:
@@ -24,6 +25,7 @@
 //   x_row_bf16(x, dst, k_pad)    one row of that x as bfloat16 bits into dst [k_pad] (zero-filled)
 //   tile_bf16(r0, r1, dst, k_pad) rows [r0, r1) as bfloat16 bits into dst [r1 - r0, k_pad] (zero-filled)
 //   bf16_gemm(...)               the AVX512-BF16 GEMM of its ISA namespace (fp8_bf16_gemm.h, bf16_gemm_nt)
+//   amx_context()                whether the bf16 tiles may run on AMX instead (amx_bf16.h) where the CPU has it
 //   epilogue, f32_tile_epilogue  Epilogue: what the float32 sums are scaled by (the float32 tiles may carry
 //                                the row scale already)
 #pragma once
@@ -36,6 +38,7 @@
 #include <optional>
 #include <vector>
 
+#include "amx_bf16.h"
 #include "cpu_features.h"
 #include "row_blocks.h"
 
@@ -147,6 +150,27 @@ void run_tiled_bf16(const Format& format, const LinearShape& s, scalar_t* out) {
     for (int64_t t = t0; t < t1; ++t) format.x_row_bf16(x + t * s.in, xb.data() + t * k_pad, k_pad);
   });
   const int64_t num_tiles = (s.out_features + kTileRows - 1) / kTileRows;
+#if defined(__x86_64__)
+  // AMX (amx_bf16.h) where the format takes it (amx_context: not where its tiles must sum each row as its
+  // GEMV does): x packed into B tiles once; each tile's rows, zero-padded to 32, are the A tiles.
+  if (cpu_has_amx_bf16() && format.amx_context()) {
+    std::vector<uint32_t> packed(static_cast<size_t>(amx_bf16_packed_size(s.num_tokens, k_pad)));
+    amx_bf16_pack(xb.data(), s.num_tokens, k_pad, k_pad, packed.data());
+    at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
+      std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad] bf16 bits
+      std::vector<float> acc(static_cast<size_t>(s.num_tokens * kTileRows));  // [T, kTileRows]
+      for (int64_t tile = tile0; tile < tile1; ++tile) {
+        const int64_t r0 = tile * kTileRows, r1 = std::min(s.out_features, r0 + kTileRows);
+        const int64_t rows_pad = (r1 - r0 + 31) / 32 * 32;
+        format.tile_bf16(r0, r1, wb.data(), k_pad);
+        std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
+        amx_bf16_sums(packed.data(), s.num_tokens, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
+        format.epilogue.store(acc.data(), kTileRows, s.num_tokens, r0, r1, out, s.out_features);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
     std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad] bf16 bits
     std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));  // [tokens_pad, kTileRows]

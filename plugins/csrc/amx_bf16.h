@@ -1,0 +1,22 @@
+// The AMX bfloat16 GEMM (bf16_amx_gemm.h, compiled once, in gemm.cpp's AMX copy) for the other ops' CPU
+// files: the quantized linears' context phase multiplies its dequantized bfloat16 weight tiles with it
+// (quant_linear.h). Included at file scope with the torch headers; call only where kiln::cpu_has_amx_bf16().
+#pragma once
+
+#include <cstdint>
+
+namespace kiln {
+
+// uint32 elements amx_bf16_pack writes for num_tokens tokens of k columns (k a multiple of 32).
+int64_t amx_bf16_packed_size(int64_t num_tokens, int64_t k);
+
+// x [num_tokens, k] bfloat16 bits (rows x_stride apart) into AMX B tiles: packed [amx_bf16_packed_size].
+void amx_bf16_pack(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t k, uint32_t* packed);
+
+// acc[t * acc_stride + r] = float32 sum over c of x[t, c] * w[r, c] for r < rows (a multiple of 32) and
+// t < num_tokens, from packed x and w [rows, k] bfloat16 bits; one float32 chain per (t, r) over k in
+// 32-column steps, the same at every token count. Runs on the calling thread.
+void amx_bf16_sums(const uint32_t* packed, int64_t num_tokens, const uint16_t* w, int64_t rows, int64_t k, float* acc,
+                   int64_t acc_stride);
+
+}  // namespace kiln
