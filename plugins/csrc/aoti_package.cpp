@@ -18,10 +18,15 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/extension.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace kiln_aoti {
@@ -35,6 +40,50 @@ class AotiPackage {
   // from the model or a kernel) reach Python as RuntimeError; a kilnlm op's message crosses its C shim
   // in torch's per-thread shim exception state (c_shim.h), which torch's runner puts in its error.
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) { return loader_->run(inputs); }
+
+  // AOTInductor's CPU model copies its constants into one std::malloc'd blob (torch 2.13, model_base.h
+  // RAII_cpuMalloc), each at a 64-byte offset inside it; glibc returns a large block 16 bytes past a page
+  // boundary, so every weight row of 64-byte multiples starts 16 bytes into a cache line, and a 64-byte
+  // load of it touches two lines. This moves the constants into one buffer aligned to 2 MiB (huge pages
+  // from the first touch, MADV_HUGEPAGE), each at a 64-byte boundary, through AOTInductor's own weight
+  // swap (the inactive constant buffer, user-managed tensors, swap, free of the old blob). Returns the
+  // bytes moved, 0 when every constant already starts on a 64-byte boundary, or -1 when one is not a
+  // plain contiguous CPU tensor (then nothing changes).
+  int64_t realign_constants() {
+    constexpr size_t kAlign = 64, kHugePage = size_t{2} << 20;
+    auto* runner = loader_->get_runner();
+    const auto by_fqn = runner->extract_constants_map(/*use_inactive=*/false);
+    const auto fqns = runner->getConstantNamesToOriginalFQNs();
+    size_t total = 0;
+    bool misaligned = false;
+    for (const auto& [name, fqn] : fqns) {
+      const auto it = by_fqn.find(fqn);
+      if (it == by_fqn.end()) return -1;
+      const at::Tensor& t = it->second;
+      if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() || t.storage_offset() != 0) return -1;
+      misaligned = misaligned || reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlign != 0;
+      total += (t.nbytes() + kAlign - 1) / kAlign * kAlign;
+    }
+    if (!misaligned || total == 0) return 0;
+    const size_t size = (total + kHugePage - 1) / kHugePage * kHugePage;
+    void* buffer = std::aligned_alloc(kHugePage, size);
+    TORCH_CHECK(buffer != nullptr, "kilnlm: could not allocate ", size, " bytes for the engine's weights");
+    constants_buffer_.reset(buffer);
+    madvise(buffer, size, MADV_HUGEPAGE);  // a hint: without transparent huge pages the copy still aligns
+    size_t offset = 0;
+    for (const auto& [name, fqn] : fqns) {
+      const at::Tensor& t = by_fqn.at(fqn);
+      auto* dst = static_cast<uint8_t*>(buffer) + offset;
+      std::memcpy(dst, t.data_ptr(), t.nbytes());
+      realigned_.emplace(name, at::from_blob(dst, t.sizes(), t.strides(), t.options()));
+      offset += (t.nbytes() + kAlign - 1) / kAlign * kAlign;
+    }
+    runner->update_constant_buffer(realigned_, /*use_inactive=*/true, /*validate_full_updates=*/true,
+                                   /*user_managed=*/true);
+    runner->swap_constant_buffer();
+    runner->free_inactive_constant_buffer();
+    return static_cast<int64_t>(total);
+  }
 
   // [begin, end) addresses spanned by the model's CPU constants (its weights), for
   // kilnlm.runtime.memory.advise_huge_pages; [0, 0] when it has none.
@@ -52,6 +101,12 @@ class AotiPackage {
   }
 
  private:
+  struct FreeDeleter {
+    void operator()(void* p) const { std::free(p); }
+  };
+  // Declared before loader_, so destroyed after it: the model's constants live here after realign_constants.
+  std::unique_ptr<void, FreeDeleter> constants_buffer_;
+  std::unordered_map<std::string, at::Tensor> realigned_;  // the model holds pointers to these tensors
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
 };
 
@@ -66,7 +121,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::string>(), pybind11::arg("package_path"))
       .def("run", &kiln_aoti::AotiPackage::run, pybind11::arg("inputs"),
            pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("constants_span", &kiln_aoti::AotiPackage::constants_span);
+      .def("constants_span", &kiln_aoti::AotiPackage::constants_span)
+      .def("realign_constants", &kiln_aoti::AotiPackage::realign_constants);
   m.def("set_tensor_parallel_group_name", &kiln_collectives::set_tensor_parallel_group_name,
         pybind11::arg("group_name"),
         "The c10d group name (ProcessGroup.group_name) of the process's tensor-parallel group, which "

@@ -56,6 +56,35 @@ def test_engine_weights_span_is_its_constants(tiny_engine_dir):
     assert end - begin <= weights, "the constants span more than the whole package holds"
 
 
+def test_engine_weights_are_moved_to_64_byte_boundaries(tiny_engine_dir):
+    """AOTInductor's CPU model keeps its constants in a std::malloc'd blob, 16 bytes into a cache line when
+    glibc maps it; the package moves them into one buffer on a 2 MiB boundary, each constant on a 64-byte
+    one, and Engine.load has done so: asking again finds every constant aligned (0 bytes to move, not -1 for
+    constants it cannot move)."""
+    import shutil
+    import tempfile
+    import zipfile
+
+    from kilnlm.plugins.cpu import load_aoti_package
+    from kilnlm.runtime.engine import Engine
+
+    extracted = tempfile.mkdtemp()
+    try:
+        with zipfile.ZipFile(next(Path(tiny_engine_dir).glob("*.pt2"))) as archive:
+            archive.extractall(extracted)
+        package = load_aoti_package(extracted)
+    finally:
+        shutil.rmtree(extracted)
+    begin, end = package.constants_span()
+    moved = package.realign_constants()
+    assert moved >= 0
+    if moved:
+        assert moved >= end - begin - 64 * 1024
+        assert package.constants_span()[0] % HUGE_PAGE_BYTES == 0
+    assert package.realign_constants() == 0
+    assert Engine.load(tiny_engine_dir).backend.package.realign_constants() == 0
+
+
 def test_advice_before_first_touch_gives_huge_pages_on_fault(tiny_engine_dir):
     """allocate_kv_cache advises the pool before zeroing it (no collapse, no copy): the pool is zeros, and
     where Linux has transparent huge pages its memory is backed by them."""
