@@ -10,7 +10,8 @@ namespace kiln {
 // uint32 elements amx_bf16_pack writes for num_tokens tokens of k columns (k a multiple of 32).
 int64_t amx_bf16_packed_size(int64_t num_tokens, int64_t k);
 
-// x [num_tokens, k] bfloat16 bits (rows x_stride apart) into AMX B tiles: packed [amx_bf16_packed_size].
+// x [num_tokens, k] bfloat16 bits (rows x_stride apart) into AMX B tiles: packed [amx_bf16_packed_size]
+// (at::parallel_for over 16-token blocks, two at least per task).
 void amx_bf16_pack(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t k, uint32_t* packed);
 
 // acc[t * acc_stride + r] = float32 sum over c of x[t, c] * w[r, c] for r < rows (a multiple of 32) and

@@ -51,10 +51,12 @@ inline void transpose16x16(__m512 v[16]) {
 }
 
 // packed[b][i][p][t] = bfloat16 pair (x[16b + t, 32i + 2p], x[16b + t, 32i + 2p + 1]) as uint32, zero for
-// the tokens past num_tokens: B tile (b, i) is the 1 KiB at packed + (b * k / 32 + i) * 256.
-void amx_pack_x(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t k, uint32_t* packed) {
+// the tokens past num_tokens: B tile (b, i) is the 1 KiB at packed + (b * k / 32 + i) * 256. Token blocks
+// [b0, b1) of the (num_tokens + 15) / 16.
+void amx_pack_x(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t k, uint32_t* packed, int64_t b0,
+                int64_t b1) {
   const int64_t steps = k / 32;
-  for (int64_t b = 0; b * kAmxTokens < num_tokens; ++b)
+  for (int64_t b = b0; b < b1; ++b)
     for (int64_t i = 0; i < steps; ++i) {
       __m512 v[16];
       for (int64_t t = 0; t < kAmxTokens; ++t) {

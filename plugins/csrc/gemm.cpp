@@ -134,7 +134,7 @@ at::Tensor gemm_amx(const at::Tensor& x_in, const at::Tensor& weight_in, const s
   const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* packed = reinterpret_cast<uint32_t*>(kiln::thread_scratch<0>(amxbf16::amx_packed_x_size(num_tokens, k)));
-  amxbf16::amx_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), num_tokens, x.stride(0), k, packed);
+  kiln::amx_bf16_pack(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), num_tokens, x.stride(0), k, packed);
   const amxbf16::GemvEpilogue epilogue(y.data_ptr<at::BFloat16>(), n, b);
   kiln::parallel_row_blocks(n, amxbf16::kAmxBlockRows, [&](int64_t r0, int64_t r1) {
     // 32 rows of bfloat16 for a partial last block
@@ -273,7 +273,11 @@ namespace kiln {
 int64_t amx_bf16_packed_size(int64_t num_tokens, int64_t k) { return kiln_gemm::amxbf16::amx_packed_x_size(num_tokens, k); }
 
 void amx_bf16_pack(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t k, uint32_t* packed) {
-  kiln_gemm::amxbf16::amx_pack_x(x, num_tokens, x_stride, k, packed);
+  const int64_t blocks = (num_tokens + kiln_gemm::amxbf16::kAmxTokens - 1) / kiln_gemm::amxbf16::kAmxTokens;
+  // a block is 16 tokens x k: threads only for several (a prefill), not for a decode step's one
+  at::parallel_for(0, blocks, 2, [&](int64_t b0, int64_t b1) {
+    kiln_gemm::amxbf16::amx_pack_x(x, num_tokens, x_stride, k, packed, b0, b1);
+  });
 }
 
 void amx_bf16_sums(const uint32_t* packed, int64_t num_tokens, const uint16_t* w, int64_t rows, int64_t k, float* acc,
