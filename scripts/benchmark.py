@@ -8,8 +8,9 @@
 Scenarios (greedy, EOS ignored, the same prompt token ids for both; prompts are real English text from the
 standard library's ``pydoc_data.topics``):
 
-(a) one request, 128 prompt tokens, 128 output tokens: time to first token (TTFT) and decode tokens/s
-    (tokens after the first / time after the first). For kilnlm also the weight bytes read per decode step
+(a) one request, 128 prompt tokens, 128 output tokens: decode tokens/s (tokens after the first / time
+    after the first); then time to first token (TTFT), the median of 5 more requests of 128 other prompt
+    tokens, each alone (one output token). For kilnlm also the weight bytes read per decode step
     and the GB/s that achieves (gpt-fast's measure of how close batch-1 decode is to memory bandwidth).
 (b) 32 requests at once, 256 prompt tokens each, 128 output tokens each: wall time and output tokens/s.
     kilnlm: all submitted together to the executor (in-flight batching, chunked context);
@@ -152,6 +153,7 @@ def make_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[int]
     return [ids[i * stride: i * stride + num_tokens] for i in range(num_prompts)]
 
 
+TTFT_REQUESTS = 5  # scenario (a)'s TTFT: the median of this many requests, each alone, after its first
 SHARED_PREFIX = (64, 200, 56, 64)  # scenario (c): requests, prefix tokens, distinct tokens, output tokens
 
 
@@ -209,8 +211,10 @@ def measure_read_bandwidth_gbs(num_bytes: int = 1 << 30, num_passes: int = 7) ->
 
 
 def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list[list[int]], max_tokens: int,
-                 shared_prompts: list[list[int]] = (), shared_max_tokens: int = 0) -> Result:
-    """Scenario (a), then (b) unless ``batch_prompts`` is empty, then (c) unless ``shared_prompts`` is."""
+                 shared_prompts: list[list[int]] = (), shared_max_tokens: int = 0,
+                 ttft_prompts: list[list[int]] = ()) -> Result:
+    """Scenario (a) (its TTFT the median over ``ttft_prompts`` when given, each alone, after (a)'s request),
+    then (b) unless ``batch_prompts`` is empty, then (c) unless ``shared_prompts`` is."""
     from kilnlm.runtime.executor import Executor
     from kilnlm.runtime.request import SamplingParams
 
@@ -233,6 +237,13 @@ def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list
             stamps += [time.perf_counter()] * len(response.token_ids)
         result.ttft_s = stamps[0] - t0
         result.decode_tokens_per_s = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        if ttft_prompts:
+            ttfts = []
+            for prompt in ttft_prompts:
+                t0 = time.perf_counter()
+                next(executor.stream(executor.submit(prompt, SamplingParams(max_tokens=1, ignore_eos=True))))
+                ttfts.append(time.perf_counter() - t0)
+            result.ttft_s = statistics.median(ttfts)
         if batch_prompts:
             result.batch_wall_s, num_generated = run_batch(executor, batch_prompts, params)
             result.batch_tokens_per_s = num_generated / result.batch_wall_s
@@ -305,7 +316,7 @@ class _TimingStreamer:
 
 
 def bench_transformers(hf_dir: Path, dtype: torch.dtype, single_prompt: list[int], batch_prompts: list[list[int]],
-                       max_tokens: int) -> Result:
+                       max_tokens: int, ttft_prompts: list[list[int]] = ()) -> Result:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
@@ -318,6 +329,14 @@ def bench_transformers(hf_dir: Path, dtype: torch.dtype, single_prompt: list[int
         model.generate(torch.tensor([single_prompt]), streamer=streamer, **kwargs)
         result.ttft_s = streamer.stamps[0] - t0
         result.decode_tokens_per_s = (len(streamer.stamps) - 1) / (streamer.stamps[-1] - streamer.stamps[0])
+        if ttft_prompts:  # as bench_engine: each alone, the median
+            ttfts = []
+            for prompt in ttft_prompts:
+                streamer = _TimingStreamer()
+                t0 = time.perf_counter()
+                model.generate(torch.tensor([prompt]), streamer=streamer, do_sample=False, max_new_tokens=1, pad_token_id=0)
+                ttfts.append(streamer.stamps[0] - t0)
+            result.ttft_s = statistics.median(ttfts)
         if not batch_prompts:
             return result
 
@@ -494,6 +513,8 @@ def main() -> int:
     engines = {q: prepare_engine(args.work_dir, hf_dir, q) for q in formats}
     tokenizer = Tokenizer.from_dir(engines[formats[0]] / "tokenizer")
     single_prompt = make_prompts(tokenizer, 1, args.prompt_tokens[0])[0]
+    # other windows (the first is single_prompt): no prefix in common with it
+    ttft_prompts = make_prompts(tokenizer, TTFT_REQUESTS + 1, args.prompt_tokens[0])[1:]
     batch_prompts = [] if args.decode_only else make_prompts(tokenizer, args.num_requests, args.prompt_tokens[1])
     num_shared, prefix_tokens, distinct_tokens, shared_max_tokens = SHARED_PREFIX
     shared_prompts = [] if args.decode_only else make_shared_prefix_prompts(tokenizer, num_shared, prefix_tokens,
@@ -508,11 +529,12 @@ def main() -> int:
         dtype = hf_dtype(qformat)
         if not args.no_transformers and dtype not in hf_results:
             print(f"[bench] transformers {dtype} ...", flush=True)
-            hf_results[dtype] = bench_transformers(hf_dir, dtype, single_prompt, batch_prompts, args.max_tokens)
+            hf_results[dtype] = bench_transformers(hf_dir, dtype, single_prompt, batch_prompts, args.max_tokens,
+                                                   ttft_prompts)
             rows.append((f"transformers {str(dtype).removeprefix('torch.')}", None, hf_results[dtype], None, None, None))
         print(f"[bench] kilnlm {qformat} ...", flush=True)
         result = bench_engine(engines[qformat], single_prompt, batch_prompts, args.max_tokens, shared_prompts,
-                              shared_max_tokens)
+                              shared_max_tokens, ttft_prompts)
         weight_bytes = decode_weight_bytes(read_manifest(engines[qformat]), qformat)
         cold_s = None if args.decode_only else cold_start_s(engines[qformat])
         if args.speculative_config:
