@@ -4,8 +4,9 @@
 // - bfloat16 on CPUs with AMX-BF16 (Intel Sapphire Rapids and later), in_features a multiple of 32: AMX
 //   tiles at every token count (bf16_amx_gemm.h), the weight tiles loaded straight from the [out, in]
 //   tensor. Each (token, row) sums in one order whatever the token count, so this path is batch-invariant
-//   as it is. At one token it streams the weights as fast as the direct kernel below, at 16-64 tokens it
-//   is 2.6-3.5x faster, and past 64 about as fast as at::linear (oneDNN on AMX; docs/performance.md).
+//   as it is. At one token it streams the weights a few percent slower than the direct kernel below, at
+//   16-64 tokens it is 2.6-3.5x faster, and past 64 about as fast as at::linear (oneDNN on AMX;
+//   docs/performance.md).
 // - bfloat16, up to kMaxDirectTokens = 64 tokens (generation steps of up to 64 sequences), on CPUs with
 //   AVX512-BF16 but no AMX: the weight rows are read once per call, straight from the [out, in] tensor,
 //   and multiplied with VDPBF16PS (pairwise bf16 products, exact in float32, accumulated in float32)
