@@ -113,38 +113,14 @@ bool use_direct(const at::Tensor& x, const at::Tensor& weight, bool batch_invari
 #endif
 }
 
+// The AMX path (top of the file); it shares the direct kernel's shape requirements.
 bool use_amx(const at::Tensor& x, const at::Tensor& weight) {
 #if defined(__x86_64__)
-  return x.scalar_type() == at::kBFloat16 && weight.size(1) % 32 == 0 && weight.size(1) > 0 && x.size(0) > 0 &&
-         kiln::cpu_has_amx_bf16();
+  return x.scalar_type() == at::kBFloat16 && weight.size(1) % 32 == 0 && weight.size(1) > 0 && kiln::cpu_has_amx_bf16();
 #else
   return false;
 #endif
 }
-
-#if defined(__x86_64__)
-// The AMX path (top of the file): x packed into B tiles once, then 32-row blocks of the weight split
-// between the threads.
-at::Tensor gemm_amx(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias) {
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const at::Tensor weight = weight_in.contiguous();
-  const int64_t num_tokens = x.size(0), k = x.size(1), n = weight.size(0);
-  at::Tensor y = at::empty({num_tokens, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (n == 0) return y;
-  const at::Tensor bias_f32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  auto* packed = reinterpret_cast<uint32_t*>(kiln::thread_scratch<0>(amxbf16::amx_packed_x_size(num_tokens, k)));
-  kiln::amx_bf16_pack(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), num_tokens, x.stride(0), k, packed);
-  const amxbf16::GemvEpilogue epilogue(y.data_ptr<at::BFloat16>(), n, b);
-  kiln::parallel_row_blocks(n, amxbf16::kAmxBlockRows, [&](int64_t r0, int64_t r1) {
-    // 32 rows of bfloat16 for a partial last block
-    auto* tail = reinterpret_cast<uint16_t*>(kiln::thread_scratch<1>(amxbf16::kAmxBlockRows * k / 2));
-    amxbf16::amx_gemm_rows(packed, num_tokens, wp, k, r0, r1, tail, epilogue);
-  });
-  return y;
-}
-#endif
 
 // acc[t, r] (row stride n) for weight rows [r0, r1): the AVX2 GEMV where the CPU has it, else its portable
 // twin (gemm_kernels.h).
@@ -237,10 +213,8 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
   if (x_in.scalar_type() == at::kFloat &&
       ((x_in.size(0) <= kMaxGemvTokensF32 && kiln::cpu_has_avx2_fma_f16c()) || batch_invariant))
     return gemm_widened<float>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
-#if defined(__x86_64__)
-  if (use_amx(x_in, weight_in)) return gemm_amx(x_in, weight_in, bias);
-#endif
-  const bool direct = use_direct(x_in, weight_in, batch_invariant);
+  const bool amx = use_amx(x_in, weight_in);
+  const bool direct = amx || use_direct(x_in, weight_in, batch_invariant);
   if (batch_invariant && !direct) return gemm_widened<at::BFloat16>(x_in, weight_in, bias, /*gemv_every_token_count=*/true);
   if (!direct || x_in.size(0) == 0) return at::linear(x_in, weight_in, bias);
 #if defined(__x86_64__)
@@ -254,6 +228,17 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t x_stride = x.stride(0);
+  if (amx) {  // x packed into B tiles once, then 32-row blocks of the weight split between the threads
+    auto* packed = reinterpret_cast<uint32_t*>(kiln::thread_scratch<0>(amxbf16::amx_packed_x_size(num_tokens, k)));
+    kiln::amx_bf16_pack(xp, num_tokens, x_stride, k, packed);
+    const amxbf16::GemvEpilogue epilogue(yp, n, b);
+    kiln::parallel_row_blocks(n, amxbf16::kAmxBlockRows, [&](int64_t r0, int64_t r1) {
+      // 32 rows of bfloat16 for a partial last block
+      auto* tail = reinterpret_cast<uint16_t*>(kiln::thread_scratch<1>(amxbf16::kAmxBlockRows * k / 2));
+      amxbf16::amx_gemm_rows(packed, num_tokens, wp, k, r0, r1, tail, epilogue);
+    });
+    return y;
+  }
   for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxDirectTokens) {  // one pass unless batch-invariant
     const int64_t chunk = std::min(kMaxDirectTokens, num_tokens - t0);
     kiln::parallel_row_blocks(n, avx512bf16::kGemvBlockRows, [&](int64_t r0, int64_t r1) {

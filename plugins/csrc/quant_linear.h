@@ -140,7 +140,9 @@ void run_tiled_f32(const Format& format, const LinearShape& s, scalar_t* out) {
 
 // Context phase, bfloat16 (AVX512-BF16): x rounded (or exactly converted) to bfloat16 once, tiles of
 // kTileRows rows as bfloat16, VDPBF16PS products accumulated in float32; tokens padded to 4, rows to 4,
-// columns to 32 with zeros.
+// columns to 32 with zeros. With AMX (amx_bf16.h) where the format takes it (amx_context: not where its
+// tiles must sum each row as its GEMV does), x is packed into B tiles once and each tile's rows, padded
+// to 32, are the A tiles.
 template <typename scalar_t, typename Format>
 void run_tiled_bf16(const Format& format, const LinearShape& s, scalar_t* out) {
   const int64_t k_pad = (s.in + 31) / 32 * 32, tokens_pad = (s.num_tokens + 3) / 4 * 4;
@@ -149,37 +151,28 @@ void run_tiled_bf16(const Format& format, const LinearShape& s, scalar_t* out) {
   at::parallel_for(0, s.num_tokens, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) format.x_row_bf16(x + t * s.in, xb.data() + t * k_pad, k_pad);
   });
-  const int64_t num_tiles = (s.out_features + kTileRows - 1) / kTileRows;
 #if defined(__x86_64__)
-  // AMX (amx_bf16.h) where the format takes it (amx_context: not where its tiles must sum each row as its
-  // GEMV does): x packed into B tiles once; each tile's rows, zero-padded to 32, are the A tiles.
-  if (cpu_has_amx_bf16() && format.amx_context()) {
-    std::vector<uint32_t> packed(static_cast<size_t>(amx_bf16_packed_size(s.num_tokens, k_pad)));
-    amx_bf16_pack(xb.data(), s.num_tokens, k_pad, k_pad, packed.data());
-    at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-      std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad] bf16 bits
-      std::vector<float> acc(static_cast<size_t>(s.num_tokens * kTileRows));  // [T, kTileRows]
-      for (int64_t tile = tile0; tile < tile1; ++tile) {
-        const int64_t r0 = tile * kTileRows, r1 = std::min(s.out_features, r0 + kTileRows);
-        const int64_t rows_pad = (r1 - r0 + 31) / 32 * 32;
-        format.tile_bf16(r0, r1, wb.data(), k_pad);
-        std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
-        amx_bf16_sums(packed.data(), s.num_tokens, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
-        format.epilogue.store(acc.data(), kTileRows, s.num_tokens, r0, r1, out, s.out_features);
-      }
-    });
-    return;
-  }
+  const bool amx = cpu_has_amx_bf16() && format.amx_context();
+#else
+  const bool amx = false;
 #endif
+  std::vector<uint32_t> packed;  // x as AMX B tiles
+  if (amx) {
+    packed.resize(static_cast<size_t>(amx_bf16_packed_size(s.num_tokens, k_pad)));
+    amx_bf16_pack(xb.data(), s.num_tokens, k_pad, k_pad, packed.data());
+  }
+  const int64_t row_multiple = amx ? 32 : 4;
+  const int64_t num_tiles = (s.out_features + kTileRows - 1) / kTileRows;
   at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
     std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad] bf16 bits
     std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));  // [tokens_pad, kTileRows]
     for (int64_t tile = tile0; tile < tile1; ++tile) {
       const int64_t r0 = tile * kTileRows, r1 = std::min(s.out_features, r0 + kTileRows);
-      const int64_t rows_pad = (r1 - r0 + 3) / 4 * 4;
+      const int64_t rows_pad = (r1 - r0 + row_multiple - 1) / row_multiple * row_multiple;
       format.tile_bf16(r0, r1, wb.data(), k_pad);
       std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
-      format.bf16_gemm(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
+      if (amx) amx_bf16_sums(packed.data(), s.num_tokens, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
+      else format.bf16_gemm(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
       format.epilogue.store(acc.data(), kTileRows, s.num_tokens, r0, r1, out, s.out_features);
     }
   });
