@@ -119,23 +119,26 @@ def test_capped_isa_paths_match_exact_dot_products(isa):
 @pytest.mark.parametrize("shape", [(960, 576), (200, 64), (49155, 576), (37, 1536)], ids=lambda s: "x".join(map(str, s)))
 def test_amx_rows_get_their_bits_alone_at_every_token_count(shape):
     """On AMX every token count takes the tiles, without KILNLM_BATCH_INVARIANT: a row of x gives the same
-    bits alone, in any batch (across the 16-token B tiles and the 32-token pairs of them, past the direct
-    kernel's 64 and at::linear's range), and from a row-strided view; the rows of a partial last 32-row weight
-    block (960 = 30 x 32; 200, 49155 and 37 are not multiples of 32) included. An outlier channel makes the
-    float32 sums' order show in the bfloat16 output."""
+    bits alone, in any batch (across the 16-token B tiles, the 32-token pairs of them, the k chunks of
+    several pairs and the 256-token chunks, past the direct kernel's 64 and at::linear's range), and from a
+    row-strided view; the rows of a partial last 32-row weight block (960 = 30 x 32; 200, 49155 and 37 are
+    not multiples of 32) included. An outlier channel makes the float32 sums' order show in the bfloat16
+    output."""
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(out_features)
-    x = torch.randn(150, in_features, generator=gen) * 3
+    x = torch.randn(300, in_features, generator=gen) * 3
     x[:, 5] *= 40
     x = x.bfloat16()
     w = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16()
-    alone = torch.cat([gemm(x[i:i + 1], w, bias) for i in range(40)])
-    for num_tokens in (2, 4, 5, 16, 17, 31, 32, 33, 64, 65, 150):
+    rows = list(range(40)) + [255, 256, 257, 299]
+    alone = torch.cat([gemm(x[i:i + 1], w, bias) for i in rows])
+    for num_tokens in (2, 4, 5, 16, 17, 31, 32, 33, 64, 65, 150, 256, 300):
         batch = gemm(x[:num_tokens], w, bias)
-        n = min(num_tokens, 40)
-        assert torch.equal(batch[:n], alone[:n]), f"{num_tokens} tokens: rows {(batch[:n] != alone[:n]).any(1).nonzero().flatten().tolist()}"
+        seen = [j for j, i in enumerate(rows) if i < num_tokens]
+        differ = (batch[[rows[j] for j in seen]] != alone[seen]).any(1)
+        assert not differ.any(), f"{num_tokens} tokens: rows {[rows[seen[j]] for j in differ.nonzero().flatten().tolist()]}"
     check_against_exact(gemm(x, w, bias), x, w, bias)
-    wide = torch.zeros(150, 2 * in_features).bfloat16()
+    wide = torch.zeros(300, 2 * in_features).bfloat16()
     wide[:, :in_features] = x
-    assert torch.equal(gemm(wide[:40, :in_features], w, bias), alone)
+    assert torch.equal(gemm(wide[:, :in_features], w, bias)[rows], alone)
