@@ -196,8 +196,15 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
   }
   for (int64_t t = 0; t < num_tokens; t += kAmxChunkTokens) {
     const int64_t t_end = t + kAmxChunkTokens < num_tokens ? t + kAmxChunkTokens : num_tokens;
-    for (int64_t r = r0; r < whole_end; r += kAmxBlockRows)
+    for (int64_t r = r0; r < whole_end; r += kAmxBlockRows) {
+      // the next block's rows into L2 while this one computes, when it computes long enough (more than one
+      // token pair): a 128-token SmolLM2 prefill 4% faster, 8 x 256 tokens 7%; a decode step was slower
+      if (t_end - t > 2 * kAmxTokens && r + kAmxBlockRows < whole_end) {
+        const char* next = reinterpret_cast<const char*>(w + (r + kAmxBlockRows) * k);
+        for (int64_t b = 0; b < kAmxBlockRows * k * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+      }
       amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue);
+    }
     if (whole_end < r1) amx_block(tail_block, k, packed_x, t, t_end, whole_end, r1 - whole_end, epilogue);
   }
   _tile_release();
