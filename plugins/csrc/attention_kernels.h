@@ -504,10 +504,10 @@ constexpr int64_t kConvertMinQueries = 8;
 constexpr int kTileQueries = 4;
 static_assert(kTileQueries <= kScoreRows, "the scratch holds a tile's scores");
 
-// s[j * s_stride + o] = dot(q[j], k_o) for j < nq and o < n (n and D multiples of 16; q[nq..3] may repeat
-// q[0]): 4 query vectors x 4 keys per 16-accumulator reduction.
-template <typename kv_t>
-static inline void tile_scores(const float* const* q, int nq, const kv_t* k, int64_t row_stride, int64_t n, int64_t D,
+// s[j * s_stride + o] = dot(q[j], k_o) for j < NQ and o < n (n and D multiples of 16): up to 4 query
+// vectors x 4 keys per 16-accumulator reduction (the accumulators of absent query vectors stay zero).
+template <int NQ, typename kv_t>
+static inline void tile_scores(const float* const* q, const kv_t* k, int64_t row_stride, int64_t n, int64_t D,
                                float* s, int64_t s_stride) {
   for (int64_t o = 0; o < n; o += 4) {
     __m512 acc[16];
@@ -515,14 +515,14 @@ static inline void tile_scores(const float* const* q, int nq, const kv_t* k, int
     for (int64_t d = 0; d < D; d += 16) {
       __m512 kv[4];
       for (int r = 0; r < 4; ++r) kv[r] = load16(k + (o + r) * row_stride + d);
-      for (int j = 0; j < kTileQueries; ++j) {
+      for (int j = 0; j < NQ; ++j) {
         const __m512 qv = _mm512_loadu_ps(q[j] + d);
         for (int r = 0; r < 4; ++r) acc[4 * j + r] = _mm512_fmadd_ps(qv, kv[r], acc[4 * j + r]);
       }
     }
     alignas(64) float out[16];
     reduce16_rows(acc, out);
-    for (int j = 0; j < nq; ++j)
+    for (int j = 0; j < NQ; ++j)
       for (int r = 0; r < 4; ++r) s[j * s_stride + o + r] = out[4 * j + r];
   }
 }
@@ -559,7 +559,7 @@ template <int NQ, typename kv_t>
 static inline void attend_tile(const float* const* q, const int64_t* idx, const kv_t* k, const kv_t* v,
                                int64_t row_stride, int64_t n, int64_t D, int64_t tpb, float* s, float* m, float* l,
                                float* acc) {
-  tile_scores(q, NQ, k, row_stride, n, D, s, tpb);
+  tile_scores<NQ>(q, k, row_stride, n, D, s, tpb);
   float* outputs[NQ];
   for (int j = 0; j < NQ; ++j) {
     const int64_t i = idx[j];
@@ -580,7 +580,6 @@ static inline void attend_full_block(const AttnWork& w, const kv_t* k_head, cons
   int64_t idx[kTileQueries];
   int nq = 0;
   const auto flush = [&]() {
-    for (int j = nq; j < kTileQueries; ++j) q[j] = q[0];  // scored and dropped
     switch (nq) {
       case 4: attend_tile<4>(q, idx, k_head, v_head, row_stride, n, D, w.tokens_per_block, s, m, l, acc); break;
       case 3: attend_tile<3>(q, idx, k_head, v_head, row_stride, n, D, w.tokens_per_block, s, m, l, acc); break;
