@@ -1,9 +1,10 @@
 // Raw attention kernels of kilnlm::paged_attention, compiled per ISA by isa_variants.h (see there for the
-// rules a kernel header follows): portable scalar, AVX2 and AVX-512 versions, chosen at run time.
+// rules a kernel header follows): portable scalar, AVX2 and AVX-512 versions, chosen at run time, and an
+// AMX copy: the AVX-512 code plus AMX tiles for bf16 pools with bf16 activations (amx_attend_block).
 // `AttnWork` is defined by the including file, outside the ISA namespaces, with store_output (the
 // output's dtype conversion, shared with the split-KV merge).
 
-#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
 
 // KV elements are float (float32 pool), uint16_t (bfloat16 bits), uint8_t (float8_e4m3fn bits) or int8_t
 // (int8 pool); kv_f32() reads one as float32 (exact: bf16 bits are a float's upper half).
@@ -41,7 +42,7 @@ constexpr int64_t kGroupHeads = 3;
 // Rows of block scores the scratch holds: kGroupHeads heads (AVX2) or kTileQueries query vectors (AVX-512).
 constexpr int64_t kScoreRows = 4;
 
-#if KILN_ISA == KILN_ISA_AVX512
+#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {
@@ -450,7 +451,8 @@ static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, i
 //
 // scratch: at least attn_scratch_floats(M, D, tokens_per_block, kv_row_stride) floats.
 static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int64_t kv_row_stride) {
-  return M * (D + 2) + kScoreRows * tpb + 2 * tpb * kv_row_stride;
+  // + the AMX path's tiles (amx_scratch_floats), whatever the ISA: one formula sizes every variant
+  return M * (D + 2) + kScoreRows * tpb + 2 * tpb * kv_row_stride + (M + 16 * (kv_row_stride / D)) * D / 2 + 16 * D + 2048;
 }
 
 // The online-softmax step of one query vector for a block's scores s[0:n], m_new being their max with the
@@ -494,7 +496,7 @@ static inline void attend_group(const float* q, const kv_t* k, const kv_t* v, in
 // three times.
 constexpr int64_t kConvertMinQueries = 8;
 
-#if KILN_ISA == KILN_ISA_AVX512
+#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
 // The context phase on AVX-512: the query vectors that see a whole KV block (every query token past the
 // block's last position) go through it kTileQueries at a time, so that each K and V row loaded serves all
 // of them (per 16 FMAs, 8 loads instead of 17 for the scores and 20 for the outputs). Each (query, key) dot
@@ -609,7 +611,7 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
   const int64_t h_begin = (kv_head * w.group > w.head_begin ? kv_head * w.group : w.head_begin) - w.head_begin;
   const int64_t h_end = ((kv_head + 1) * w.group < w.head_end ? (kv_head + 1) * w.group : w.head_end) - w.head_begin;
   int64_t qi_end = w.num_q_tokens;  // query tokens [0, qi_end) go one vector at a time
-#if KILN_ISA == KILN_ISA_AVX512
+#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
   if (D % 16 == 0 && num_block_tokens % 16 == 0) {
     // Query tokens from first_full on see all num_block_tokens keys (causal: q_pos >= the block's last).
     const int64_t first_full = base_pos + num_block_tokens - 1 - w.first_q_pos;
@@ -651,6 +653,230 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
     }
   }
 }
+
+#if KILN_ISA == KILN_ISA_AMX_BF16
+// The AMX path: a bfloat16 pool with bfloat16 activations (a bf16 engine) on AMX tiles, in both phases.
+// Per KV block and KV head, up to 16 query vectors of its GQA group at a time:
+//   scores, transposed: S^T [keys, queries] = K . Q^T -- K's rows are the A tiles, loaded from the pool as
+//     they are (16 keys x 32 dims, rows row_stride apart); Q^T is packed once per item into bf16-pair B
+//     tiles, each query vector rounded to bfloat16 (as the bf16 model's own q is);
+//   online softmax down the keys, 16 query vectors per vector register (lanes = query vectors);
+//   P . V -- the probabilities rounded to bfloat16 (as FlashAttention's bf16 kernels feed P to the
+//     tensor cores), transposed into A tiles of 16 query vectors x 32 keys; V's rows interleaved in key
+//     pairs into B tiles; the block's product goes into the running output as acc * alpha + PV.
+// Every number a query vector gets is computed from its own row or lane only, by the same tiles whatever
+// else shares them and whatever item holds it: a query's result is the same bits alone, in a batch, in a
+// decode step or in a context chunk (batch invariance; speculative verification sums as decoding does).
+// Keys a query may not see (causal, past the block's tokens) get probability exactly 0, adding nothing.
+constexpr int64_t kAmxKeys = 32;  // keys per step: one A tile of P
+
+static inline void amx_attn_configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  _tile_loadconfig(&config);
+}
+
+// v rounded to bfloat16 precision (nearest even), as float32.
+static inline __m512 amx_round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// In-register transpose of a 16 x 16 matrix of 32-bit elements, v[i] its row i in and its column i out.
+static inline void amx_transpose16x16(__m512 v[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    v[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    v[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    v[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    v[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512 b0 = _mm512_shuffle_f32x4(v[q], v[4 + q], 0x88), b1 = _mm512_shuffle_f32x4(v[q], v[4 + q], 0xdd);
+    const __m512 b2 = _mm512_shuffle_f32x4(v[8 + q], v[12 + q], 0x88), b3 = _mm512_shuffle_f32x4(v[8 + q], v[12 + q], 0xdd);
+    t[q] = _mm512_shuffle_f32x4(b0, b2, 0x88);
+    t[8 + q] = _mm512_shuffle_f32x4(b0, b2, 0xdd);
+    t[4 + q] = _mm512_shuffle_f32x4(b1, b3, 0x88);
+    t[12 + q] = _mm512_shuffle_f32x4(b1, b3, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
+}
+
+// The query vectors of one KV head in an item: j-th = (query token j / heads, head h_begin + j % heads).
+struct AmxQueries {
+  int64_t h_begin, heads, count;  // item-relative heads [h_begin, h_begin + heads), count = tokens * heads
+  uint32_t* packed;               // [ceil(count / 16)][D / 32][16 pairs][16 queries] Q^T B tiles
+};
+
+// The item's query vectors of KV head kv_head, their tiles at `packed`.
+static inline AmxQueries amx_queries(const AttnWork& w, int64_t kv_head, uint32_t* packed) {
+  AmxQueries g;
+  g.h_begin = (kv_head * w.group > w.head_begin ? kv_head * w.group : w.head_begin) - w.head_begin;
+  const int64_t h_end = ((kv_head + 1) * w.group < w.head_end ? (kv_head + 1) * w.group : w.head_end) - w.head_begin;
+  g.heads = h_end - g.h_begin;
+  g.count = w.num_q_tokens * g.heads;
+  g.packed = packed;
+  return g;
+}
+
+// u32 of the packed Q^T tiles of g.
+static inline int64_t amx_queries_size(const AmxQueries& g, int64_t D) { return (g.count + 15) / 16 * (D / 32) * 256; }
+
+// Packs g's query vectors (amx_queries) into its Q^T B tiles (bfloat16, rounded to nearest even by
+// VCVTNE2PS2BF16), zero past g.count: per 16 vectors and 32 dims, their bf16 pairs transposed.
+static inline void amx_pack_queries(const AttnWork& w, const AmxQueries& g) {
+  const int64_t D = w.head_dim, steps = D / 32;
+  for (int64_t j0 = 0; j0 < g.count; j0 += 16)
+    for (int64_t s = 0; s < steps; ++s) {
+      __m512 v[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j0 + j < g.count) {
+          const int64_t qi = (j0 + j) / g.heads, h = g.h_begin + (j0 + j) % g.heads;
+          const float* q = w.q + qi * w.q_tok_stride + h * D + 32 * s;
+          v[j] = reinterpret_cast<__m512>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q)));
+        } else {
+          v[j] = _mm512_setzero_ps();
+        }
+      }
+      amx_transpose16x16(v);
+      float* tile = reinterpret_cast<float*>(g.packed + ((j0 / 16) * steps + s) * 256);
+      for (int p = 0; p < 16; ++p) _mm512_store_ps(tile + 16 * p, v[p]);
+    }
+}
+
+// One KV block (n keys from KV position base_pos; k_head / v_head its first row's slice of this KV head,
+// rows row_stride apart) for the query vectors g; m, l, acc: the item's softmax state (vector i =
+// query token * heads of the item + head). vp [D / 16][16][16] u32, st [32][16] float, pa [16][32]
+// bfloat16 and ob [4][16][16] float: scratch, 64-byte aligned.
+//
+// V's B tiles interleave two key rows with unpacklo / unpackhi_epi16, which leaves the 16 columns of a
+// tile in the order 0-3, 8-11, 16-19, 24-27 (tile 2c) and 4-7, 12-15, 20-23, 28-31 (tile 2c + 1) of
+// the 32 dims 32c..; the output's columns are put back in order as they are added to acc.
+static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, const uint16_t* k_head,
+                                    const uint16_t* v_head, int64_t row_stride, int64_t base_pos, int64_t n, float* m,
+                                    float* l, float* acc, uint32_t* vp, float* st, uint16_t* pa, float* ob) {
+  const int64_t D = w.head_dim, steps = D / 32, num_heads_item = w.head_end - w.head_begin;
+  const int64_t stride_bytes = row_stride * 2;
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t kb = 0; kb < n; kb += kAmxKeys) {
+    const int64_t nk = n - kb < kAmxKeys ? n - kb : kAmxKeys;  // valid keys of this step
+    const uint16_t* k_rows = k_head + kb * row_stride;
+    // V rows kb.. in key pairs (zero past nk): B tiles, columns as described above
+    for (int64_t p = 0; p < 16; ++p) {
+      const int64_t r0 = kb + 2 * p;
+      for (int64_t c = 0; c < steps; ++c) {
+        const __m512i a = 2 * p < nk ? _mm512_loadu_si512(v_head + r0 * row_stride + 32 * c) : _mm512_setzero_si512();
+        const __m512i b = 2 * p + 1 < nk ? _mm512_loadu_si512(v_head + (r0 + 1) * row_stride + 32 * c) : _mm512_setzero_si512();
+        _mm512_store_si512(vp + ((2 * c) * 16 + p) * 16, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(vp + ((2 * c + 1) * 16 + p) * 16, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+    for (int64_t j0 = 0; j0 < g.count; j0 += 16) {
+      const int64_t nq = g.count - j0 < 16 ? g.count - j0 : 16;
+      const uint32_t* q_tiles = g.packed + (j0 / 16) * steps * 256;
+      // S^T for keys kb.. (rows) x the 16 query vectors (columns), then transposed: lo / hi[j] = query
+      // vector j0 + j's scores of keys kb..kb + 15 / kb + 16..kb + 31
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t s = 0; s < steps; ++s) {
+        _tile_loadd(4, q_tiles + s * 256, 64);
+        _tile_loadd(2, k_rows + 32 * s, stride_bytes);
+        _tile_dpbf16ps(0, 2, 4);
+        if (nk > 16) {
+          _tile_loadd(3, k_rows + 16 * row_stride + 32 * s, stride_bytes);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      _tile_stored(0, st, 64);
+      _tile_stored(1, st + 256, 64);
+      __m512 lo[16], hi[16];
+      for (int r = 0; r < 16; ++r) {
+        lo[r] = _mm512_load_ps(st + 16 * r);
+        hi[r] = _mm512_load_ps(st + 256 + 16 * r);
+      }
+      amx_transpose16x16(lo);
+      amx_transpose16x16(hi);
+      // online softmax per query vector, over the keys it sees (causal, and only the block's n)
+      alignas(64) float alpha[16];
+      int64_t idx[16];
+      uint32_t seen = 0;
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 p_lo = _mm512_setzero_ps(), p_hi = _mm512_setzero_ps();
+        if (j < nq) {
+          const int64_t qi = (j0 + j) / g.heads, h = g.h_begin + (j0 + j) % g.heads;
+          idx[j] = qi * num_heads_item + h;
+          int64_t visible = w.first_q_pos + qi - (base_pos + kb) + 1;  // keys kb.. it sees
+          visible = visible < 0 ? 0 : (visible > nk ? nk : visible);
+          if (visible > 0) {
+            seen |= 1u << j;
+            const __mmask16 k_lo = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (1u << visible) - 1);
+            const __mmask16 k_hi = static_cast<__mmask16>(visible >= 32 ? 0xFFFF : visible > 16 ? (1u << (visible - 16)) - 1 : 0);
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), k_lo, lo[j]),
+                                                                 _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), k_hi, hi[j])));
+            const float m_old = m[idx[j]], m_new = top > m_old ? top : m_old;
+            // e^(m_old - m_new) where the max grew (0 for m_old = -inf: l and acc are 0 then), else 1
+            alpha[j] = m_new != m_old ? _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(m_old - m_new))) : 1.f;
+            const __m512 mv = _mm512_set1_ps(m_new);
+            p_lo = amx_round_bf16(_mm512_maskz_mov_ps(k_lo, exp_ps(_mm512_maskz_sub_ps(k_lo, lo[j], mv))));
+            p_hi = amx_round_bf16(_mm512_maskz_mov_ps(k_hi, exp_ps(_mm512_maskz_sub_ps(k_hi, hi[j], mv))));
+            m[idx[j]] = m_new;
+            l[idx[j]] = __builtin_fmaf(l[idx[j]], alpha[j], _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi)));
+          }
+        }
+        _mm512_store_si512(pa + 32 * j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p_hi, p_lo)));
+      }
+      if (seen == 0) continue;
+      // P . V, 64 output columns (4 C tiles) at a time; acc = acc * alpha + PV
+      _tile_loadd(4, pa, 64);
+      for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+        const int64_t tiles = D / 16 - c0 < 4 ? D / 16 - c0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(5, vp + (c0 + 0) * 256, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, vp + (c0 + 1) * 256, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        if (tiles > 2) {
+          _tile_zero(2);
+          _tile_zero(3);
+          _tile_loadd(7, vp + (c0 + 2) * 256, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, vp + (c0 + 3) * 256, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, ob, 64);
+        _tile_stored(1, ob + 256, 64);
+        if (tiles > 2) {
+          _tile_stored(2, ob + 512, 64);
+          _tile_stored(3, ob + 768, 64);
+        }
+        for (int64_t j = 0; j < nq; ++j) {
+          if (!((seen >> j) & 1)) continue;
+          const __m512 al = _mm512_set1_ps(alpha[j]);
+          for (int64_t t = 0; t < tiles; t += 2) {  // tiles t, t + 1: dims 16 * (c0 + t) .. + 31
+            float* a = acc + idx[j] * D + 16 * (c0 + t);
+            const __m512 x = _mm512_load_ps(ob + 256 * t + 16 * j), y = _mm512_load_ps(ob + 256 * (t + 1) + 16 * j);
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), al, _mm512_permutex2var_ps(x, first_half, y)));
+            _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16), al, _mm512_permutex2var_ps(x, second_half, y)));
+          }
+        }
+      }
+    }
+  }
+}
+#endif
 
 // Prefetches every cache line of [p, p + num_bytes).
 static inline void prefetch_lines(const char* p, int64_t num_bytes) {
@@ -717,6 +943,25 @@ static void attend_typed(const AttnWork& w, float* scratch) {
       }
     }
   };
+#if KILN_ISA == KILN_ISA_AMX_BF16
+  // bf16 pool and activations: the AMX path; its buffers follow the float32 rows it has no use for
+  const bool amx = sizeof(kv_t) == 2 && w.out_bf16 && D % 32 == 0 && tpb % kAmxKeys == 0;
+  uint32_t* amx_q = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v_f32 + tpb * row_stride) + 63) &
+                                                ~static_cast<uintptr_t>(63));  // the sizes below keep 64 bytes
+  int64_t amx_q_size = 0;
+  if (amx) {
+    amx_attn_configure_tiles();
+    for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
+      const AmxQueries queries = amx_queries(w, g, amx_q + amx_q_size);
+      amx_pack_queries(w, queries);
+      amx_q_size += amx_queries_size(queries, D);
+    }
+  }
+  uint32_t* amx_v = amx_q + amx_q_size;
+  float* amx_st = reinterpret_cast<float*>(amx_v + 16 * D);
+  uint16_t* amx_p = reinterpret_cast<uint16_t*>(amx_st + 512);
+  float* amx_out = amx_st + 512 + 256;
+#endif
   if (w.kv_block_begin < end_block) prefetch_block(w.kv_block_begin);
   for (int64_t j = w.kv_block_begin; j < end_block; ++j) {
     const int64_t base_pos = j * tpb;
@@ -725,6 +970,19 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     const kv_t* k_block = k_pool + first_row * row_stride;
     const kv_t* v_block = v_pool + first_row * row_stride;
     if (j + 1 < end_block) prefetch_block(j + 1);
+#if KILN_ISA == KILN_ISA_AMX_BF16
+    if (amx) {
+      int64_t offset = 0;
+      for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
+        const AmxQueries queries = amx_queries(w, g, amx_q + offset);
+        offset += amx_queries_size(queries, D);
+        amx_attend_block(w, queries, reinterpret_cast<const uint16_t*>(k_block) + g * D,
+                         reinterpret_cast<const uint16_t*>(v_block) + g * D, row_stride, base_pos, num_block_tokens, m,
+                         l, acc, amx_v, amx_st, amx_p, amx_out);
+      }
+      continue;
+    }
+#endif
     if (convert) {
       const kv_t* k_span = k_block + kv_head_begin * D;
       const kv_t* v_span = v_block + kv_head_begin * D;
@@ -746,6 +1004,9 @@ static void attend_typed(const AttnWork& w, float* scratch) {
         attend_block<kv_t>(w, g, k_block + g * D, v_block + g * D, row_stride, base_pos, num_block_tokens, m, l, acc, s);
     }
   }
+#if KILN_ISA == KILN_ISA_AMX_BF16
+  if (amx) _tile_release();
+#endif
   if (w.partial != nullptr) {  // one part of a split sequence: its state, for merge_parts
     for (int64_t i = 0; i < M * (D + 2); ++i) w.partial[i] = m[i];  // m, l and acc are contiguous
     return;
@@ -767,4 +1028,4 @@ static void attend(const AttnWork& w, float* scratch) {
   }
 }
 
-#endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+#endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512 || AMX_BF16

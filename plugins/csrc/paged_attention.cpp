@@ -9,7 +9,8 @@
 // threads take dynamically, largest first; each item runs the online-softmax kernel of
 // attention_kernels.h. Few items that the threads cannot share evenly are split along their KV blocks
 // and the parts' softmax states merged afterwards (split-KV). Activations in float32 or bfloat16,
-// computed in float32.
+// computed in float32 (on AMX, a bf16 engine's q and probabilities enter the tiles as bfloat16; their
+// sums are float32).
 //
 // KV pool: the activation dtype, or 8 bits (float8_e4m3fn / int8) with the layer's per-tensor scales
 // kv_scale = [k_scale, v_scale]: written as quantize(x / scale) (FP8: saturate at +-448, round to nearest
@@ -96,7 +97,10 @@ namespace {
 
 using AttendFn = void (*)(const AttnWork&, float*);
 
-// The kernel variant for an item: the widest the CPU has, for every item. AVX-512 pays off for items with
+// The kernel variant for an item: the widest the CPU has, for every item. With AMX-BF16 a bf16 pool with
+// bf16 activations and blocks of a multiple of 32 tokens runs on AMX tiles (every other pool takes that
+// copy's AVX-512 code): context chunks 2.1x and batch-32 decode 1.2x the AVX-512 kernel on a 2-core Xeon
+// (bench_plugins.py --only attention). AVX-512 pays off for items with
 // several query vectors: a context-phase item (+10-25% measured), and a generation-phase item over one KV
 // head's GQA group (3 query heads for SmolLM2: 1.4-1.7x the AVX2 variant single-threaded at 128-2048 KV
 // positions); an item of a single query vector runs as fast on either (scripts/bench_plugins.py). One
@@ -104,6 +108,7 @@ using AttendFn = void (*)(const AttnWork&, float*);
 // invariance: the variants sum in different orders).
 AttendFn attend_fn() {
 #if defined(__x86_64__)
+  if (kiln::cpu_has_amx_bf16()) return amxbf16::attend;
   if (kiln::cpu_has_avx512()) return avx512::attend;
   if (kiln::cpu_has_avx2_fma_f16c()) return avx2::attend;
 #endif

@@ -18,6 +18,8 @@ import torch
 
 from kilnlm.plugins.reference import paged_attention_reference
 
+from factories import cpu_has
+
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
@@ -234,6 +236,7 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(make_packed_batch,
 INVARIANCE_SCRIPT = f"""
 import importlib.util, sys, torch
 import kilnlm.plugins as plugins
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})  # tests/: factories
 plugins.load_cpu_kernels()
 spec = importlib.util.spec_from_file_location("plugin_fixtures", {str(Path(__file__).with_name("conftest.py"))!r})
 fixtures = importlib.util.module_from_spec(spec); sys.modules["plugin_fixtures"] = fixtures; spec.loader.exec_module(fixtures)
@@ -244,10 +247,48 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["avx2", "generic"])
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx2", "generic"])
 def test_batch_invariance_on_the_capped_isa_paths(isa):
-    """The AVX2 kernel (a GQA group's heads scored 1-3 at a time) and the portable one, in a fresh process
-    with KILNLM_CPU_ISA capping the paths (the ISA is chosen once per process)."""
+    """The AVX-512 kernel where the CPU also has AMX, the AVX2 kernel (a GQA group's heads scored 1-3 at a
+    time) and the portable one, in a fresh process with KILNLM_CPU_ISA capping the paths (the ISA is chosen
+    once per process)."""
     env = dict(os.environ, KILNLM_CPU_ISA=isa)
     result = subprocess.run([sys.executable, "-c", INVARIANCE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+AMX_SCRIPT = f"""
+import importlib.util, sys, torch
+import kilnlm.plugins as plugins
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})  # tests/: factories
+plugins.load_cpu_kernels()
+spec = importlib.util.spec_from_file_location("plugin_fixtures", {str(Path(__file__).with_name("conftest.py"))!r})
+fixtures = importlib.util.module_from_spec(spec); sys.modules["plugin_fixtures"] = fixtures; spec.loader.exec_module(fixtures)
+batch = fixtures._make_packed_batch({MIXED!r}, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32,
+                                    dtype=torch.bfloat16)
+torch.save(torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone())), sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not cpu_has("amx_bf16", "amx_tile"), reason="this CPU has no AMX-BF16 tiles (or KILNLM_CPU_ISA caps them)")
+def test_bf16_attention_runs_on_amx_tiles(make_packed_batch, tmp_path):
+    """On AMX a bf16 pool with bf16 activations and 32-token blocks takes the AMX tiles (q and the
+    probabilities rounded to bfloat16 into them): within the bf16 tolerance of the float32 reference, and
+    not the bits of the AVX-512 kernel (float32 q and probabilities), which KILNLM_CPU_ISA=avx512bf16 picks
+    in a fresh process -- so the path is there and is the one taken."""
+    batch = make_packed_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, dtype=torch.bfloat16)
+    out, expected, _, _ = run_both(batch)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+    outputs = {}
+    for isa in ("native", "avx512bf16"):
+        env = {key: value for key, value in os.environ.items() if key != "KILNLM_CPU_ISA"}
+        if isa != "native":
+            env["KILNLM_CPU_ISA"] = isa
+        path = tmp_path / f"{isa}.pt"
+        result = subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(path)], env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs[isa] = torch.load(path)
+    assert torch.equal(outputs["native"], out)
+    torch.testing.assert_close(outputs["avx512bf16"], expected, **TOLERANCE[torch.bfloat16])
+    assert not torch.equal(outputs["native"], outputs["avx512bf16"])
