@@ -668,16 +668,9 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
 // else shares them and whatever item holds it: a query's result is the same bits alone, in a batch, in a
 // decode step or in a context chunk (batch invariance; speculative verification sums as decoding does).
 // Keys a query may not see (causal, past the block's tokens) get probability exactly 0, adding nothing.
-constexpr int64_t kAmxKeys = 32;  // keys per step: one A tile of P
+#include "amx_tiles.h"
 
-static inline void amx_attn_configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } config;
-  _tile_loadconfig(&config);
-}
+constexpr int64_t kAmxKeys = 32;  // keys per step: one A tile of P
 
 // v rounded to bfloat16 precision (nearest even), as float32.
 static inline __m512 amx_round_bf16(__m512 v) {
@@ -685,32 +678,6 @@ static inline __m512 amx_round_bf16(__m512 v) {
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
                                                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// In-register transpose of a 16 x 16 matrix of 32-bit elements, v[i] its row i in and its column i out.
-static inline void amx_transpose16x16(__m512 v[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    v[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    v[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    v[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    v[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int q = 0; q < 4; ++q) {
-    const __m512 b0 = _mm512_shuffle_f32x4(v[q], v[4 + q], 0x88), b1 = _mm512_shuffle_f32x4(v[q], v[4 + q], 0xdd);
-    const __m512 b2 = _mm512_shuffle_f32x4(v[8 + q], v[12 + q], 0x88), b3 = _mm512_shuffle_f32x4(v[8 + q], v[12 + q], 0xdd);
-    t[q] = _mm512_shuffle_f32x4(b0, b2, 0x88);
-    t[8 + q] = _mm512_shuffle_f32x4(b0, b2, 0xdd);
-    t[4 + q] = _mm512_shuffle_f32x4(b1, b3, 0x88);
-    t[12 + q] = _mm512_shuffle_f32x4(b1, b3, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) v[i] = t[i];
 }
 
 // The query vectors of one KV head in an item: j-th = (query token j / heads, head h_begin + j % heads).
@@ -749,7 +716,7 @@ static inline void amx_pack_queries(const AttnWork& w, const AmxQueries& g) {
           v[j] = _mm512_setzero_ps();
         }
       }
-      amx_transpose16x16(v);
+      transpose16x16(v);
       float* tile = reinterpret_cast<float*>(g.packed + ((j0 / 16) * steps + s) * 256);
       for (int p = 0; p < 16; ++p) _mm512_store_ps(tile + 16 * p, v[p]);
     }
@@ -806,8 +773,8 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
         lo[r] = _mm512_load_ps(st + 16 * r);
         hi[r] = _mm512_load_ps(st + 256 + 16 * r);
       }
-      amx_transpose16x16(lo);
-      amx_transpose16x16(hi);
+      transpose16x16(lo);
+      transpose16x16(hi);
       // online softmax per query vector, over the keys it sees (causal, and only the block's n)
       alignas(64) float alpha[16];
       int64_t idx[16];
@@ -950,7 +917,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
                                                 ~static_cast<uintptr_t>(63));  // the sizes below keep 64 bytes
   int64_t amx_q_size = 0;
   if (amx) {
-    amx_attn_configure_tiles();
+    amx_configure_tiles();
     for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
       const AmxQueries queries = amx_queries(w, g, amx_q + amx_q_size);
       amx_pack_queries(w, queries);

@@ -25,33 +25,6 @@ inline int64_t amx_packed_x_size(int64_t num_tokens, int64_t k) {
   return (num_tokens + kAmxTokens - 1) / kAmxTokens * kAmxTokens * (k / 2);
 }
 
-// In-register transpose of a 16 x 16 matrix of 32-bit elements, v[i] its row i in and its column i out.
-inline void transpose16x16(__m512 v[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    v[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    v[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    v[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    v[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  // v[4i + q], 128-bit lane l: rows 4i..4i+3, column 4l + q; gather the lanes
-  for (int q = 0; q < 4; ++q) {
-    const __m512 b0 = _mm512_shuffle_f32x4(v[q], v[4 + q], 0x88), b1 = _mm512_shuffle_f32x4(v[q], v[4 + q], 0xdd);
-    const __m512 b2 = _mm512_shuffle_f32x4(v[8 + q], v[12 + q], 0x88), b3 = _mm512_shuffle_f32x4(v[8 + q], v[12 + q], 0xdd);
-    t[q] = _mm512_shuffle_f32x4(b0, b2, 0x88);
-    t[8 + q] = _mm512_shuffle_f32x4(b0, b2, 0xdd);
-    t[4 + q] = _mm512_shuffle_f32x4(b1, b3, 0x88);
-    t[12 + q] = _mm512_shuffle_f32x4(b1, b3, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) v[i] = t[i];
-}
-
 // packed[b][i][p][t] = bfloat16 pair (x[16b + t, 32i + 2p], x[16b + t, 32i + 2p + 1]) as uint32, zero for
 // the tokens past num_tokens: B tile (b, i) is the 1 KiB at packed + (b * k / 32 + i) * 256. Token blocks
 // [b0, b1) of the (num_tokens + 15) / 16.
@@ -69,16 +42,6 @@ void amx_pack_x(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t
       float* tile = reinterpret_cast<float*>(packed + (b * steps + i) * 256);
       for (int p = 0; p < 16; ++p) _mm512_storeu_ps(tile + 16 * p, v[p]);
     }
-}
-
-// Palette 1, all eight tiles 16 rows x 64 bytes: C tiles 0-3, A (weights) 4-5, B (x) 6-7.
-inline void amx_configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } config;
-  _tile_loadconfig(&config);
 }
 
 // A 32-row block's four C tiles c (amx_block's) out through `epilogue`: rows r.. (valid_rows of them),
@@ -187,7 +150,7 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
 // scratch for the rows past the last whole block (r1 == n, n % 32 != 0).
 void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t* w, int64_t k, int64_t r0, int64_t r1,
                    uint16_t* tail_block, const GemvEpilogue& epilogue) {
-  amx_configure_tiles();
+  amx_configure_tiles();  // C tiles 0-3, A (weights) 4-5, B (x) 6-7
   const int64_t whole_end = r0 + (r1 - r0) / kAmxBlockRows * kAmxBlockRows;
   if (whole_end < r1) {
     __builtin_memcpy(tail_block, w + whole_end * k, static_cast<size_t>((r1 - whole_end) * k) * sizeof(uint16_t));

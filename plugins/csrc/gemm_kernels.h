@@ -30,6 +30,7 @@ void gemm_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const ui
 #elif KILN_ISA == KILN_ISA_AMX_BF16
 #include "fp8_bf16_gemm.h"  // reduce16, for bf16_gemv.h
 #include "bf16_gemv.h"      // GemvEpilogue
+#include "amx_tiles.h"     // tile configuration, transpose16x16
 #include "bf16_amx_gemm.h"
 
 #elif KILN_ISA == KILN_ISA_AVX2
