@@ -655,15 +655,17 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
 }
 
 #if KILN_ISA == KILN_ISA_AMX_BF16
-// The AMX path: a bfloat16 pool with bfloat16 activations (a bf16 engine) on AMX tiles, in both phases.
-// Per KV block and KV head, up to 16 query vectors of its GQA group at a time:
+// The AMX path: a bfloat16 pool with bfloat16 activations (an engine of any format with a bf16 KV cache) on AMX tiles,
+// in both phases, for blocks of a multiple of 32 tokens. Per KV block, KV head and 32 keys, up to 16 query
+// vectors of its GQA group at a time:
 //   scores, transposed: S^T [keys, queries] = K . Q^T -- K's rows are the A tiles, loaded from the pool as
 //     they are (16 keys x 32 dims, rows row_stride apart); Q^T is packed once per item into bf16-pair B
-//     tiles, each query vector rounded to bfloat16 (as the bf16 model's own q is);
-//   online softmax down the keys, 16 query vectors per vector register (lanes = query vectors);
+//     tiles, each query vector rounded to bfloat16 (as the bf16 model's own q is); S^T is transposed back
+//     in registers, one query vector's 32 scores per two vectors;
+//   the online softmax per query vector (Milakov & Gimelshein 2018), over the keys it sees;
 //   P . V -- the probabilities rounded to bfloat16 (as FlashAttention's bf16 kernels feed P to the
-//     tensor cores), transposed into A tiles of 16 query vectors x 32 keys; V's rows interleaved in key
-//     pairs into B tiles; the block's product goes into the running output as acc * alpha + PV.
+//     tensor cores) as A tiles of 16 query vectors x 32 keys, V's rows interleaved in key pairs as B
+//     tiles; the block's product goes into the running output as acc * alpha + PV.
 // Every number a query vector gets is computed from its own row or lane only, by the same tiles whatever
 // else shares them and whatever item holds it: a query's result is the same bits alone, in a batch, in a
 // decode step or in a context chunk (batch invariance; speculative verification sums as decoding does).
