@@ -451,7 +451,8 @@ static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, i
 //
 // scratch: at least attn_scratch_floats(M, D, tokens_per_block, kv_row_stride) floats.
 static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int64_t kv_row_stride) {
-  // + the AMX path's tiles (amx_scratch_floats), whatever the ISA: one formula sizes every variant
+  // + the AMX path's buffers (packed Q^T tiles, V tiles, scores, P, outputs), whatever the ISA: one
+  // formula sizes every variant
   return M * (D + 2) + kScoreRows * tpb + 2 * tpb * kv_row_stride + (M + 16 * (kv_row_stride / D)) * D / 2 + 16 * D + 2048;
 }
 
@@ -655,9 +656,9 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
 }
 
 #if KILN_ISA == KILN_ISA_AMX_BF16
-// The AMX path: a bfloat16 pool with bfloat16 activations (an engine of any format with a bf16 KV cache) on AMX tiles,
-// in both phases, for blocks of a multiple of 32 tokens. Per KV block, KV head and 32 keys, up to 16 query
-// vectors of its GQA group at a time:
+// The AMX path: a bfloat16 pool with bfloat16 activations (an engine of any format with a bf16 KV
+// cache) on AMX tiles, in both phases, for blocks of a multiple of 32 tokens. Per KV block, KV head and
+// 32 keys, up to 16 query vectors of its GQA group at a time:
 //   scores, transposed: S^T [keys, queries] = K . Q^T -- K's rows are the A tiles, loaded from the pool as
 //     they are (16 keys x 32 dims, rows row_stride apart); Q^T is packed once per item into bf16-pair B
 //     tiles, each query vector rounded to bfloat16 (as the bf16 model's own q is); S^T is transposed back
