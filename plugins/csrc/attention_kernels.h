@@ -601,6 +601,15 @@ static inline void attend_full_block(const AttnWork& w, const kv_t* k_head, cons
 }
 #endif
 
+// The item's query heads that read KV head kv_head (its GQA group), item-relative: [begin, end).
+struct GroupHeads {
+  int64_t begin, end;
+};
+static inline GroupHeads group_heads(const AttnWork& w, int64_t kv_head) {
+  return {(kv_head * w.group > w.head_begin ? kv_head * w.group : w.head_begin) - w.head_begin,
+          ((kv_head + 1) * w.group < w.head_end ? (kv_head + 1) * w.group : w.head_end) - w.head_begin};
+}
+
 // The online-softmax update with one KV block of num_block_tokens tokens starting at KV position
 // base_pos, for the item's query vectors of KV head kv_head; k_head / v_head: that head's slice of the
 // block's first row, consecutive rows row_stride elements apart.
@@ -609,8 +618,8 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
                                 int64_t row_stride, int64_t base_pos, int64_t num_block_tokens, float* m, float* l,
                                 float* acc, float* s) {
   const int64_t D = w.head_dim, num_heads_item = w.head_end - w.head_begin;
-  const int64_t h_begin = (kv_head * w.group > w.head_begin ? kv_head * w.group : w.head_begin) - w.head_begin;
-  const int64_t h_end = ((kv_head + 1) * w.group < w.head_end ? (kv_head + 1) * w.group : w.head_end) - w.head_begin;
+  const GroupHeads heads = group_heads(w, kv_head);
+  const int64_t h_begin = heads.begin, h_end = heads.end;
   int64_t qi_end = w.num_q_tokens;  // query tokens [0, qi_end) go one vector at a time
 #if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
   if (D % 16 == 0 && num_block_tokens % 16 == 0) {
@@ -691,10 +700,10 @@ struct AmxQueries {
 
 // The item's query vectors of KV head kv_head, their tiles at `packed`.
 static inline AmxQueries amx_queries(const AttnWork& w, int64_t kv_head, uint32_t* packed) {
+  const GroupHeads heads = group_heads(w, kv_head);
   AmxQueries g;
-  g.h_begin = (kv_head * w.group > w.head_begin ? kv_head * w.group : w.head_begin) - w.head_begin;
-  const int64_t h_end = ((kv_head + 1) * w.group < w.head_end ? (kv_head + 1) * w.group : w.head_end) - w.head_begin;
-  g.heads = h_end - g.h_begin;
+  g.h_begin = heads.begin;
+  g.heads = heads.end - heads.begin;
   g.count = w.num_q_tokens * g.heads;
   g.packed = packed;
   return g;
