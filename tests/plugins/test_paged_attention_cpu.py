@@ -233,14 +233,18 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(make_packed_batch,
     check_batch_invariance(make_packed_batch, (1, 2, 3))
 
 
-INVARIANCE_SCRIPT = f"""
+# What a fresh-process script needs first (KILNLM_CPU_ISA is read once per process): the kernels and this
+# directory's fixtures.
+SCRIPT_PREAMBLE = f"""
 import importlib.util, sys, torch
 import kilnlm.plugins as plugins
 sys.path.insert(0, {str(Path(__file__).parents[1])!r})  # tests/: factories
 plugins.load_cpu_kernels()
 spec = importlib.util.spec_from_file_location("plugin_fixtures", {str(Path(__file__).with_name("conftest.py"))!r})
 fixtures = importlib.util.module_from_spec(spec); sys.modules["plugin_fixtures"] = fixtures; spec.loader.exec_module(fixtures)
-spec = importlib.util.spec_from_file_location("attention_tests", {str(Path(__file__))!r})
+"""
+
+INVARIANCE_SCRIPT = SCRIPT_PREAMBLE + f"""spec = importlib.util.spec_from_file_location("attention_tests", {str(Path(__file__))!r})
 tests = importlib.util.module_from_spec(spec); sys.modules["attention_tests"] = tests; spec.loader.exec_module(tests)
 tests.check_batch_invariance(fixtures._make_packed_batch, (1, 2))
 print("ok")
@@ -257,14 +261,7 @@ def test_batch_invariance_on_the_capped_isa_paths(isa):
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-AMX_SCRIPT = f"""
-import importlib.util, sys, torch
-import kilnlm.plugins as plugins
-sys.path.insert(0, {str(Path(__file__).parents[1])!r})  # tests/: factories
-plugins.load_cpu_kernels()
-spec = importlib.util.spec_from_file_location("plugin_fixtures", {str(Path(__file__).with_name("conftest.py"))!r})
-fixtures = importlib.util.module_from_spec(spec); sys.modules["plugin_fixtures"] = fixtures; spec.loader.exec_module(fixtures)
-batch = fixtures._make_packed_batch({MIXED!r}, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32,
+AMX_SCRIPT = SCRIPT_PREAMBLE + f"""batch = fixtures._make_packed_batch({MIXED!r}, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32,
                                     dtype=torch.bfloat16)
 torch.save(torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone())), sys.argv[1])
 """
