@@ -138,16 +138,15 @@ def prepare_engine(work_dir: Path, hf_dir: Path, spec: str) -> Path:
     qformat, options = split_spec(spec)
     engine_dir = work_dir / ("engine-" + "".join(c if c.isalnum() or c in "._" else "-" for c in spec))
     # a spec's options override the defaults; scenario (c)'s requests decode in one batch
-    limits = dict(max_batch_size=SHARED_PREFIX[0], max_seq_len=512, max_num_tokens=2048)
+    asked = dict(max_batch_size=SHARED_PREFIX[0], max_seq_len=512, max_num_tokens=2048)
+    if FORMATS[qformat].group_wise:
+        asked["group_size"] = INT4_GROUP_SIZE
+    asked |= options
     manifest_path = engine_dir / "manifest.json"
     built = json.loads(manifest_path.read_text())["build"] if manifest_path.exists() else {}
-    if not built or any(built.get(key) != value for key, value in (limits | options).items() if key in built):
+    if not built or any(built.get(key) != value for key, value in asked.items() if key in built):
         t0 = time.perf_counter()
-        defaults = dict(limits)
-        if FORMATS[qformat].group_wise:
-            defaults["group_size"] = INT4_GROUP_SIZE
-        build_engine(BuildOptions(checkpoint=hf_dir, output=engine_dir, qformat=qformat, overwrite=True,
-                                  **defaults | options))
+        build_engine(BuildOptions(checkpoint=hf_dir, output=engine_dir, qformat=qformat, overwrite=True, **asked))
         print(f"[bench] built {spec} engine in {time.perf_counter() - t0:.1f} s", flush=True)
     return engine_dir
 
