@@ -4,6 +4,20 @@
 // int16 GEMV (gemv_int16_rows, int16_quantize.h); and the AVX512-BF16 GEMV (int4_bf16_gemv.h) with the
 // context phase's bfloat16 tiles (bf16_tile.h, fp8_bf16_gemm.h).
 //
+// The zero point of element i of a [rows, num_groups] table (0 without one).
+static inline int zero_at(const int8_t* zeros, int64_t i) { return zeros != nullptr ? zeros[i] : 0; }
+
+#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AVX512_BF16
+// Per row, one 16-entry float table ([0..7, -8..-1] - zero) * scale: VPERMPS looks a nibble up directly
+// (it reads only the low 4 bits of each index), so decoding 32 weights is one zero-extension, one shift and
+// two permutes, and the group's scale and zero point cost one subtract and one multiply per row and group.
+static inline __m512 scaled_table(float scale, int zero) {
+  const __m512 base = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  return _mm512_mul_ps(_mm512_sub_ps(base, _mm512_set1_ps(static_cast<float>(zero))), _mm512_set1_ps(scale));
+}
+
+#endif
+
 #if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
 
 // Layout (the schema's): weight row o is `in / 2` bytes, byte j holding column 2j in its low nibble and
@@ -32,9 +46,6 @@ static inline int int4_at(const uint8_t* row, int64_t col) {
   return (nibble ^ 8) - 8;  // two's complement 4-bit -> [-8, 7]
 }
 
-// The zero point of element i of a [rows, num_groups] table (0 without one).
-static inline int zero_at(const int8_t* zeros, int64_t i) { return zeros != nullptr ? zeros[i] : 0; }
-
 // Scalar dot product of columns [c0, c1) (all inside group g) of one row with natural-order x.
 static inline float dot_group_tail(const uint8_t* row, float scale, int zero, const float* x, int64_t c0, int64_t c1) {
   float s = 0.f;
@@ -43,14 +54,6 @@ static inline float dot_group_tail(const uint8_t* row, float scale, int zero, co
 }
 
 #if KILN_ISA == KILN_ISA_AVX512  // ---------------------------------------------------------------- AVX-512
-
-// Per row, one 16-entry float table ([0..7, -8..-1] - zero) * scale: VPERMPS looks a nibble up directly
-// (it reads only the low 4 bits of each index), so decoding 32 weights is one zero-extension, one shift and
-// two permutes, and the group's scale and zero point cost one subtract and one multiply per row and group.
-static inline __m512 scaled_table(float scale, int zero) {
-  const __m512 base = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-  return _mm512_mul_ps(_mm512_sub_ps(base, _mm512_set1_ps(static_cast<float>(zero))), _mm512_set1_ps(scale));
-}
 
 // NR rows x NT tokens micro-kernel over the whole row: every decoded weight vector is used NT times.
 template <int NR, int NT>
@@ -595,5 +598,36 @@ void gemv_int4_rows(const Int4GemvArgs& args, int64_t num_tokens, const float* b
   const GemvEpilogue epilogue(out, out_stride, bias);
   if (args.zeros != nullptr) int4_gemv_rows<true>(args, num_tokens, r0, r1, epilogue);
   else int4_gemv_rows<false>(args, num_tokens, r0, r1, epilogue);
+}
+
+// The context phase's bfloat16 tiles straight from the packed rows, for group_size % 32 == 0: rows
+// [row_begin, row_end) into dst [rows, k_pad] bfloat16 bits, columns from `in` on zero. Each weight is
+// (q - zero) * scale in float32 (dequant_rows' table lookup) rounded to nearest even once
+// (VCVTNE2PS2BF16): the bits to_bf16_padded makes of dequant_rows' float32 tile, without writing and
+// reading that tile (on an Intel Xeon with AMX the two passes took 3x the tile's AMX multiply at 32 tokens).
+static void dequant_rows_bf16(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
+                              int64_t group_size, int64_t row_begin, int64_t row_end, uint16_t* dst, int64_t k_pad) {
+  // VCVTNE2PS2BF16 (odd, even) puts the block's even columns in words 0..15 and its odd ones in 16..31;
+  // word 2i of the block takes word i, word 2i + 1 word 16 + i
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const int64_t row_bytes = in / 2, num_groups = in / group_size, num_blocks = group_size / 32;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    uint16_t* out = dst + (r - row_begin) * k_pad;
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const __m512 table = scaled_table(scales[r * num_groups + g], zero_at(zeros, r * num_groups + g));
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t c = g * group_size + 32 * b;
+        const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
+        const __m512 even = _mm512_permutexvar_ps(d, table);
+        const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+        const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+        _mm512_storeu_si512(out + c, _mm512_permutexvar_epi16(interleave, words));
+      }
+    }
+    for (int64_t c = in; c < k_pad; ++c) out[c] = 0;
+  }
 }
 #endif

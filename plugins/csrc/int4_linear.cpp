@@ -416,6 +416,13 @@ struct Int4Format {
 
   void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
 #if defined(__x86_64__)
+    if (problem.group_size % 32 == 0) {  // straight from the packed rows, the same bits
+      for_row_spans(problem, r0, r1, [&](const RowSpan& s) {
+        avx512bf16::dequant_rows_bf16(s.w, shape.in, s.scales, s.zeros, problem.group_size, 0, s.b1 - s.b0,
+                                      dst + (s.b0 - r0) * k_pad, k_pad);
+      });
+      return;
+    }
     float* tile = kiln::thread_scratch<4>(kiln::kTileRows * shape.in);  // [kTileRows, in] float32, this thread's
     tile_f32(r0, r1, tile);
     for (int64_t r = 0; r < r1 - r0; ++r) avx512bf16::to_bf16_padded(tile + r * shape.in, shape.in, dst + r * k_pad, k_pad);
