@@ -14,10 +14,12 @@ int64_t amx_bf16_packed_size(int64_t num_tokens, int64_t k);
 // (at::parallel_for over 16-token blocks, two at least per task).
 void amx_bf16_pack(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t k, uint32_t* packed);
 
-// acc[t * acc_stride + r] = float32 sum over c of x[t, c] * w[r, c] for r < rows (a multiple of 32) and
-// t < num_tokens, from packed x and w [rows, k] bfloat16 bits; one float32 chain per (t, r) over k in
-// 32-column steps, the same at every token count. Runs on the calling thread.
-void amx_bf16_sums(const uint32_t* packed, int64_t num_tokens, const uint16_t* w, int64_t rows, int64_t k, float* acc,
-                   int64_t acc_stride);
+// out[t, r] = (float32 sum over c of x[t, c] * w[r, c]) * row_scale[r] + bias[r] for r < rows and
+// t < num_tokens, from packed x and w [rows rounded up to 32, k] bfloat16 bits (the rows past `rows`
+// zero); row_scale and bias [rows] or null; out rows out_stride apart, bfloat16 (rounded to nearest even)
+// or float32. One float32 chain per (t, r) over k in 32-column steps, the same at every token count.
+// Runs on the calling thread.
+void amx_bf16_linear(const uint32_t* packed, int64_t num_tokens, const uint16_t* w, int64_t rows, int64_t k,
+                     const float* row_scale, const float* bias, void* out, int64_t out_stride, bool out_bf16);
 
 }  // namespace kiln

@@ -147,15 +147,18 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
 
 // y rows [r0, r1) of w [n, k] (r0 a multiple of 32; k a multiple of 32) against every token of packed x
 // (amx_pack_x), through `epilogue`, kAmxChunkTokens tokens at a time. tail_block: 32 * k bfloat16 of
-// scratch for the rows past the last whole block (r1 == n, n % 32 != 0).
+// scratch for the rows past the last whole block (r1 == n, n % 32 != 0), or null where w's rows are
+// there, zero, up to the next multiple of 32.
 void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t* w, int64_t k, int64_t r0, int64_t r1,
                    uint16_t* tail_block, const GemvEpilogue& epilogue) {
   amx_configure_tiles();  // C tiles 0-3, A (weights) 4-5, B (x) 6-7
   const int64_t whole_end = r0 + (r1 - r0) / kAmxBlockRows * kAmxBlockRows;
-  if (whole_end < r1) {
-    __builtin_memcpy(tail_block, w + whole_end * k, static_cast<size_t>((r1 - whole_end) * k) * sizeof(uint16_t));
+  const uint16_t* tail = w + whole_end * k;
+  if (whole_end < r1 && tail_block != nullptr) {
+    __builtin_memcpy(tail_block, tail, static_cast<size_t>((r1 - whole_end) * k) * sizeof(uint16_t));
     __builtin_memset(tail_block + (r1 - whole_end) * k, 0,
                      static_cast<size_t>((kAmxBlockRows - (r1 - whole_end)) * k) * sizeof(uint16_t));
+    tail = tail_block;
   }
   for (int64_t t = 0; t < num_tokens; t += kAmxChunkTokens) {
     const int64_t t_end = t + kAmxChunkTokens < num_tokens ? t + kAmxChunkTokens : num_tokens;
@@ -168,7 +171,7 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
       }
       amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue);
     }
-    if (whole_end < r1) amx_block(tail_block, k, packed_x, t, t_end, whole_end, r1 - whole_end, epilogue);
+    if (whole_end < r1) amx_block(tail, k, packed_x, t, t_end, whole_end, r1 - whole_end, epilogue);
   }
   _tile_release();
 }

@@ -168,7 +168,7 @@ __attribute__((target("avx512f,avx512bw"))) void pairs64_order(uint16_t* x, int6
 struct Fp8Format {
   // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (measured on SmolLM2's shapes,
   // scripts/bench_plugins.py): the bf16 GEMM is ~4x the float32 one, so it takes over sooner.
-  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/4};
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/4, /*with_amx_gemm=*/4};
 
   const uint8_t* w;  // [out, in] E4M3 bytes
   kiln::LinearShape shape;

@@ -266,11 +266,10 @@ void amx_bf16_pack(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int6
   });
 }
 
-void amx_bf16_sums(const uint32_t* packed, int64_t num_tokens, const uint16_t* w, int64_t rows, int64_t k, float* acc,
-                   int64_t acc_stride) {
-  TORCH_CHECK(rows % kiln_gemm::amxbf16::kAmxBlockRows == 0, "amx_bf16_sums: rows must be a multiple of 32, got ", rows);
-  const kiln_gemm::amxbf16::GemvEpilogue sums(acc, acc_stride, /*bias=*/nullptr, /*row_scale=*/nullptr, /*out_bf16=*/false);
-  kiln_gemm::amxbf16::amx_gemm_rows(packed, num_tokens, w, k, 0, rows, /*tail_block=*/nullptr, sums);
+void amx_bf16_linear(const uint32_t* packed, int64_t num_tokens, const uint16_t* w, int64_t rows, int64_t k,
+                     const float* row_scale, const float* bias, void* out, int64_t out_stride, bool out_bf16) {
+  const kiln_gemm::amxbf16::GemvEpilogue epilogue(out, out_stride, bias, row_scale, out_bf16);
+  kiln_gemm::amxbf16::amx_gemm_rows(packed, num_tokens, w, k, 0, rows, /*tail_block=*/nullptr, epilogue);
 }
 
 }  // namespace kiln

@@ -258,8 +258,9 @@ void dequant_tile(const Problem& p, DequantFn dequant, int64_t r0, int64_t r1, f
 struct Int4Format {
   // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py, SmolLM2's
   // shapes). The bf16 GEMM is ~3x the float32 one, so it takes over sooner (its fixed cost, converting the
-  // weight to bf16 tiles, is paid back from ~9 tokens).
-  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/8};
+  // weight to bf16 tiles, is paid back from ~9 tokens); on AMX from 4 (an Intel Xeon, 3072x576 cache-hot:
+  // the GEMV 88 / 106 us at 3 / 4 tokens, the tiles ~91 at any count up to 16).
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/8, /*with_amx_gemm=*/3};
 
   const at::Tensor& x;  // [T, in] float32 / bfloat16, contiguous
   const float* pqs;     // [in] pre_quant_scale or null
@@ -407,19 +408,25 @@ struct Int4Format {
   }
 
   // bfloat16: x * pre_quant_scale and the tiles' q * scale each rounded to bfloat16 once (as a bf16
-  // checkpoint's weights are).
+  // checkpoint's weights are); both in chunk64 order where it applies (int4_kernels.h: the tiles come
+  // straight from the packed nibbles), else in natural order.
+#if defined(__x86_64__)
+  bool chunk64() const { return avx512bf16::chunk64_applies(shape.in, problem.group_size); }
+#endif
+
   void x_row_bf16(const float* xs_row, uint16_t* dst, int64_t k_pad) const {
 #if defined(__x86_64__)
+    if (chunk64()) return avx512bf16::to_bf16_chunk64(xs_row, shape.in, dst);  // k_pad == in
     avx512bf16::to_bf16_padded(xs_row, shape.in, dst, k_pad);
 #endif
   }
 
   void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
 #if defined(__x86_64__)
-    if (problem.group_size % 32 == 0) {  // straight from the packed rows, the same bits
+    if (chunk64()) {  // k_pad == in
       for_row_spans(problem, r0, r1, [&](const RowSpan& s) {
         avx512bf16::dequant_rows_bf16(s.w, shape.in, s.scales, s.zeros, problem.group_size, 0, s.b1 - s.b0,
-                                      dst + (s.b0 - r0) * k_pad, k_pad);
+                                      dst + (s.b0 - r0) * k_pad);
       });
       return;
     }

@@ -113,7 +113,7 @@ struct Int8Format {
   // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (scripts/bench_plugins.py, SmolLM2's
   // shapes); the bf16 GEMM is ~3x the float32 one, so it takes over sooner (its fixed cost, converting the
   // weight to bf16 tiles, is paid back from ~5 tokens).
-  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/4};
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/4, /*with_amx_gemm=*/4};
 
   const at::Tensor& x;  // [T, in] float32 / bfloat16, contiguous
   const int8_t* w;      // [out, in]

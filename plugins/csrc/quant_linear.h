@@ -22,8 +22,9 @@
 //   prepare_context_x()          x as the tiles meet it, [T, in] float32 in natural column order (called
 //                                once per call)
 //   tile_f32(r0, r1, tile)       rows [r0, r1) dequantized into tile [r1 - r0, in] float32
-//   x_row_bf16(x, dst, k_pad)    one row of that x as bfloat16 bits into dst [k_pad] (zero-filled)
-//   tile_bf16(r0, r1, dst, k_pad) rows [r0, r1) as bfloat16 bits into dst [r1 - r0, k_pad] (zero-filled)
+//   x_row_bf16(x, dst, k_pad)    one row of that x as bfloat16 bits into dst [k_pad] (its columns from `in`
+//                                on arrive zero)
+//   tile_bf16(r0, r1, dst, k_pad) rows [r0, r1) as bfloat16 bits into dst [r1 - r0, k_pad] (the same)
 //   bf16_gemm(...)               the AVX512-BF16 GEMM of its ISA namespace (fp8_bf16_gemm.h, bf16_gemm_nt)
 //   amx_context()                whether the bf16 tiles may run on AMX instead (amx_bf16.h) where the CPU has it
 //   epilogue, f32_tile_epilogue  Epilogue: what the float32 sums are scaled by (the float32 tiles may carry
@@ -36,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "amx_bf16.h"
@@ -67,10 +69,12 @@ inline void check_linear_inputs(const char* op, const at::Tensor& x, const at::T
 constexpr int64_t kTileRows = 64;
 
 // Up to how many tokens a format's fused GEMV beats dequantize-then-GEMM, depending on the context GEMM it
-// would otherwise take (the bf16 GEMM is ~3-4x the float32 one, so it takes over sooner).
+// would otherwise take (the bf16 GEMM is ~3-4x the float32 one, so it takes over sooner; AMX tiles sooner
+// still where the format's tiles take them).
 struct GemvTokenLimits {
   int64_t with_f32_gemm;
   int64_t with_bf16_gemm;
+  int64_t with_amx_gemm;
 };
 
 // The shape of one call: x [num_tokens, in], weight rows of row_bytes bytes, out [num_tokens, out_features].
@@ -138,42 +142,70 @@ void run_tiled_f32(const Format& format, const LinearShape& s, scalar_t* out) {
   });
 }
 
+// Whether the format's bfloat16 context tiles run on AMX here.
+template <typename Format>
+bool amx_tiles(const Format& format) {
+#if defined(__x86_64__)
+  return cpu_has_amx_bf16() && format.amx_context();
+#else
+  return false;
+#endif
+}
+
+// Tokens per pass over the tiles on AMX: each pass dequantizes every tile again, and its packed x (k = 1536:
+// 768 KiB) stays in L2 while the tiles meet it. In one pass at 2,048 tokens every 64-row tile re-read the
+// whole packed x from L3 (an Intel Xeon, SmolLM2 int4_awq: 8 x 256-token prefill 1.6x bf16's time).
+constexpr int64_t kAmxContextChunkTokens = 256;
+
 // Context phase, bfloat16 (AVX512-BF16): x rounded (or exactly converted) to bfloat16 once, tiles of
 // kTileRows rows as bfloat16, VDPBF16PS products accumulated in float32; tokens padded to 4, rows to 4,
 // columns to 32 with zeros. With AMX (amx_bf16.h) where the format takes it (amx_context: not where its
 // tiles must sum each row as its GEMV does), x is packed into B tiles once and each tile's rows, padded
-// to 32, are the A tiles.
+// to 32, are the A tiles, kAmxContextChunkTokens tokens at a time. Every (token, row) sum is the same
+// whichever pass the token is in.
 template <typename scalar_t, typename Format>
 void run_tiled_bf16(const Format& format, const LinearShape& s, scalar_t* out) {
   const int64_t k_pad = (s.in + 31) / 32 * 32, tokens_pad = (s.num_tokens + 3) / 4 * 4;
   const float* x = format.prepare_context_x();
-  std::vector<uint16_t> xb(static_cast<size_t>(tokens_pad * k_pad), 0);  // [tokens_pad, k_pad] bf16 bits
+  // The calling thread's buffers (reused, no page faults for a 2,048-token chunk's megabytes), handed to
+  // the workers as pointers. xb [tokens_pad, k_pad] bf16 bits, the padding columns and tokens zero.
+  auto* xb = reinterpret_cast<uint16_t*>(thread_scratch<7>(tokens_pad * k_pad / 2));
+  if (k_pad != s.in) std::fill(xb, xb + tokens_pad * k_pad, uint16_t{0});
   at::parallel_for(0, s.num_tokens, 64, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) format.x_row_bf16(x + t * s.in, xb.data() + t * k_pad, k_pad);
+    for (int64_t t = t0; t < t1; ++t) format.x_row_bf16(x + t * s.in, xb + t * k_pad, k_pad);
   });
-#if defined(__x86_64__)
-  const bool amx = cpu_has_amx_bf16() && format.amx_context();
-#else
-  const bool amx = false;
-#endif
-  std::vector<uint32_t> packed;  // x as AMX B tiles
+  std::fill(xb + s.num_tokens * k_pad, xb + tokens_pad * k_pad, uint16_t{0});
+  const bool amx = amx_tiles(format);
+  uint32_t* packed = nullptr;  // x as AMX B tiles
   if (amx) {
-    packed.resize(static_cast<size_t>(amx_bf16_packed_size(s.num_tokens, k_pad)));
-    amx_bf16_pack(xb.data(), s.num_tokens, k_pad, k_pad, packed.data());
+    TORCH_INTERNAL_ASSERT(format.epilogue.token_scale == nullptr, "the AMX tiles take weight-only formats");
+    packed = reinterpret_cast<uint32_t*>(thread_scratch<8>(amx_bf16_packed_size(s.num_tokens, k_pad)));
+    amx_bf16_pack(xb, s.num_tokens, k_pad, k_pad, packed);
   }
-  const int64_t row_multiple = amx ? 32 : 4;
+  const int64_t row_multiple = amx ? 32 : 4, chunk_tokens = amx ? kAmxContextChunkTokens : tokens_pad;
   const int64_t num_tiles = (s.out_features + kTileRows - 1) / kTileRows;
   at::parallel_for(0, num_tiles, 1, [&](int64_t tile0, int64_t tile1) {
-    std::vector<uint16_t> wb(static_cast<size_t>(kTileRows * k_pad), 0);  // [kTileRows, k_pad] bf16 bits
-    std::vector<float> acc(static_cast<size_t>(tokens_pad * kTileRows));  // [tokens_pad, kTileRows]
-    for (int64_t tile = tile0; tile < tile1; ++tile) {
-      const int64_t r0 = tile * kTileRows, r1 = std::min(s.out_features, r0 + kTileRows);
-      const int64_t rows_pad = (r1 - r0 + row_multiple - 1) / row_multiple * row_multiple;
-      format.tile_bf16(r0, r1, wb.data(), k_pad);
-      std::fill(wb.begin() + (r1 - r0) * k_pad, wb.begin() + rows_pad * k_pad, uint16_t{0});
-      if (amx) amx_bf16_sums(packed.data(), s.num_tokens, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
-      else format.bf16_gemm(xb.data(), tokens_pad, wb.data(), rows_pad, k_pad, acc.data(), kTileRows);
-      format.epilogue.store(acc.data(), kTileRows, s.num_tokens, r0, r1, out, s.out_features);
+    // this thread's buffers, 64-byte aligned: every row of a weight tile starts a cache line (k_pad % 32 == 0)
+    auto* wb = reinterpret_cast<uint16_t*>(thread_scratch<5>(kTileRows * k_pad / 2));  // [kTileRows, k_pad] bf16 bits
+    float* acc = amx ? nullptr : thread_scratch<6>(tokens_pad * kTileRows);             // [tokens_pad, kTileRows]
+    if (k_pad != s.in) std::fill(wb, wb + kTileRows * k_pad, uint16_t{0});  // the padding columns
+    for (int64_t t0 = 0; t0 < s.num_tokens; t0 += chunk_tokens) {
+      const int64_t num_tokens = std::min(chunk_tokens, s.num_tokens - t0);
+      for (int64_t tile = tile0; tile < tile1; ++tile) {
+        const int64_t r0 = tile * kTileRows, r1 = std::min(s.out_features, r0 + kTileRows);
+        const int64_t rows_pad = (r1 - r0 + row_multiple - 1) / row_multiple * row_multiple;
+        format.tile_bf16(r0, r1, wb, k_pad);
+        std::fill(wb + (r1 - r0) * k_pad, wb + rows_pad * k_pad, uint16_t{0});
+        if (amx) {  // straight into out through the format's epilogue; token blocks of 16 from t0 on
+          const Epilogue& e = format.epilogue;
+          amx_bf16_linear(packed + amx_bf16_packed_size(t0, k_pad), num_tokens, wb, r1 - r0, k_pad,
+                          e.row_scale != nullptr ? e.row_scale + r0 : nullptr, e.bias != nullptr ? e.bias + r0 : nullptr,
+                          out + t0 * s.out_features + r0, s.out_features, std::is_same_v<scalar_t, at::BFloat16>);
+        } else {
+          format.bf16_gemm(xb, tokens_pad, wb, rows_pad, k_pad, acc, kTileRows);
+          format.epilogue.store(acc, kTileRows, s.num_tokens, r0, r1, out, s.out_features);
+        }
+      }
     }
   });
 }
@@ -182,7 +214,9 @@ void run_tiled_bf16(const Format& format, const LinearShape& s, scalar_t* out) {
 template <typename scalar_t, typename Format>
 void run_quantized_linear(const Format& format, const LinearShape& s, scalar_t* out) {
   const bool bf16_gemm = format.bf16_context_gemm();
-  const int64_t max_gemv_tokens = bf16_gemm ? Format::kGemvTokens.with_bf16_gemm : Format::kGemvTokens.with_f32_gemm;
+  const GemvTokenLimits& limits = Format::kGemvTokens;
+  const int64_t max_gemv_tokens =
+      !bf16_gemm ? limits.with_f32_gemm : amx_tiles(format) ? limits.with_amx_gemm : limits.with_bf16_gemm;
   if (s.num_tokens <= max_gemv_tokens) return format.generation(out);
   // batch invariance (cpu_features.h): a GEMV sums each token's row alone, in one order at every T
   if (batch_invariant_requested() && !format.context_sums_like_gemv()) return format.generation(out);

@@ -94,7 +94,8 @@ SHAPES = [  # (out_features, in_features, group_size)
 def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
     """float16-scales: what the builder stores (with zero points, pre_quant_scale and bias); the exact
     result uses the same float16 values, widened. bfloat16 at 5 tokens: the AVX512-BF16 GEMV on CPUs that
-    have it (up to 3 tokens take the int16 GEMV there too), with rows split between threads."""
+    have it without AMX (up to 3 tokens take the int16 GEMV there too; with AMX, the tiles take 5), with
+    rows split between threads."""
     out_features, in_features, group_size = shape
     with_pqs = extras != "plain"
     weight, scales, pqs, bias = make_layer(out_features, in_features, group_size, with_pqs=with_pqs, with_bias=with_pqs,
@@ -118,9 +119,10 @@ def test_matches_exact_dot_products(shape, num_tokens, dtype, extras):
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points, group_size, scale_dtype):
     """One-hot activations read the weight back: (q - zero) * scale for all 16 values in both nibble
-    positions, through the generation GEMV (bfloat16, up to 8 tokens: a 16-row block and 8 tail rows) and
-    the context tiles. Group 32: both 32-column halves of a 64-column GEMV load have their own scale and
-    zero point; group 64: they share one table."""
+    positions, through the generation GEMV (bfloat16, up to 8 tokens, 3 with AMX: a 16-row block and 8
+    tail rows) and the context tiles. Group 32: both 32-column halves of a 64-column GEMV load have their
+    own scale and zero point; group 64: they share one table (and the bfloat16 tiles come straight from the
+    nibbles, in chunk64 order)."""
     in_features = 128
     num_groups = in_features // group_size
     q = torch.arange(16).repeat(24, in_features // 16) - 8  # [24, 128]
@@ -246,10 +248,11 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512bf16"])
 def test_capped_isa_paths_match_reference(isa):
-    """The scalar and AVX2 paths (forced with KILNLM_CPU_ISA in a fresh process; the default run above
-    takes the widest path the CPU has, AVX-512 on CI)."""
+    """The scalar, AVX2 and AVX512-BF16 paths (forced with KILNLM_CPU_ISA in a fresh process; the default
+    run above takes the widest path the CPU has). avx512bf16 on an AMX CPU: the bf16 GEMV at 5 tokens and
+    the AVX512-BF16 tiles at 40, which AMX takes otherwise."""
     env = dict(os.environ, KILNLM_CPU_ISA=isa)
     result = subprocess.run([sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
