@@ -82,7 +82,8 @@ inline bool cpu_has_avx512_vnni() {
 // AMX with BF16 tiles (Intel Sapphire Rapids and later), which Linux lends a process only on request:
 // CPUID.(EAX=7, ECX=0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), then arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA) granting the tile data state (without it the first tile instruction raises SIGILL).
-// The bfloat16 gemm at every token count (gemm.cpp). KILNLM_CPU_ISA=avx512 or avx512bf16 turns it off.
+// The bfloat16 gemm at every token count (gemm.cpp), the quantized linears' bf16 context tiles and bf16
+// paged attention. KILNLM_CPU_ISA=avx512 or avx512bf16 turns it off (and cpu_has_amx_int8).
 inline bool cpu_has_amx_bf16() {
 #if defined(__x86_64__)
   static const bool has = [] {
@@ -92,6 +93,21 @@ inline bool cpu_has_amx_bf16() {
     if ((edx & (1u << 22)) == 0 || (edx & (1u << 24)) == 0) return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // linux/arch/x86/include/uapi/asm/prctl.h
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+// AMX-INT8 tiles (CPUID.(EAX=7, ECX=0):EDX bit 25; every CPU with AMX-BF16 so far has them too), wherever
+// cpu_has_amx_bf16: int8_sq_linear's W8A8 GEMM (int8_amx_gemm.h). Off where that is.
+inline bool cpu_has_amx_int8() {
+#if defined(__x86_64__)
+  static const bool has = [] {
+    if (!cpu_has_amx_bf16()) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) != 0 && (edx & (1u << 25)) != 0;
   }();
   return has;
 #else

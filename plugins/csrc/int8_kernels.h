@@ -51,6 +51,19 @@ static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* 
   for (; i < n; ++i) out[i] = quantize_int8_scalar(x[i], scale);
 }
 
+// max |x[i]| over i < n, NaN skipped as std::max(amax, |x|) skips it (VMAXPS returns its second operand
+// when either is NaN); a maximum is exact in any order.
+static float amax_abs(const float* x, int64_t n) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    acc = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(x + i), abs_mask)), acc);
+  float amax = _mm512_reduce_max_ps(acc);
+  for (; i < n; ++i) amax = amax < __builtin_fabsf(x[i]) ? __builtin_fabsf(x[i]) : amax;  // (no std::max: isa_variants.h)
+  return amax;
+}
+
 // NR rows x NT tokens, float32: 16 int8 weights -> int32 -> float32 once, used by NT tokens.
 template <int NR, int NT>
 static inline void gemv_f32_block(const int8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
@@ -128,6 +141,20 @@ static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
   }
   for (; i < n; ++i) out[i] = quantize_int8_scalar(x[i], scale);
+}
+
+// max |x[i]| over i < n, NaN skipped (as the AVX-512 copy's).
+static float amax_abs(const float* x, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float amax = 0.f;
+  for (int l = 0; l < 8; ++l) amax = amax < lanes[l] ? lanes[l] : amax;
+  for (; i < n; ++i) amax = amax < __builtin_fabsf(x[i]) ? __builtin_fabsf(x[i]) : amax;
+  return amax;
 }
 
 static inline float hsum8(__m256 v) {
@@ -268,6 +295,12 @@ static void quantize_int8_rows(const float* x, int64_t n, float scale, int16_t* 
   for (int64_t i = 0; i < n; ++i) out[i] = quantize_int8_scalar(x[i], scale);
 }
 
+static float amax_abs(const float* x, int64_t n) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = amax < __builtin_fabsf(x[i]) ? __builtin_fabsf(x[i]) : amax;
+  return amax;
+}
+
 template <int NR, int NT>
 static inline void gemv_f32_block(const int8_t* w, int64_t in, const float* x, int64_t x_stride, float* y,
                                   int64_t y_stride) {
@@ -355,4 +388,7 @@ void gemv_int8_rows(const uint16_t* xb, int64_t num_tokens, const int8_t* w, int
 }
 #elif KILN_ISA == KILN_ISA_AVX512_VNNI
 #include "int8_vnni_gemm.h"
+#elif KILN_ISA == KILN_ISA_AMX_BF16
+#include "amx_tiles.h"
+#include "int8_amx_gemm.h"
 #endif

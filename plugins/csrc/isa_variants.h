@@ -21,7 +21,7 @@
 //   KILN_ISA_AVX512_BF16   avx512bf16   avx512 f/bw/vl/bf16, f16c                        cpu_has_avx512_bf16
 //   KILN_ISA_AVX512_VBMI   avx512vbmi   avx512 f/bw/vl/bf16/vbmi, f16c                   cpu_has_avx512_bf16_vbmi
 //   KILN_ISA_AVX512_VNNI   avx512vnni   avx512 f/bw/vl/dq/vnni + avx2, fma, f16c         cpu_has_avx512_vnni
-//   KILN_ISA_AMX_BF16      amxbf16      avx512 f/bw/vl/bf16, amx-tile, amx-bf16, f16c    cpu_has_amx_bf16
+//   KILN_ISA_AMX_BF16      amxbf16      avx512 f/bw/vl/bf16, amx-tile/bf16/int8, f16c    cpu_has_amx_bf16 (_int8)
 //
 // No include guard: an op file includes it once per kernel header.
 
@@ -102,7 +102,7 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16,amx-int8,f16c")
 #define KILN_ISA KILN_ISA_AMX_BF16
 namespace amxbf16 {
 namespace {

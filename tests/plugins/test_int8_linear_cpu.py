@@ -257,10 +257,11 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16"])
 def test_capped_isa_paths_match_reference(isa):
-    """The scalar, AVX2 and AVX-512-without-VNNI paths (forced with KILNLM_CPU_ISA in a fresh process; the
-    tests above take the widest path the CPU has: AVX512-VNNI for int8_sq_linear on CI)."""
+    """The scalar, AVX2, AVX-512-without-VNNI and AVX512-VNNI-without-AMX paths (forced with KILNLM_CPU_ISA
+    in a fresh process; the tests above take the widest path the CPU has: AMX-INT8 tiles for int8_sq_linear
+    from 3 tokens on CPUs with AMX, AVX512-VNNI from 4 on the others)."""
     env = dict(os.environ, KILNLM_CPU_ISA=isa)
     result = subprocess.run([sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
