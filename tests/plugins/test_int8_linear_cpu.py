@@ -51,7 +51,8 @@ def make_layer(out_features: int, in_features: int, *, with_pqs: bool, with_bias
     return q, scales, pqs, bias
 
 
-SHAPES = [(1728, 576), (3072, 576), (576, 1536), (40, 200), (7, 6)]  # SmolLM2-like, then odd small ones
+SHAPES = [(1728, 576), (3072, 576), (576, 1536), (72, 640), (40, 200), (7, 6)]  # SmolLM2-like; rows past the
+# last 32-row AMX block; odd small ones
 SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 
 
