@@ -2,8 +2,9 @@
 // the rules a kernel header follows): the float32 GEMV and tile dequantization as portable scalar,
 // AVX2+FMA and AVX-512 versions, the fastest the CPU has chosen at run time; AVX2's block floating point
 // int16 GEMV (gemv_int16_rows, int16_quantize.h); and the AVX512-BF16 GEMV (int4_bf16_gemv.h) with the
-// context phase's bfloat16 tiles (bf16_tile.h, fp8_bf16_gemm.h).
-//
+// context phase's bfloat16 tiles (bf16_tile.h, fp8_bf16_gemm.h; straight from the nibbles in chunk64 order
+// where the shapes allow, dequant_rows_bf16 below).
+
 // The zero point of element i of a [rows, num_groups] table (0 without one).
 static inline int zero_at(const int8_t* zeros, int64_t i) { return zeros != nullptr ? zeros[i] : 0; }
 
@@ -15,7 +16,6 @@ static inline __m512 scaled_table(float scale, int zero) {
   const __m512 base = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   return _mm512_mul_ps(_mm512_sub_ps(base, _mm512_set1_ps(static_cast<float>(zero))), _mm512_set1_ps(scale));
 }
-
 #endif
 
 #if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
