@@ -1,6 +1,7 @@
 // Raw attention kernels of kilnlm::paged_attention, compiled per ISA by isa_variants.h (see there for the
 // rules a kernel header follows): portable scalar, AVX2 and AVX-512 versions, chosen at run time, and an
-// AMX copy: the AVX-512 code plus AMX tiles for bf16 pools with bf16 activations (amx_attend_block).
+// AMX copy: the AVX-512 code plus AMX tiles for bf16 activations with a bf16 or 8-bit pool
+// (amx_attend_block; an 8-bit block's rows are converted to bf16 first, exactly).
 // `AttnWork` is defined by the including file, outside the ISA namespaces, with store_output (the
 // output's dtype conversion, shared with the split-KV merge).
 
@@ -665,11 +666,14 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
 }
 
 #if KILN_ISA == KILN_ISA_AMX_BF16
-// The AMX path: a bfloat16 pool with bfloat16 activations (an engine of any format with a bf16 KV
-// cache) on AMX tiles, in both phases, for blocks of a multiple of 32 tokens. Per KV block, KV head and
+// The AMX path: bfloat16 activations with a bfloat16 pool, or an 8-bit one (an engine of any format),
+// on AMX tiles, in both phases, for blocks of a multiple of 32 tokens. An 8-bit pool's elements are
+// converted to bfloat16 as they are read (amx_load32; exact), K's rows into a buffer first (amx_rows_bf16)
+// since the A tiles load rows; its scales fold as on the other paths (k_scale rounds to bf16 with the
+// query, v_scale multiplies the output). Per KV block, KV head and
 // 32 keys, up to 16 query vectors of its GQA group at a time:
-//   scores, transposed: S^T [keys, queries] = K . Q^T -- K's rows are the A tiles, loaded from the pool as
-//     they are (16 keys x 32 dims, rows row_stride apart); Q^T is packed once per item into bf16-pair B
+//   scores, transposed: S^T [keys, queries] = K . Q^T -- K's rows are the A tiles, loaded as they are
+//     (16 keys x 32 dims, rows k_stride apart); Q^T is packed once per item into bf16-pair B
 //     tiles, each query vector rounded to bfloat16 (as the bf16 model's own q is); S^T is transposed back
 //     in registers, one query vector's 32 scores per two vectors;
 //   the online softmax per query vector (Milakov & Gimelshein 2018), over the keys it sees;
@@ -690,6 +694,23 @@ static inline __m512 amx_round_bf16(__m512 v) {
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
                                                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 32 consecutive KV elements as bfloat16: a bf16 pool's as they are, an 8-bit pool's converted exactly
+// (load16 reads the stored value, an FP8 one as 2^-8 times it (see kv_f32), whose 8 or 4 significant bits
+// bfloat16 holds).
+static inline __m512i amx_load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+template <typename kv_t>
+static inline __m512i amx_load32(const kv_t* p) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load16(p + 16), load16(p)));
+}
+
+// dst[r * span + c] = src[r * row_stride + c] as bfloat16 for r < rows, c < span (a multiple of 32): an
+// 8-bit block's K rows for the A tiles.
+template <typename kv_t>
+static inline void amx_rows_bf16(const kv_t* src, int64_t row_stride, uint16_t* dst, int64_t span, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < span; c += 32) _mm512_storeu_si512(dst + r * span + c, amx_load32(src + r * row_stride + c));
 }
 
 // The query vectors of one KV head in an item: j-th = (query token j / heads, head h_begin + j % heads).
@@ -734,30 +755,32 @@ static inline void amx_pack_queries(const AttnWork& w, const AmxQueries& g) {
     }
 }
 
-// One KV block (n keys from KV position base_pos; k_head / v_head its first row's slice of this KV head,
-// rows row_stride apart) for the query vectors g; m, l, acc: the item's softmax state (vector i =
+// One KV block (n keys from KV position base_pos; k_head: its first K row's slice of this KV head in
+// bf16, rows k_stride apart; v_head: the V row's in the pool's dtype, rows row_stride apart) for the
+// query vectors g; m, l, acc: the item's softmax state (vector i =
 // query token * heads of the item + head). vp [D / 16][16][16] u32, st [32][16] float, pa [16][32]
 // bfloat16 and ob [4][16][16] float: scratch, 64-byte aligned.
 //
 // V's B tiles interleave two key rows with unpacklo / unpackhi_epi16, which leaves the 16 columns of a
 // tile in the order 0-3, 8-11, 16-19, 24-27 (tile 2c) and 4-7, 12-15, 20-23, 28-31 (tile 2c + 1) of
 // the 32 dims 32c..; the output's columns are put back in order as they are added to acc.
-static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, const uint16_t* k_head,
-                                    const uint16_t* v_head, int64_t row_stride, int64_t base_pos, int64_t n, float* m,
+template <typename kv_t>
+static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, const uint16_t* k_head, int64_t k_stride,
+                                    const kv_t* v_head, int64_t row_stride, int64_t base_pos, int64_t n, float* m,
                                     float* l, float* acc, uint32_t* vp, float* st, uint16_t* pa, float* ob) {
   const int64_t D = w.head_dim, steps = D / 32, num_heads_item = w.head_end - w.head_begin;
-  const int64_t stride_bytes = row_stride * 2;
+  const int64_t stride_bytes = k_stride * 2;
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t kb = 0; kb < n; kb += kAmxKeys) {
     const int64_t nk = n - kb < kAmxKeys ? n - kb : kAmxKeys;  // valid keys of this step
-    const uint16_t* k_rows = k_head + kb * row_stride;
+    const uint16_t* k_rows = k_head + kb * k_stride;
     // V rows kb.. in key pairs (zero past nk): B tiles, columns as described above
     for (int64_t p = 0; p < 16; ++p) {
       const int64_t r0 = kb + 2 * p;
       for (int64_t c = 0; c < steps; ++c) {
-        const __m512i a = 2 * p < nk ? _mm512_loadu_si512(v_head + r0 * row_stride + 32 * c) : _mm512_setzero_si512();
-        const __m512i b = 2 * p + 1 < nk ? _mm512_loadu_si512(v_head + (r0 + 1) * row_stride + 32 * c) : _mm512_setzero_si512();
+        const __m512i a = 2 * p < nk ? amx_load32(v_head + r0 * row_stride + 32 * c) : _mm512_setzero_si512();
+        const __m512i b = 2 * p + 1 < nk ? amx_load32(v_head + (r0 + 1) * row_stride + 32 * c) : _mm512_setzero_si512();
         _mm512_store_si512(vp + ((2 * c) * 16 + p) * 16, _mm512_unpacklo_epi16(a, b));
         _mm512_store_si512(vp + ((2 * c + 1) * 16 + p) * 16, _mm512_unpackhi_epi16(a, b));
       }
@@ -774,7 +797,7 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
         _tile_loadd(2, k_rows + 32 * s, stride_bytes);
         _tile_dpbf16ps(0, 2, 4);
         if (nk > 16) {
-          _tile_loadd(3, k_rows + 16 * row_stride + 32 * s, stride_bytes);
+          _tile_loadd(3, k_rows + 16 * k_stride + 32 * s, stride_bytes);
           _tile_dpbf16ps(1, 3, 4);
         }
       }
@@ -923,8 +946,10 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     }
   };
 #if KILN_ISA == KILN_ISA_AMX_BF16
-  // bf16 pool and activations: the AMX path; its buffers follow the float32 rows it has no use for
-  const bool amx = sizeof(kv_t) == 2 && w.out_bf16 && D % 32 == 0 && tpb % kAmxKeys == 0;
+  // bf16 activations with a bf16 or 8-bit pool: the AMX path. Its buffers follow the float32 rows it has
+  // no use for; an 8-bit block's K rows, as bf16, take their place ([tpb, span]).
+  const bool amx = sizeof(kv_t) <= 2 && w.out_bf16 && D % 32 == 0 && tpb % kAmxKeys == 0;
+  uint16_t* k_bf16 = reinterpret_cast<uint16_t*>(k_f32);
   uint32_t* amx_q = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v_f32 + tpb * row_stride) + 63) &
                                                 ~static_cast<uintptr_t>(63));  // the sizes below keep 64 bytes
   int64_t amx_q_size = 0;
@@ -951,13 +976,22 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     if (j + 1 < end_block) prefetch_block(j + 1);
 #if KILN_ISA == KILN_ISA_AMX_BF16
     if (amx) {
+      // KV head g's K rows: at k_rows + (g - first_head) * D, k_stride apart (an 8-bit pool's converted to
+      // bf16 first); its V rows are read from the pool (amx_load32)
+      const uint16_t* k_rows = reinterpret_cast<const uint16_t*>(k_block);
+      int64_t first_head = 0, k_stride = row_stride;
+      if (sizeof(kv_t) == 1) {
+        amx_rows_bf16(k_block + kv_head_begin * D, row_stride, k_bf16, span, num_block_tokens);
+        k_rows = k_bf16;
+        first_head = kv_head_begin;
+        k_stride = span;
+      }
       int64_t offset = 0;
       for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
         const AmxQueries queries = amx_queries(w, g, amx_q + offset);
         offset += amx_queries_size(queries, D);
-        amx_attend_block(w, queries, reinterpret_cast<const uint16_t*>(k_block) + g * D,
-                         reinterpret_cast<const uint16_t*>(v_block) + g * D, row_stride, base_pos, num_block_tokens, m,
-                         l, acc, amx_v, amx_st, amx_p, amx_out);
+        amx_attend_block(w, queries, k_rows + (g - first_head) * D, k_stride, v_block + g * D, row_stride, base_pos,
+                         num_block_tokens, m, l, acc, amx_v, amx_st, amx_p, amx_out);
       }
       continue;
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kilnlm.plugins.reference import paged_attention_reference
+from kilnlm.plugins.reference import paged_attention_reference, quantize_kv_reference
 
 from factories import cpu_has
 
@@ -211,22 +211,35 @@ def alone(batch, b: int):
         seq_lens_kv=batch.seq_lens_kv[b:b + 1], block_tables=batch.block_tables[b:b + 1])
 
 
+# (activations, KV pool): the 16/32-bit pools and the 8-bit ones (stored codes of the random pool, with
+# scales that saturate its few values past 4 standard deviations).
+INVARIANCE_POOLS = [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8),
+                    (torch.bfloat16, torch.float8_e4m3fn)]
+KV8_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
 def check_batch_invariance(make_batch, thread_counts) -> None:
     """Every sequence's output rows are the same bits computed in the whole batch, alone, and at every
     thread count: what a sequence gets never depends on what else the call computes."""
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, kv_dtype in INVARIANCE_POOLS:
         for tokens_per_block in (16, 32):
             batch = make_batch(INVARIANCE_SEQS, num_heads=9, num_kv_heads=3, tokens_per_block=tokens_per_block,
                                num_blocks=256, dtype=dtype)
+            kv_scale = ()
+            if kv_dtype is not None:
+                kv_scale = (torch.full((2,), 4.0 / KV8_QMAX[kv_dtype]),)
+                pool = batch.kv_cache.float()
+                batch.kv_cache = torch.stack([quantize_kv_reference(pool[:, i], kv_scale[0][i], kv_dtype)
+                                              for i in (0, 1)], dim=1)
             results = []
             for threads in thread_counts:
                 torch.set_num_threads(threads)
-                whole = torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()))
-                parts = [torch.ops.kilnlm.paged_attention(*alone(batch, b).args(batch.kv_cache.clone()))
+                whole = torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()), *kv_scale)
+                parts = [torch.ops.kilnlm.paged_attention(*alone(batch, b).args(batch.kv_cache.clone()), *kv_scale)
                          for b in range(len(INVARIANCE_SEQS))]
                 results += [whole, torch.cat(parts)]
             for result in results[1:]:
-                assert torch.equal(result, results[0]), (dtype, tokens_per_block)
+                assert torch.equal(result, results[0]), (dtype, kv_dtype, tokens_per_block)
 
 
 def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(make_packed_batch, num_threads):
@@ -261,20 +274,36 @@ def test_batch_invariance_on_the_capped_isa_paths(isa):
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-AMX_SCRIPT = SCRIPT_PREAMBLE + f"""batch = fixtures._make_packed_batch({MIXED!r}, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32,
-                                    dtype=torch.bfloat16)
-torch.save(torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone())), sys.argv[1])
+def amx_batch(make_batch, kv_dtype_name: str):
+    """The AMX test's batch: bf16 activations, 32-token blocks, and a bf16 pool or its 8-bit codes."""
+    batch = make_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, dtype=torch.bfloat16)
+    if kv_dtype_name == "bf16":
+        return batch, ()
+    kv_dtype = getattr(torch, kv_dtype_name)
+    kv_scale = torch.full((2,), 4.0 / KV8_QMAX[kv_dtype])
+    pool = batch.kv_cache.float()
+    batch.kv_cache = torch.stack([quantize_kv_reference(pool[:, i], kv_scale[i], kv_dtype) for i in (0, 1)], dim=1)
+    return batch, (kv_scale,)
+
+
+AMX_SCRIPT = SCRIPT_PREAMBLE + f"""spec = importlib.util.spec_from_file_location("attention_tests", {str(Path(__file__))!r})
+tests = importlib.util.module_from_spec(spec); sys.modules["attention_tests"] = tests; spec.loader.exec_module(tests)
+batch, kv_scale = tests.amx_batch(fixtures._make_packed_batch, sys.argv[2])
+torch.save(torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()), *kv_scale), sys.argv[1])
 """
 
 
 @pytest.mark.skipif(not cpu_has("amx_bf16", "amx_tile"), reason="this CPU has no AMX-BF16 tiles (or KILNLM_CPU_ISA caps them)")
-def test_bf16_attention_runs_on_amx_tiles(make_packed_batch, tmp_path):
-    """On AMX a bf16 pool with bf16 activations and 32-token blocks takes the AMX tiles (q and the
-    probabilities rounded to bfloat16 into them): within the bf16 tolerance of the float32 reference, and
-    not the bits of the AVX-512 kernel (float32 q and probabilities), which KILNLM_CPU_ISA=avx512bf16 picks
-    in a fresh process -- so the path is there and is the one taken."""
-    batch = make_packed_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, dtype=torch.bfloat16)
-    out, expected, _, _ = run_both(batch)
+@pytest.mark.parametrize("kv_dtype_name", ["bf16", "int8", "float8_e4m3fn"])
+def test_bf16_attention_runs_on_amx_tiles(make_packed_batch, tmp_path, kv_dtype_name):
+    """On AMX, bf16 activations with 32-token blocks of a bf16 or 8-bit pool take the AMX tiles (q and
+    the probabilities rounded to bfloat16 into them, 8-bit codes converted exactly): within the bf16
+    tolerance of the float32 reference, and not the bits of the AVX-512 kernel (float32 q and
+    probabilities), which KILNLM_CPU_ISA=avx512bf16 picks in a fresh process -- so the path is there and
+    is the one taken."""
+    batch, kv_scale = amx_batch(make_packed_batch, kv_dtype_name)
+    out = torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()), *kv_scale)
+    expected = paged_attention_reference(*batch.args(batch.kv_cache.clone()), *kv_scale)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
     outputs = {}
     for isa in ("native", "avx512bf16"):
@@ -282,8 +311,8 @@ def test_bf16_attention_runs_on_amx_tiles(make_packed_batch, tmp_path):
         if isa != "native":
             env["KILNLM_CPU_ISA"] = isa
         path = tmp_path / f"{isa}.pt"
-        result = subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(path)], env=env, capture_output=True, text=True,
-                                timeout=600)
+        result = subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(path), kv_dtype_name], env=env,
+                                capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         outputs[isa] = torch.load(path)
     assert torch.equal(outputs["native"], out)
