@@ -1,7 +1,7 @@
 // Raw attention kernels of kilnlm::paged_attention, compiled per ISA by isa_variants.h (see there for the
 // rules a kernel header follows): portable scalar, AVX2 and AVX-512 versions, chosen at run time, and an
 // AMX copy: the AVX-512 code plus AMX tiles for bf16 activations with a bf16 or 8-bit pool
-// (amx_attend_block; an 8-bit block's rows are converted to bf16 first, exactly).
+// (amx_attend_block; an 8-bit pool's codes are converted to bf16, exactly, as they are read).
 // `AttnWork` is defined by the including file, outside the ISA namespaces, with store_output (the
 // output's dtype conversion, shared with the split-KV merge).
 
