@@ -211,11 +211,19 @@ def alone(batch, b: int):
         seq_lens_kv=batch.seq_lens_kv[b:b + 1], block_tables=batch.block_tables[b:b + 1])
 
 
-# (activations, KV pool): the 16/32-bit pools and the 8-bit ones (stored codes of the random pool, with
-# scales that saturate its few values past 4 standard deviations).
+# (activations, KV pool): the 16/32-bit pools and the 8-bit ones (to_8bit_pool).
 INVARIANCE_POOLS = [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8),
                     (torch.bfloat16, torch.float8_e4m3fn)]
 KV8_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def to_8bit_pool(batch, kv_dtype: torch.dtype) -> tuple[torch.Tensor]:
+    """Replaces batch's random pool by its kv_dtype codes, with scales that saturate its few values past 4
+    standard deviations; returns the extra argument paged_attention then takes, ``(kv_scale,)``."""
+    kv_scale = torch.full((2,), 4.0 / KV8_QMAX[kv_dtype])
+    pool = batch.kv_cache.float()
+    batch.kv_cache = torch.stack([quantize_kv_reference(pool[:, i], kv_scale[i], kv_dtype) for i in (0, 1)], dim=1)
+    return (kv_scale,)
 
 
 def check_batch_invariance(make_batch, thread_counts) -> None:
@@ -225,12 +233,7 @@ def check_batch_invariance(make_batch, thread_counts) -> None:
         for tokens_per_block in (16, 32):
             batch = make_batch(INVARIANCE_SEQS, num_heads=9, num_kv_heads=3, tokens_per_block=tokens_per_block,
                                num_blocks=256, dtype=dtype)
-            kv_scale = ()
-            if kv_dtype is not None:
-                kv_scale = (torch.full((2,), 4.0 / KV8_QMAX[kv_dtype]),)
-                pool = batch.kv_cache.float()
-                batch.kv_cache = torch.stack([quantize_kv_reference(pool[:, i], kv_scale[0][i], kv_dtype)
-                                              for i in (0, 1)], dim=1)
+            kv_scale = () if kv_dtype is None else to_8bit_pool(batch, kv_dtype)
             results = []
             for threads in thread_counts:
                 torch.set_num_threads(threads)
@@ -277,13 +280,7 @@ def test_batch_invariance_on_the_capped_isa_paths(isa):
 def amx_batch(make_batch, kv_dtype_name: str):
     """The AMX test's batch: bf16 activations, 32-token blocks, and a bf16 pool or its 8-bit codes."""
     batch = make_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, dtype=torch.bfloat16)
-    if kv_dtype_name == "bf16":
-        return batch, ()
-    kv_dtype = getattr(torch, kv_dtype_name)
-    kv_scale = torch.full((2,), 4.0 / KV8_QMAX[kv_dtype])
-    pool = batch.kv_cache.float()
-    batch.kv_cache = torch.stack([quantize_kv_reference(pool[:, i], kv_scale[i], kv_dtype) for i in (0, 1)], dim=1)
-    return batch, (kv_scale,)
+    return batch, () if kv_dtype_name == "bf16" else to_8bit_pool(batch, getattr(torch, kv_dtype_name))
 
 
 AMX_SCRIPT = SCRIPT_PREAMBLE + f"""spec = importlib.util.spec_from_file_location("attention_tests", {str(Path(__file__))!r})
