@@ -10,6 +10,7 @@ torch.distributed group the collectives run. Imports neither kilnlm.builder nor 
 from kilnlm.plugins.collectives import set_tensor_parallel_group, tensor_parallel_group
 from kilnlm.plugins.cpu import KernelBuildError, load_cpu_kernels
 from kilnlm.plugins.reference import (
+    KV_CACHE_QMAX,
     all_gather_reference,
     all_reduce_reference,
     apply_rope_reference,
@@ -23,13 +24,15 @@ from kilnlm.plugins.reference import (
     pack_int4,
     paged_attention_reference,
     quantize_fp8_reference,
-    quantize_kv_reference,
     quantize_int8_reference,
+    quantize_kv_pool_reference,
+    quantize_kv_reference,
     unpack_int4,
 )
 from kilnlm.plugins.schema import PLUGIN_ACCEPTED_VERSIONS, PLUGIN_VERSIONS
 
 __all__ = [
+    "KV_CACHE_QMAX",
     "KernelBuildError",
     "load_cpu_kernels",
     "PLUGIN_ACCEPTED_VERSIONS",
@@ -47,8 +50,9 @@ __all__ = [
     "pack_int4",
     "paged_attention_reference",
     "quantize_fp8_reference",
-    "quantize_kv_reference",
     "quantize_int8_reference",
+    "quantize_kv_pool_reference",
+    "quantize_kv_reference",
     "set_tensor_parallel_group",
     "tensor_parallel_group",
     "unpack_int4",

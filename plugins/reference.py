@@ -116,6 +116,11 @@ def paged_attention_reference(
     return out.to(q.dtype)
 
 
+# The largest code magnitude of each 8-bit KV-cache dtype: a scale of amax / KV_CACHE_QMAX[dtype] stores
+# values up to amax without saturating.
+KV_CACHE_QMAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.int8: 127.0}
+
+
 def quantize_kv_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One 8-bit KV-cache tensor as stored: x (any shape, float32 / bfloat16) divided by the per-tensor
     ``scale`` (0-dim float32) in float32, then ``dtype`` float8_e4m3fn (saturate at ±448, round to nearest
@@ -126,6 +131,14 @@ def quantize_kv_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     if dtype == torch.int8:
         return y.round().clamp(-128, 127).to(torch.int8)
     raise ValueError(f"8-bit KV cache dtype must be float8_e4m3fn or int8, got {dtype}")
+
+
+def quantize_kv_pool_reference(pool: torch.Tensor, kv_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A whole paged KV pool ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``
+    (float32 / bfloat16) as an 8-bit KV cache of ``dtype`` stores it: the K half (``pool[:, 0]``) by
+    ``kv_scale[0]``, the V half by ``kv_scale[1]`` (``kv_scale``: [2] float32), each
+    :func:`quantize_kv_reference`. Raises ValueError for a ``dtype`` other than float8_e4m3fn / int8."""
+    return torch.stack([quantize_kv_reference(pool[:, i], kv_scale[i], dtype) for i in (0, 1)], dim=1)
 
 
 def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

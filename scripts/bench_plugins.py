@@ -301,7 +301,7 @@ def bench_paged_attention(dtype: torch.dtype, min_time_s: float) -> None:
 
 
 def bench_kv8_attention(min_time_s: float) -> None:
-    from kilnlm.plugins import quantize_kv_reference
+    from kilnlm.plugins import KV_CACHE_QMAX, quantize_kv_pool_reference
 
     num_layers = 30  # SmolLM2-135M
     print(f"\npaged_attention with 8-bit KV pools (bfloat16 activations, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, "
@@ -321,10 +321,9 @@ def bench_kv8_attention(min_time_s: float) -> None:
         row = [f"{label:>28}"]
         t_bf16 = time_call_min(lambda: torch.ops.kilnlm.paged_attention(*args), min_time_s)
         row.append(f"{t_bf16 * 1e6:8.1f} {num_kv * 2 / t_bf16 / 1e9:6.2f}")
-        for kv_dtype, qmax in ((torch.float8_e4m3fn, 448.0), (torch.int8, 127.0)):
+        for kv_dtype, qmax in KV_CACHE_QMAX.items():
             kv_scale = torch.tensor([4.0 / qmax, 4.0 / qmax])  # randn pool: |x| <= ~4.5
-            pool8 = torch.stack([quantize_kv_reference(pool[:, 0], kv_scale[0], kv_dtype),
-                                 quantize_kv_reference(pool[:, 1], kv_scale[1], kv_dtype)], dim=1)
+            pool8 = quantize_kv_pool_reference(pool, kv_scale, kv_dtype)
             args8 = args[:3] + (pool8,) + args[4:] + (kv_scale,)
             t = time_call_min(lambda: torch.ops.kilnlm.paged_attention(*args8), min_time_s)
             row.append(f"{t * 1e6:8.1f} {num_kv / t / 1e9:6.2f} {t_bf16 / t:6.2f}")

@@ -70,7 +70,7 @@ def main() -> int:
     import torch
 
     from kilnlm.plugins import gpu
-    from kilnlm.plugins.reference import paged_attention_reference, quantize_kv_reference
+    from kilnlm.plugins.reference import KV_CACHE_QMAX, paged_attention_reference, quantize_kv_pool_reference
 
     device = "cpu" if args.interpret else "cuda"
     if not args.interpret and not torch.cuda.is_available():
@@ -82,7 +82,6 @@ def main() -> int:
         gpu.register_cuda_kernels()
         op = torch.ops.kilnlm.paged_attention
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-    qmax = {"fp8": 448.0, "int8": 127.0}
 
     import triton
 
@@ -121,9 +120,10 @@ def main() -> int:
         k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
         kv_scale = None
-        if kv in qmax:
-            kv_scale = torch.tensor([float(k.abs().max()) * 2**0.5 / qmax[kv], float(v.abs().max()) / qmax[kv]])
-            pool = torch.stack([quantize_kv_reference(pool[:, i], kv_scale[i], dtypes[kv]) for i in (0, 1)], dim=1)
+        if dtypes[kv] in KV_CACHE_QMAX:  # scales that fit the new K/V: RoPE keeps a pair's norm, |k| * sqrt(2) bounds it
+            qmax = KV_CACHE_QMAX[dtypes[kv]]
+            kv_scale = torch.tensor([float(k.abs().max()) * 2**0.5 / qmax, float(v.abs().max()) / qmax])
+            pool = quantize_kv_pool_reference(pool, kv_scale, dtypes[kv])
         else:
             pool = pool.to(dtypes[kv])
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))

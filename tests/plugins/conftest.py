@@ -38,6 +38,18 @@ class PackedBatch:
                 self.positions, self.inv_freq, self.cu_seqlens_q, self.seq_lens_kv, self.block_tables,
                 self.slot_mapping, self.scale)
 
+    def to_8bit_pool(self, kv_dtype: torch.dtype, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Replace the pool by its ``kv_dtype`` codes (:func:`~kilnlm.plugins.reference.quantize_kv_pool_reference`)
+        and return ``kv_scale`` ([2] float32), by default scales that store the new K/V without saturating
+        (RoPE keeps a key's norm per pair of dimensions, so max |k| * sqrt(2) bounds the rotated keys)."""
+        from kilnlm.plugins.reference import KV_CACHE_QMAX, quantize_kv_pool_reference
+
+        if kv_scale is None:
+            qmax = KV_CACHE_QMAX[kv_dtype]
+            kv_scale = torch.tensor([float(self.k.abs().max()) * 2**0.5 / qmax, float(self.v.abs().max()) / qmax])
+        self.kv_cache = quantize_kv_pool_reference(self.kv_cache.float(), kv_scale, kv_dtype)
+        return kv_scale
+
 
 def rope_inv_freq(head_dim: int, rope_theta: float = 10000.0) -> torch.Tensor:
     return 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))

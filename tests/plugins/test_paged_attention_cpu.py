@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kilnlm.plugins.reference import paged_attention_reference, quantize_kv_reference
+from kilnlm.plugins.reference import KV_CACHE_QMAX, paged_attention_reference
 
 from factories import cpu_has
 
@@ -214,16 +214,12 @@ def alone(batch, b: int):
 # (activations, KV pool): the 16/32-bit pools and the 8-bit ones (to_8bit_pool).
 INVARIANCE_POOLS = [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8),
                     (torch.bfloat16, torch.float8_e4m3fn)]
-KV8_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 def to_8bit_pool(batch, kv_dtype: torch.dtype) -> tuple[torch.Tensor]:
     """Replaces batch's random pool by its kv_dtype codes, with scales that saturate its few values past 4
     standard deviations; returns the extra argument paged_attention then takes, ``(kv_scale,)``."""
-    kv_scale = torch.full((2,), 4.0 / KV8_QMAX[kv_dtype])
-    pool = batch.kv_cache.float()
-    batch.kv_cache = torch.stack([quantize_kv_reference(pool[:, i], kv_scale[i], kv_dtype) for i in (0, 1)], dim=1)
-    return (kv_scale,)
+    return (batch.to_8bit_pool(kv_dtype, torch.full((2,), 4.0 / KV_CACHE_QMAX[kv_dtype])),)
 
 
 def check_batch_invariance(make_batch, thread_counts) -> None:

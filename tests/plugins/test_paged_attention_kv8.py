@@ -18,12 +18,11 @@ import sys
 import pytest
 import torch
 
-from kilnlm.plugins.reference import paged_attention_reference, quantize_kv_reference
+from kilnlm.plugins.reference import KV_CACHE_QMAX, paged_attention_reference
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
-KV_DTYPES = [torch.float8_e4m3fn, torch.int8]
-QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+KV_DTYPES = list(KV_CACHE_QMAX)  # float8_e4m3fn, int8
 OUT_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
 # (num_cached, num_new): context chunks (first, after cached KV, longer than a 16-token query chunk),
@@ -33,16 +32,9 @@ MIXED = [(0, 20), (37, 1), (20, 13), (5, 40), (63, 1), (31, 1)]
 
 
 def quantized_batch(make_packed_batch, seqs, kv_dtype, act_dtype, **kwargs):
-    """A packed batch whose pool holds quantized random K/V, with scales that fit its new K/V (RoPE keeps
-    a key's norm per pair of dimensions, so max |k| * sqrt(2) bounds the rotated keys)."""
+    """A packed batch whose pool holds quantized random K/V, with scales that fit its new K/V."""
     batch = make_packed_batch(seqs, dtype=torch.float32, **kwargs)
-    k_amax = float(batch.k.abs().max()) * 2**0.5
-    v_amax = float(batch.v.abs().max())
-    kv_scale = torch.tensor([k_amax / QMAX[kv_dtype], v_amax / QMAX[kv_dtype]], dtype=torch.float32)
-    pool = batch.kv_cache
-    batch.kv_cache = torch.empty(pool.shape, dtype=kv_dtype)
-    batch.kv_cache[:, 0] = quantize_kv_reference(pool[:, 0], kv_scale[0], kv_dtype)
-    batch.kv_cache[:, 1] = quantize_kv_reference(pool[:, 1], kv_scale[1], kv_dtype)
+    kv_scale = batch.to_8bit_pool(kv_dtype)
     batch.q, batch.k, batch.v = batch.q.to(act_dtype), batch.k.to(act_dtype), batch.v.to(act_dtype)
     return batch, kv_scale
 
@@ -177,15 +169,13 @@ def test_bad_combinations_are_refused(make_packed_batch):
 
 PORTABLE_SCRIPT = r"""
 import torch
-from kilnlm.plugins import load_cpu_kernels, paged_attention_reference, quantize_kv_reference
+from kilnlm.plugins import KV_CACHE_QMAX, load_cpu_kernels, paged_attention_reference, quantize_kv_pool_reference
 load_cpu_kernels()
 gen = torch.Generator().manual_seed(0)
 H, Hkv, D, tpb = 6, 2, 64, 16
-for kv_dtype, qmax in ((torch.float8_e4m3fn, 448.0), (torch.int8, 127.0)):
+for kv_dtype, qmax in KV_CACHE_QMAX.items():
     kv_scale = torch.tensor([4.0 / qmax, 3.0 / qmax])
-    pool = torch.randn(1, 2, 12, tpb, Hkv, D, generator=gen)
-    pool = torch.stack([quantize_kv_reference(pool[:, 0], kv_scale[0], kv_dtype),
-                        quantize_kv_reference(pool[:, 1], kv_scale[1], kv_dtype)], dim=1)
+    pool = quantize_kv_pool_reference(torch.randn(1, 2, 12, tpb, Hkv, D, generator=gen), kv_scale, kv_dtype)
     q, k, v = (torch.randn(21, h, D, generator=gen) for h in (H, Hkv, Hkv))
     positions = torch.cat([torch.arange(0, 20), torch.tensor([33])])
     block_tables = torch.tensor([[5, 2, 0], [7, 1, 9]], dtype=torch.int32)

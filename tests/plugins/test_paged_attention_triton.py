@@ -84,19 +84,16 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from conftest import _make_packed_batch
 from kilnlm.plugins.gpu import paged_attention_triton
-from kilnlm.plugins.reference import paged_attention_reference, quantize_kv_reference
+from kilnlm.plugins.reference import KV_CACHE_QMAX, paged_attention_reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-QMAX = {"fp8": 448.0, "int8": 127.0}
 
 def batch(spec):
     act, kv = DTYPES[spec["act"]], spec["kv"]
     b = _make_packed_batch([tuple(s) for s in spec["seqs"]], dtype=torch.float32, **spec["shape"])
     kv_scale = None
-    if kv in QMAX:  # scales that fit the new K/V: RoPE keeps a pair's norm, so |k| * sqrt(2) bounds it
-        kv_scale = torch.tensor([float(b.k.abs().max()) * 2**0.5 / QMAX[kv], float(b.v.abs().max()) / QMAX[kv]])
-        pool = b.kv_cache
-        b.kv_cache = torch.stack([quantize_kv_reference(pool[:, i], kv_scale[i], DTYPES[kv]) for i in (0, 1)], dim=1)
+    if DTYPES[kv] in KV_CACHE_QMAX:
+        kv_scale = b.to_8bit_pool(DTYPES[kv])
     else:
         b.kv_cache = b.kv_cache.to(act)
     b.q, b.k, b.v = b.q.to(act), b.k.to(act), b.v.to(act)
