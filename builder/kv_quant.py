@@ -25,11 +25,13 @@ import torch
 
 from kilnlm.builder.checkpoint import Checkpoint
 from kilnlm.builder.errors import BuildError
+from kilnlm.plugins.reference import KV_CACHE_QMAX
+from kilnlm.runtime.abi import KV_CACHE_DTYPES
 
 log = logging.getLogger(__name__)
 
 # --kv-cache-dtype values that quantize the pool -> the largest magnitude the stored format holds.
-KV_QUANT_MAX = {"fp8": 448.0, "int8": 127.0}
+KV_QUANT_MAX = {name: KV_CACHE_QMAX[dtype] for name, dtype in KV_CACHE_DTYPES.items() if dtype in KV_CACHE_QMAX}
 KV_CACHE_DTYPE_CHOICES = ("auto", *KV_QUANT_MAX)
 
 
