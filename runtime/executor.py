@@ -136,9 +136,12 @@ class _ResponseStream:
 
 
 class Executor:
-    def __init__(self, engine, tokenizer: Tokenizer, config: ExecutorConfig | None = None) -> None:
+    def __init__(self, engine, tokenizer: Tokenizer, config: ExecutorConfig | None = None,
+                 trusted_keys=FROM_ENVIRONMENT) -> None:
         """``engine``: a loaded :class:`kilnlm.runtime.engine.Engine` (or anything with its ``manifest``,
-        ``allocate_kv_cache``, ``kv_cache_bytes_per_block`` and ``forward``). Starts the loop thread."""
+        ``allocate_kv_cache``, ``kv_cache_bytes_per_block`` and ``forward``); ``trusted_keys``: the policy a
+        ``speculative_config`` draft engine loads under (:meth:`from_engine_dir` passes the target's).
+        Starts the loop thread."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config = config or ExecutorConfig()
@@ -159,7 +162,7 @@ class Executor:
         self.kv_cache = engine.allocate_kv_cache(num_blocks)
         self.kv_manager = KVCacheManager(KVCacheConfig(num_blocks, build.tokens_per_block, config.enable_kv_cache_reuse))
         self.speculative_config = parse_speculative_config(config.speculative_config)
-        proposer = make_proposer(self.speculative_config, engine, max_batch_size)
+        proposer = make_proposer(self.speculative_config, engine, max_batch_size, trusted_keys)
         self.scheduler = Scheduler(SchedulerConfig(max_batch_size, max_num_tokens, policy, config.enable_chunked_context),
                                    self.kv_manager, proposer)
         self.sampler = Sampler()
@@ -196,14 +199,14 @@ class Executor:
                         trusted_keys=FROM_ENVIRONMENT) -> "Executor":
         """Verify and load the engine in ``engine_dir`` (``trusted_keys``: a
         :class:`~kilnlm.runtime.signing.TrustedKeys` its signature must match; by default
-        ``$KILNLM_TRUSTED_KEYS``'s, None: no check)
+        ``$KILNLM_TRUSTED_KEYS``'s, None: no check; a ``speculative_config`` draft engine's must match too)
         and its tokenizer, and start the loop thread. The executor owns that engine: :meth:`shutdown` closes it
         (a tensor-parallel engine's other ranks stop)."""
         from kilnlm.runtime.engine import Engine
 
         engine = Engine.load(engine_dir, trusted_keys)
         try:
-            executor = cls(engine, Tokenizer.from_dir(engine.tokenizer_dir), config)
+            executor = cls(engine, Tokenizer.from_dir(engine.tokenizer_dir), config, trusted_keys)
         except BaseException:
             engine.close()
             raise

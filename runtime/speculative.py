@@ -43,13 +43,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.request import Request
+from kilnlm.runtime.signing import FROM_ENVIRONMENT
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +118,17 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         raise KilnError(f"speculative_config prompt_lookup_min {config.prompt_lookup_min} exceeds prompt_lookup_max "
                         f"{config.prompt_lookup_max}")
     return config
+
+
+def resolve_draft_model(text: str | None, base_dir: str | os.PathLike) -> str | None:
+    """``text`` (a ``speculative_config`` JSON) with a relative draft ``model`` directory made absolute under
+    ``base_dir``, else ``text`` unchanged. The Triton model resolves it against its model directory, as it
+    does its ``engine_dir`` parameter, so a draft engine can sit in the model repository beside the target.
+    Raises :class:`KilnError` as :func:`parse_speculative_config` does."""
+    config = parse_speculative_config(text)
+    if config is None or config.model is None or Path(config.model).is_absolute():
+        return text
+    return json.dumps({**json.loads(text), "model": str(Path(base_dir) / config.model)})
 
 
 def speculates(request: Request) -> bool:
@@ -290,10 +304,12 @@ class DraftModelProposer(Proposer):
         return logits
 
 
-def make_proposer(config: SpeculativeConfig | None, engine, max_batch_size: int) -> Proposer | None:
+def make_proposer(config: SpeculativeConfig | None, engine, max_batch_size: int,
+                  trusted_keys=FROM_ENVIRONMENT) -> Proposer | None:
     """The proposer of ``config`` for the target ``engine`` run ``max_batch_size`` sequences at a time (None:
-    speculation off). The ``draft`` method loads its engine here (:meth:`kilnlm.runtime.engine.Engine.load`,
-    the environment's trust policy); raises :class:`KilnError` (an :class:`~kilnlm.runtime.errors.EngineError`
+    speculation off). The ``draft`` method loads its engine here (:meth:`kilnlm.runtime.engine.Engine.load`
+    under ``trusted_keys``, the target's policy: a server that requires signed engines requires a signed
+    draft too); raises :class:`KilnError` (an :class:`~kilnlm.runtime.errors.EngineError`
     for a refused draft engine)."""
     if config is None:
         return None
@@ -302,7 +318,7 @@ def make_proposer(config: SpeculativeConfig | None, engine, max_batch_size: int)
     from kilnlm.runtime.engine import Engine
 
     try:
-        draft = Engine.load(config.model)
+        draft = Engine.load(config.model, trusted_keys)
     except KilnError as exc:  # say that it is the draft engine that is refused
         raise type(exc)(f"speculative_config's draft model: {exc}") from exc
     return DraftModelProposer(config, draft, engine.manifest.model.vocab_size, max_batch_size)

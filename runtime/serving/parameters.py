@@ -16,12 +16,14 @@ without further code.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from typing import Any, Mapping
 
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.executor import ExecutorConfig
+from kilnlm.runtime.speculative import resolve_draft_model
 
 DEFAULT_MAX_TOKENS = 128
 TRUE_TEXTS = ("1", "true", "yes", "on")
@@ -109,8 +111,11 @@ def executor_options() -> list[ExecutorOption]:
     return options
 
 
-def executor_overrides(params: Mapping[str, str]) -> dict[str, Any]:
-    """The ExecutorConfig fields ``params`` sets, converted to their types (empty: the defaults).
+def executor_overrides(params: Mapping[str, str], model_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The ExecutorConfig fields ``params`` sets, converted to their types (empty: the defaults). With
+    ``model_dir`` (the Triton model's directory), a ``speculative_config`` draft engine named by a relative
+    path is the one under it, as a relative ``engine_dir`` is
+    (:func:`kilnlm.runtime.speculative.resolve_draft_model`).
 
     Raises:
         KilnError: a parameter whose value does not convert (the message names it and says to edit
@@ -123,6 +128,8 @@ def executor_overrides(params: Mapping[str, str]) -> dict[str, Any]:
                 overrides[option.name] = option.parse(params[option.name])
             except KilnError as exc:
                 raise KilnError(f"model parameter {exc} (edit its string_value in config.pbtxt)") from None
+    if model_dir is not None and overrides.get("speculative_config"):
+        overrides["speculative_config"] = resolve_draft_model(overrides["speculative_config"], model_dir)
     return overrides
 
 

@@ -251,6 +251,22 @@ def test_deploy_and_the_served_model_refuse_untrusted_engines(engine, keys, tmp_
         Executor.from_engine_dir(model_dir / "1" / "engine", ExecutorConfig(max_batch_size=1), relative)
 
 
+def test_a_draft_engine_loads_under_the_target_s_trust_policy(engine, keys, tiny_engine_dir):
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
+
+    ours, _, trusted, _ = keys
+    sign_engine(engine, ours)
+
+    def speculative(draft) -> ExecutorConfig:
+        return ExecutorConfig(max_batch_size=1, speculative_config=json.dumps(
+            {"method": "draft", "num_speculative_tokens": 2, "model": str(draft)}))
+
+    with pytest.raises(EngineError, match="speculative_config's draft model: .*unsigned"):
+        Executor.from_engine_dir(engine, speculative(tiny_engine_dir), trusted)
+    Executor.from_engine_dir(engine, speculative(engine), trusted).shutdown()  # a signed draft loads
+    Executor.from_engine_dir(engine, speculative(tiny_engine_dir), None).shutdown()  # no policy: no signature needed
+
+
 def test_cli_trusted_keys_refuse_in_one_line(engine, keys, capsys):
     _, _, _, trusted_file = keys
     assert kilnlm_main(["generate", "hi", "--engine", str(engine), "--max-tokens", "1",

@@ -4,6 +4,7 @@ default_max_tokens."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -34,6 +35,19 @@ def test_only_executor_config_fields_configure_the_executor():
     assert default_max_tokens(params) == 64
     assert default_max_tokens({}) == 128
     assert model_parameters({}) == {}
+
+
+def test_a_relative_draft_engine_is_the_model_directory_s(tmp_path):
+    relative = '{"method": "draft", "num_speculative_tokens": 3, "model": "draft/engine"}'
+    assert json.loads(executor_overrides({"speculative_config": relative}, tmp_path)["speculative_config"]) == \
+        {"method": "draft", "num_speculative_tokens": 3, "model": str(tmp_path / "draft" / "engine")}  # as engine_dir
+    absolute = '{"method": "draft", "num_speculative_tokens": 3, "model": "/srv/draft"}'
+    assert executor_overrides({"speculative_config": absolute}, tmp_path) == {"speculative_config": absolute}
+    assert executor_overrides({"speculative_config": relative}) == {"speculative_config": relative}  # no model_dir
+    ngram = '{"method": "ngram", "num_speculative_tokens": 4}'
+    assert executor_overrides({"speculative_config": ngram}, tmp_path) == {"speculative_config": ngram}
+    with pytest.raises(KilnError, match="speculative_config method is 'medusa'"):
+        executor_overrides({"speculative_config": '{"method": "medusa", "num_speculative_tokens": 2}'}, tmp_path)
 
 
 def test_unconvertible_parameters_say_what_to_edit():
