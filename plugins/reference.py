@@ -141,6 +141,15 @@ def quantize_kv_pool_reference(pool: torch.Tensor, kv_scale: torch.Tensor, dtype
     return torch.stack([quantize_kv_reference(pool[:, i], kv_scale[i], dtype) for i in (0, 1)], dim=1)
 
 
+def fitting_kv_scale(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[2]`` float32 (k_scale, v_scale) that store the new keys ``k`` (before RoPE) and values ``v`` (any
+    shape) in ``dtype``'s codes without saturating: RoPE keeps a key's norm per pair of dimensions, so
+    max |k| * sqrt(2) bounds the rotated keys. For test and benchmark data; engines calibrate their scales
+    (:mod:`kilnlm.builder.kv_quant`)."""
+    qmax = KV_CACHE_QMAX[dtype]
+    return torch.tensor([float(k.abs().max()) * 2**0.5 / qmax, float(v.abs().max()) / qmax])
+
+
 def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Reference of ``kilnlm::gemm``: ``x @ weight.T + bias`` in float32, returned in x's dtype.
 

@@ -70,7 +70,7 @@ def main() -> int:
     import torch
 
     from kilnlm.plugins import gpu
-    from kilnlm.plugins.reference import KV_CACHE_QMAX, paged_attention_reference, quantize_kv_pool_reference
+    from kilnlm.plugins.reference import KV_CACHE_QMAX, fitting_kv_scale, paged_attention_reference, quantize_kv_pool_reference
 
     device = "cpu" if args.interpret else "cuda"
     if not args.interpret and not torch.cuda.is_available():
@@ -120,9 +120,8 @@ def main() -> int:
         k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
         kv_scale = None
-        if dtypes[kv] in KV_CACHE_QMAX:  # scales that fit the new K/V: RoPE keeps a pair's norm, |k| * sqrt(2) bounds it
-            qmax = KV_CACHE_QMAX[dtypes[kv]]
-            kv_scale = torch.tensor([float(k.abs().max()) * 2**0.5 / qmax, float(v.abs().max()) / qmax])
+        if dtypes[kv] in KV_CACHE_QMAX:
+            kv_scale = fitting_kv_scale(k, v, dtypes[kv])
             pool = quantize_kv_pool_reference(pool, kv_scale, dtypes[kv])
         else:
             pool = pool.to(dtypes[kv])

@@ -41,12 +41,11 @@ class PackedBatch:
     def to_8bit_pool(self, kv_dtype: torch.dtype, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Replace the pool by its ``kv_dtype`` codes (:func:`~kilnlm.plugins.reference.quantize_kv_pool_reference`)
         and return ``kv_scale`` ([2] float32), by default scales that store the new K/V without saturating
-        (RoPE keeps a key's norm per pair of dimensions, so max |k| * sqrt(2) bounds the rotated keys)."""
-        from kilnlm.plugins.reference import KV_CACHE_QMAX, quantize_kv_pool_reference
+        (:func:`~kilnlm.plugins.reference.fitting_kv_scale`)."""
+        from kilnlm.plugins.reference import fitting_kv_scale, quantize_kv_pool_reference
 
         if kv_scale is None:
-            qmax = KV_CACHE_QMAX[kv_dtype]
-            kv_scale = torch.tensor([float(self.k.abs().max()) * 2**0.5 / qmax, float(self.v.abs().max()) / qmax])
+            kv_scale = fitting_kv_scale(self.k, self.v, kv_dtype)
         self.kv_cache = quantize_kv_pool_reference(self.kv_cache.float(), kv_scale, kv_dtype)
         return kv_scale
 
