@@ -700,6 +700,22 @@ static inline __m512 amx_round_bf16(__m512 v) {
 // (load16 reads the stored value, an FP8 one as 2^-8 times it (see kv_f32), whose 8 or 4 significant bits
 // bfloat16 holds).
 static inline __m512i amx_load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+// FP8 directly into bfloat16 bits, in 16-bit lanes (7 instructions per 32 elements; through float32 they
+// took 12, and made an FP8 pool's decode 0.75x a bf16 pool's against int8's 0.96x). E4M3 `s eeee mmm` with
+// e > 0 is 2^(e - 7) * (1 + m / 8), so 2^-8 times it is the bfloat16 `s (e + 112) mmm0000`: the byte's low
+// seven bits shifted left by 4, plus 112 << 7. Exponent 0 (zero and the subnormals m * 2^-9, i.e.
+// m * 2^-17 after the 2^-8) is the 8-entry table below, indexed by m, the lane's low bits; the sign is then
+// bit 15 of the sign-extended byte.
+static inline __m512i amx_load32(const uint8_t* p) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x07F0)),
+                                          _mm512_set1_epi16(112 << 7));
+  const __mmask32 tiny = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));  // exponent 0
+  const __m512i subnormal = _mm512_zextsi128_si512(  // m * 2^-17
+      _mm_setr_epi16(0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860));
+  const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, tiny, w, subnormal);
+  return _mm512_ternarylogic_epi32(magnitude, w, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xD8);  // c ? b : a
+}
 template <typename kv_t>
 static inline __m512i amx_load32(const kv_t* p) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load16(p + 16), load16(p)));

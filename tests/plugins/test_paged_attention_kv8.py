@@ -124,25 +124,31 @@ def test_saturation_and_rounding_rules(make_packed_batch):
         assert stored.tolist() == expected_v, (kv_dtype, stored)
 
 
+# (activations, tokens per block, v_scale): float32 activations take the AVX-512 / AVX2 path; bfloat16 ones
+# with 32-token blocks the AMX tiles where the CPU has them (its own FP8 -> bfloat16 conversion), with a
+# power-of-two v_scale so that every decode(code) * v_scale / 2 is a bfloat16.
+CODE_PATHS = [(torch.float32, 16, 0.375), (torch.bfloat16, 32, 0.25)]
+
+
+@pytest.mark.parametrize("act_dtype, tpb, v_scale", CODE_PATHS, ids=["f32", "bf16-amx"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp8", "int8"])
-def test_every_stored_code_reads_back_exactly(kv_dtype):
+def test_every_stored_code_reads_back_exactly(kv_dtype, act_dtype, tpb, v_scale):
     """All 256 codes (FP8: the 254 finite ones, NaN codes replaced by 0) as cached V of a generation step
     with q = 0 and a zero new V: uniform weights over the two KV positions, so out = decode(code) * v_scale
     / 2 exactly -- the kernel's vector FP8 / int8 decode (with its folded 2^8) against torch's."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     if kv_dtype == torch.float8_e4m3fn:
         codes[(codes == 0x7F) | (codes == 0xFF)] = 0
-    num_kv_heads, head_dim, tpb = 4, 64, 16
+    num_kv_heads, head_dim = 4, 64
     pool = torch.zeros(1, 2, 2, tpb, num_kv_heads, head_dim, dtype=kv_dtype)
     pool.view(torch.uint8)[0, 1, 0, 0] = codes.reshape(num_kv_heads, head_dim)
-    v_scale = 0.375
-    zeros = torch.zeros(1, num_kv_heads, head_dim)
+    zeros = torch.zeros(1, num_kv_heads, head_dim, dtype=act_dtype)
     out = torch.ops.kilnlm.paged_attention(
         zeros, zeros, zeros, pool, 0, torch.tensor([1]), torch.ones(head_dim // 2), torch.tensor([0, 1], dtype=torch.int32),
         torch.tensor([2], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), torch.tensor([1]), 0.125,
         torch.tensor([1.0, v_scale]))
     expected = codes.view(kv_dtype).float().reshape(num_kv_heads, head_dim) * v_scale / 2
-    assert torch.equal(out[0], expected)
+    assert torch.equal(out[0].float(), expected)
 
 
 def test_sixteen_bit_pool_results_unchanged_by_the_new_argument(make_packed_batch):
