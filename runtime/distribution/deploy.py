@@ -9,6 +9,8 @@ model set, names fixed so that TensorRT-LLM's clients work)::
         1/  model.py          the template's tensorrt_llm/1/model.py (a copy per version, as Triton wants)
             engine/           a local engine directory, hard-linked (copied across file systems), or
             engine.json       a pointer to a cache reference, resolved when the model loads
+            speculative_config.json   with --speculative-config: the version's speculative decoding, over
+            draft/            the model's parameter; a draft method's engine is copied here (always a copy)
         2/  ...               the next deploy: Triton serves the highest, and a rollback is removing it
       preprocessing/          the template's, written once, with tokenizer/ (the first engine's tokenizer
       postprocessing/           files; a later engine with another tokenizer is refused)
@@ -44,14 +46,17 @@ from __future__ import annotations
 import dataclasses
 import errno
 import importlib.util
+import json
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from kilnlm.runtime.distribution.engine_source import ENGINE_SUBDIR, POINTER_NAME, EnginePointer
+from kilnlm.runtime.distribution.engine_source import (DRAFT_SUBDIR, ENGINE_SUBDIR, POINTER_NAME,
+                                                       SPECULATIVE_CONFIG_NAME, EnginePointer)
 from kilnlm.runtime.errors import EngineError, KilnError
+from kilnlm.runtime.manifest import Manifest
 from kilnlm.runtime.signing import TrustedKeys
 
 TEMPLATE_ENV = "KILNLM_MODEL_REPOSITORY_TEMPLATE"
@@ -86,6 +91,11 @@ class DeployConfig:
         trusted_keys: a :class:`~kilnlm.runtime.signing.TrustedKeys` the engine's signature must match
             (None: not checked). The served model checks it again when it loads the engine, against its
             own ``trusted_keys`` parameter or ``$KILNLM_TRUSTED_KEYS``.
+        speculative_config: vLLM's ``speculative_config`` JSON (:mod:`kilnlm.runtime.speculative`) the
+            version serves with, over the model's parameter; a ``draft`` method's ``model`` is a local
+            engine directory or a cache reference, verified as ``ref`` is (the same trusted keys), checked
+            to share the engine's tokenizer, and copied into the version as ``draft/``. None: the version
+            has none.
     """
 
     ref: str
@@ -95,6 +105,7 @@ class DeployConfig:
     copy_engine: bool = False
     template: Path | None = None
     trusted_keys: TrustedKeys | None = None
+    speculative_config: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +115,9 @@ class DeployResult:
     Attributes: ``model_dir`` (DIR/tensorrt_llm); ``version`` and ``version_dir``; ``mode`` ("copy" or
     "pointer"); ``engine_ref`` (the cache reference, None for a local directory); ``cache_key`` (the key
     the engine is stored under, when known); ``created_model`` (True when the model set was new);
-    ``companion_dirs`` (the other models written with it, empty when they existed already)."""
+    ``companion_dirs`` (the other models written with it, empty when they existed already);
+    ``speculative_config`` (the JSON written into the version, its draft ``model`` the version's
+    ``draft``; None without one)."""
 
     model_dir: Path
     version: int
@@ -114,6 +127,7 @@ class DeployResult:
     cache_key: str | None
     created_model: bool
     companion_dirs: tuple[Path, ...] = ()
+    speculative_config: str | None = None
 
 
 # ------------------------------------------------------------------------------------------- template
@@ -220,12 +234,13 @@ def _full_ref(config: DeployConfig) -> str:
 
 @dataclasses.dataclass
 class _VerifiedEngine:
-    """An engine that passed verification: ``path`` (the local directory, or its fetched copy) and, for a
-    cache reference, the full reference and the key it resolved to."""
+    """An engine that passed verification: ``path`` (the local directory, or its fetched copy), its
+    ``manifest``, and, for a cache reference, the full reference and the key it resolved to."""
 
     path: Path
     engine_ref: str | None
     cache_key: str | None
+    manifest: Manifest
 
 
 def _verify_engine_ref(config: DeployConfig, scratch: Path) -> _VerifiedEngine:
@@ -239,7 +254,7 @@ def _verify_engine_ref(config: DeployConfig, scratch: Path) -> _VerifiedEngine:
             manifest = verify_engine(source, config.trusted_keys)
         except EngineError as exc:
             raise DeployError(f"refusing to deploy {source}: {exc}") from None
-        return _VerifiedEngine(source, None, manifest.cache_key)
+        return _VerifiedEngine(source, None, manifest.cache_key, manifest)
 
     from kilnlm.runtime.distribution.cache import EngineCache, split_cache_ref
 
@@ -250,21 +265,66 @@ def _verify_engine_ref(config: DeployConfig, scratch: Path) -> _VerifiedEngine:
         key = cache.resolve(name_ref)
         fetched = scratch / "engine"
         cache.fetch(key, fetched)
-        verify_engine(fetched, config.trusted_keys)
+        manifest = verify_engine(fetched, config.trusted_keys)
     except KilnError as exc:
         if "://" in ref:
             raise DeployError(f"refusing to deploy {ref}: {exc}") from None
         raise DeployError(f"refusing to deploy {config.ref}: no engine directory {config.ref} exists, and as "
                           f"cache reference {ref}: {exc}") from None
-    return _VerifiedEngine(fetched, ref, key)
+    return _VerifiedEngine(fetched, ref, key, manifest)
 
 
-def _write_version(engine: _VerifiedEngine, copy_engine: bool, template: Path, version_dir: Path) -> str:
-    """Fill ``version_dir`` with the template's model.py and the engine (hard-linked or copied) or its
-    pointer. Returns the mode, "copy" or "pointer"."""
+def _parse_speculative_config(text: str | None):
+    """``text`` as a :class:`~kilnlm.runtime.speculative.SpeculativeConfig` (None for None). Raises
+    :class:`DeployError` for an invalid one."""
+    if text is None:
+        return None
+    from kilnlm.runtime.speculative import parse_speculative_config
+
+    try:
+        return parse_speculative_config(text)
+    except KilnError as exc:
+        raise DeployError(f"--speculative-config: {exc}") from None
+
+
+def _verify_draft(config: DeployConfig, draft_model: str, engine: _VerifiedEngine, scratch: Path) -> _VerifiedEngine:
+    """Verify the draft engine ``draft_model`` names (as :func:`_verify_engine_ref` does ``config.ref``) and
+    check that it shares ``engine``'s tokenizer and vocabulary. Raises :class:`DeployError`."""
+    scratch.mkdir()
+    try:
+        draft = _verify_engine_ref(dataclasses.replace(config, ref=draft_model), scratch)
+    except DeployError as exc:
+        raise DeployError(f"speculative_config's draft model: {exc}") from None
+    tokenizer = Path(TOKENIZER_SUBDIR) / "tokenizer.json"
+    if (draft.path / tokenizer).read_bytes() != (engine.path / tokenizer).read_bytes() or \
+            draft.manifest.model.vocab_size != engine.manifest.model.vocab_size:
+        raise DeployError(f"speculative_config's draft model {draft_model} has another tokenizer than the engine "
+                          f"{config.ref}: a draft model must share the target's tokenizer (e.g. the int4_awq engine "
+                          "of the same checkpoint)")
+    return draft
+
+
+def _speculative_json(text: str, draft: _VerifiedEngine | None) -> str:
+    """What the version's ``speculative_config.json`` holds: ``text``'s fields, a draft's ``model`` the
+    version's ``draft/`` (relative, so that the version directory can move)."""
+    fields = json.loads(text)
+    if draft is not None:
+        fields["model"] = DRAFT_SUBDIR
+    return json.dumps(fields, indent=2, sort_keys=True) + "\n"
+
+
+def _write_version(engine: _VerifiedEngine, copy_engine: bool, template: Path, version_dir: Path,
+                   speculative_json: str | None, draft: _VerifiedEngine | None) -> str:
+    """Fill ``version_dir`` with the template's model.py, the engine (hard-linked or copied) or its
+    pointer, and the speculative configuration with its draft engine (hard-linked or copied). Returns the
+    mode, "copy" or "pointer"."""
     version_dir.mkdir()
     shutil.copy2(template / TEMPLATE_MODEL / "1" / MODEL_FILE, version_dir / MODEL_FILE)
     (version_dir / PYCACHE_BLOCKER).write_text(PYCACHE_BLOCKER_TEXT)
+    if draft is not None:
+        shutil.copytree(draft.path, version_dir / DRAFT_SUBDIR, copy_function=_link_or_copy)
+    if speculative_json is not None:
+        (version_dir / SPECULATIVE_CONFIG_NAME).write_text(speculative_json)
     if engine.engine_ref is not None and not copy_engine:
         pointer = EnginePointer(engine_ref=engine.engine_ref, cache_key=engine.cache_key)
         (version_dir / POINTER_NAME).write_text(pointer.to_json())
@@ -320,10 +380,13 @@ def deploy(config: DeployConfig) -> DeployResult:
     Raises:
         DeployError: an invalid version, a version that exists, an engine refused by verification (or whose
             tokenizer differs from the deployed one), a cache reference that cannot be resolved or fetched,
-            or a directory in the way. The repository is unchanged when it is raised.
+            an invalid speculative configuration or a draft engine refused as the engine would be (or
+            whose tokenizer differs from the engine's), or a directory in the way. The repository is
+            unchanged when it is raised.
     """
     if config.version is not None and config.version < 1:
         raise DeployError(f"--version {config.version}: Triton versions are integers >= 1")
+    speculative = _parse_speculative_config(config.speculative_config)
     template = locate_template(config.template)
     repository = Path(config.model_repository).expanduser()
     model_dir = repository / TEMPLATE_MODEL
@@ -339,6 +402,9 @@ def deploy(config: DeployConfig) -> DeployResult:
     with tempfile.TemporaryDirectory(prefix="kilnlm-deploy-") as scratch_dir:
         engine = _verify_engine_ref(config, Path(scratch_dir))
         _check_same_tokenizer(repository, engine.path)
+        draft = None if speculative is None or speculative.method != "draft" else \
+            _verify_draft(config, speculative.model, engine, Path(scratch_dir) / DRAFT_SUBDIR)
+        speculative_json = None if speculative is None else _speculative_json(config.speculative_config, draft)
         companions = [] if created_model is False else \
             [n for n in (*TOKENIZER_MODELS, *TEXT_MODELS) if not (repository / n).exists()]
         created_repository = not repository.exists()
@@ -350,10 +416,12 @@ def deploy(config: DeployConfig) -> DeployResult:
             if created_model:
                 staged_model.mkdir()
                 (staged_model / CONFIG_FILE).write_text(render_model_config(template))
-                mode = _write_version(engine, config.copy_engine, template, staged_model / str(version))
+                mode = _write_version(engine, config.copy_engine, template, staged_model / str(version),
+                                      speculative_json, draft)
                 _write_companions(template, engine.path, staging)
             else:
-                mode = _write_version(engine, config.copy_engine, template, staging / str(version))
+                mode = _write_version(engine, config.copy_engine, template, staging / str(version),
+                                      speculative_json, draft)
             # The renames: the LLM model (or its new version) first, then the models that call it.
             if created_model:
                 _rename_new(staged_model, model_dir, "the model")
@@ -369,4 +437,5 @@ def deploy(config: DeployConfig) -> DeployResult:
                 repository.rmdir()  # leave no empty repository behind a failed deploy
     return DeployResult(model_dir=model_dir, version=version, version_dir=model_dir / str(version),
                         mode=mode, engine_ref=engine.engine_ref, cache_key=engine.cache_key,
-                        created_model=created_model, companion_dirs=tuple(repository / n for n in companions))
+                        created_model=created_model, companion_dirs=tuple(repository / n for n in companions),
+                        speculative_config=speculative_json)

@@ -13,6 +13,11 @@ these that exists decides (``<model dir>`` is ``args["model_repository"]``, e.g.
                                            /local/cache/<key>), resolved when the model loads
     parameter engine_dir                   a local engine directory (absolute, or relative to <model dir>)
 
+A version directory may also hold ``speculative_config.json`` (vLLM's ``speculative_config`` JSON, written by
+``kilnlm deploy --speculative-config``) and, for the ``draft`` method, the draft engine's copy in ``draft/``:
+the version then serves with that configuration, over the model's ``speculative_config`` parameter
+(:func:`version_speculative_config`).
+
 The engine is refused before it is loaded unless its manifest is signed by one of the trusted keys, when
 there are any (:func:`served_trusted_keys`: parameter ``trusted_keys``, else ``$KILNLM_TRUSTED_KEYS``).
 
@@ -42,6 +47,8 @@ from kilnlm.runtime.errors import EngineError
 
 ENGINE_SUBDIR = "engine"  # a version directory's engine copy
 POINTER_NAME = "engine.json"  # a version directory's pointer to a cache reference
+DRAFT_SUBDIR = "draft"  # a version directory's draft engine copy (speculative decoding)
+SPECULATIVE_CONFIG_NAME = "speculative_config.json"  # the speculative_config a version directory serves with
 POINTER_FORMAT_VERSION = 1
 ENGINE_CACHE_DIR_ENV = "KILNLM_ENGINE_CACHE_DIR"
 DEFAULT_ENGINE_CACHE_DIR = Path("~/.cache/kilnlm/served-engines")
@@ -229,3 +236,25 @@ def resolve_served_engine(model_dir: str | os.PathLike, version: str | int, para
         f"model version {version_dir} names no engine: deploy one with `kilnlm deploy REF --model-repository "
         f"{model_dir.parent}`, or set the engine_dir (local directory) or engine_ref (cache reference) "
         f"parameter in {model_dir / 'config.pbtxt'}")
+
+
+def version_speculative_config(model_dir: str | os.PathLike, version: str | int) -> str | None:
+    """The ``speculative_config`` JSON a deployed version serves with: ``<model dir>/<version>/``
+    ``speculative_config.json``, a relative draft ``model`` (``draft``, as `kilnlm deploy` writes it) made
+    absolute under the version directory; None when the version has no such file.
+
+    Raises:
+        EngineError: the file cannot be read or is not a valid ``speculative_config`` (the message names it).
+    """
+    from kilnlm.runtime.errors import KilnError
+    from kilnlm.runtime.speculative import resolve_draft_model
+
+    version_dir = Path(model_dir) / str(version)
+    path = version_dir / SPECULATIVE_CONFIG_NAME
+    if not path.is_file():
+        return None
+    try:
+        return resolve_draft_model(path.read_text(), version_dir)
+    except (OSError, UnicodeDecodeError, KilnError) as exc:
+        raise EngineError(f"{path}: {exc}: deploy the version again with `kilnlm deploy REF --speculative-config "
+                          "JSON`, or remove the file to serve without speculation") from None

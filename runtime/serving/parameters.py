@@ -21,6 +21,7 @@ import types
 import typing
 from typing import Any, Mapping
 
+from kilnlm.runtime.distribution.engine_source import version_speculative_config
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime.executor import ExecutorConfig
 from kilnlm.runtime.speculative import resolve_draft_model
@@ -111,15 +112,18 @@ def executor_options() -> list[ExecutorOption]:
     return options
 
 
-def executor_overrides(params: Mapping[str, str], model_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+def executor_overrides(params: Mapping[str, str], model_dir: str | os.PathLike | None = None,
+                       version: str | int | None = None) -> dict[str, Any]:
     """The ExecutorConfig fields ``params`` sets, converted to their types (empty: the defaults). With
     ``model_dir`` (the Triton model's directory), a ``speculative_config`` draft engine named by a relative
     path is the one under it, as a relative ``engine_dir`` is
-    (:func:`kilnlm.runtime.speculative.resolve_draft_model`).
+    (:func:`kilnlm.runtime.speculative.resolve_draft_model`); with ``version`` too, the version directory's
+    own ``speculative_config.json``, when `kilnlm deploy` wrote one, takes the parameter's place
+    (:func:`kilnlm.runtime.distribution.engine_source.version_speculative_config`).
 
     Raises:
         KilnError: a parameter whose value does not convert (the message names it and says to edit
-            config.pbtxt).
+            config.pbtxt), or an invalid ``speculative_config.json`` (an EngineError naming the file).
     """
     overrides = {}
     for option in executor_options():
@@ -128,7 +132,10 @@ def executor_overrides(params: Mapping[str, str], model_dir: str | os.PathLike |
                 overrides[option.name] = option.parse(params[option.name])
             except KilnError as exc:
                 raise KilnError(f"model parameter {exc} (edit its string_value in config.pbtxt)") from None
-    if model_dir is not None and overrides.get("speculative_config"):
+    deployed = None if model_dir is None or version is None else version_speculative_config(model_dir, version)
+    if deployed is not None:
+        overrides["speculative_config"] = deployed
+    elif model_dir is not None and overrides.get("speculative_config"):
         overrides["speculative_config"] = resolve_draft_model(overrides["speculative_config"], model_dir)
     return overrides
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ from kilnlm.cli.main import main as kilnlm_main
 from kilnlm.runtime.distribution.deploy import (DeployConfig, DeployError, deploy, existing_versions, locate_template,
                                    render_model_config)
 from kilnlm.runtime.engine import verify_engine
-from kilnlm.runtime.distribution.engine_source import ServedEngine, resolve_served_engine
+from kilnlm.runtime.distribution.engine_source import ServedEngine, resolve_served_engine, version_speculative_config
 from kilnlm.runtime.errors import EngineError
+from kilnlm.runtime.manifest import read_manifest, write_manifest
+from kilnlm.runtime.serving.parameters import executor_overrides
 
 
 def tree(root: Path) -> list[str]:
@@ -79,8 +82,8 @@ def test_a_new_version_is_staged_outside_the_model_directory(tiny_engine_dir, tm
     written = []
     real_write_version = deploy_module._write_version
     monkeypatch.setattr(deploy_module, "_write_version",
-                        lambda engine, copy, template, version_dir: written.append(version_dir) or
-                        real_write_version(engine, copy, template, version_dir))
+                        lambda engine, copy, template, version_dir, *speculative: written.append(version_dir) or
+                        real_write_version(engine, copy, template, version_dir, *speculative))
     deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
     (staged,) = written
     assert repo.resolve() not in staged.resolve().parents and staged.name == "2"
@@ -169,6 +172,98 @@ def test_served_engine_resolution_order(tmp_path):
         resolve_served_engine(model_dir, 1, {"engine_dir": "engine"})
     (model_dir / "1" / "engine").mkdir()  # a version's engine copy comes first
     assert resolve_served_engine(model_dir, 1, {"engine_dir": "x"}).engine_dir == model_dir / "1" / "engine"
+
+
+def draft_config(model: str | Path, tokens: int = 3) -> str:
+    return json.dumps({"method": "draft", "model": str(model), "num_speculative_tokens": tokens})
+
+
+def test_a_version_deployed_with_a_draft_engine_carries_it_and_serves_with_it(tiny_engine_dir, tmp_path, capsys):
+    """--speculative-config: the draft engine (here the tiny engine drafting for itself) is verified and
+    copied into the version as draft/, the version's speculative_config.json names it relatively, and the
+    served model's executor configuration takes it over the model's parameter; a version deployed without
+    one keeps the parameter's."""
+    repo = tmp_path / "repo"
+    model_dir = repo / "tensorrt_llm"
+    result = deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo,
+                                 speculative_config=draft_config(tiny_engine_dir)))
+    version_dir = model_dir / "1"
+    assert verify_engine(version_dir / "draft").files == verify_engine(tiny_engine_dir).files
+    written = {"method": "draft", "model": "draft", "num_speculative_tokens": 3}
+    assert json.loads((version_dir / "speculative_config.json").read_text()) == written
+    assert json.loads(result.speculative_config) == written
+    resolved = {**written, "model": str(version_dir / "draft")}
+    assert json.loads(version_speculative_config(model_dir, 1)) == resolved
+    ngram = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert json.loads(executor_overrides({"speculative_config": ngram}, model_dir, "1")["speculative_config"]) == resolved
+
+    assert kilnlm_main(["deploy", str(tiny_engine_dir), "--model-repository", str(repo), "--speculative-config",
+                        ngram]) == 0
+    assert 'version 2 speculates with {"method": "ngram", "num_speculative_tokens": 2}' in capsys.readouterr().out
+    assert json.loads((model_dir / "2" / "speculative_config.json").read_text()) == json.loads(ngram)
+    assert not (model_dir / "2" / "draft").exists()
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
+    assert version_speculative_config(model_dir, 3) is None
+    assert executor_overrides({"speculative_config": ngram}, model_dir, 3) == {"speculative_config": ngram}
+
+
+def test_a_bad_speculative_config_or_draft_engine_is_refused_before_anything_is_written(
+        tiny_engine_dir, tampered_engine, tmp_path):
+    repo = tmp_path / "repo"
+    with pytest.raises(DeployError, match="--speculative-config: speculative_config is not JSON"):
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, speculative_config="{draft"))
+    assert not repo.exists()
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo))
+    before = tree(repo)
+    with pytest.raises(DeployError, match="method is 'medusa'"):
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo,
+                            speculative_config='{"method": "medusa", "num_speculative_tokens": 2}'))
+    with pytest.raises(DeployError, match=r"draft model: refusing to deploy .*model\.pt2.*SHA-256"):
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, speculative_config=draft_config(tampered_engine)))
+    with pytest.raises(DeployError, match="draft model: refusing to deploy .*no_such_engine"):
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo,
+                            speculative_config=draft_config(tmp_path / "no_such_engine")))
+    other = tmp_path / "other_tokenizer"  # a valid engine (its manifest written again) of another tokenizer
+    shutil.copytree(tiny_engine_dir, other)
+    tokenizer_json = other / "tokenizer" / "tokenizer.json"
+    tokenizer_json.write_text(tokenizer_json.read_text().replace('"<|im_end|>"', '"<|im_stop|>"', 1))
+    write_manifest(other, read_manifest(other))
+    with pytest.raises(DeployError, match="draft model .*other_tokenizer has another tokenizer than the engine"):
+        deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo, speculative_config=draft_config(other)))
+    assert tree(repo) == before
+
+    (repo / "tensorrt_llm" / "1" / "speculative_config.json").write_text('{"method": "draft"}')
+    with pytest.raises(EngineError, match=r"1/speculative_config\.json: .*needs num_speculative_tokens"):
+        executor_overrides({}, repo / "tensorrt_llm", 1)
+
+
+@pytest.mark.triton
+def test_triton_serves_a_version_deployed_with_a_draft_engine(tiny_engine_dir, tmp_path, start_deployed_server):
+    """The version loads its draft/ in a real tritonserver and speculates: the speculative-decoding metrics
+    count verified drafts, and a greedy request's tokens equal its tokens without speculation
+    (num_speculative_tokens 0)."""
+    import urllib.request
+
+    repo = tmp_path / "repo"
+    deploy(DeployConfig(ref=str(tiny_engine_dir), model_repository=repo,
+                        speculative_config=draft_config(tiny_engine_dir, tokens=4)))
+    server = start_deployed_server(repo, {})
+
+    def generate(**fields) -> list[int]:
+        body = {"input_ids": [1, 2, 3], "input_lengths": 3, "request_output_len": 16, **fields}
+        request = urllib.request.Request(f"{server.http_url}/v2/models/tensorrt_llm/generate", method="POST",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return json.loads(reply.read())["output_ids"]
+
+    speculative = generate()
+    deadline_s = time.monotonic() + 10  # the gauges are refreshed every 0.1 s
+    while (drafts := server.metric("kilnlm_speculative_decoding_metrics", spec_decoding_metric="total_draft_tokens")) == 0:
+        assert time.monotonic() < deadline_s, f"no draft token verified; output {speculative}\n{server.log_tail()[-3000:]}"
+        time.sleep(0.1)
+    assert len(speculative) == 3 + 16 and drafts >= 4
+    assert speculative == generate(num_speculative_tokens=0)
+    assert "speculative_config" in server.log_tail() and str(repo / "tensorrt_llm" / "1" / "draft") in server.log_tail()
 
 
 def test_template_is_found_and_rendered(tmp_path):

@@ -51,7 +51,7 @@ class TritonPythonModel:
         decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         served = resolve_served_engine(args["model_repository"], args["model_version"],
                                        {"engine_dir": "engine", **params}, log=pb_utils.Logger.log_info)
-        overrides = parameters.executor_overrides(params, args["model_repository"])
+        overrides = parameters.executor_overrides(params, args["model_repository"], args["model_version"])
         pb_utils.Logger.log_info(f"kilnlm: loading engine {served.engine_dir} ({served.source}) with "
                                  f"{overrides or 'defaults'}")
         executor = Executor.from_engine_dir(str(served.engine_dir), ExecutorConfig(**overrides),
