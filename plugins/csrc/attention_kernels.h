@@ -771,19 +771,97 @@ static inline void amx_pack_queries(const AttnWork& w, const AmxQueries& g) {
     }
 }
 
-// One KV block (n keys from KV position base_pos; k_head: its first K row's slice of this KV head in
-// bf16, rows k_stride apart; v_head: the V row's in the pool's dtype, rows row_stride apart) for the
-// query vectors g; m, l, acc: the item's softmax state (vector i =
-// query token * heads of the item + head). vp [D / 16][16][16] u32, st [32][16] float, pa [16][32]
-// bfloat16 and ob [4][16][16] float: scratch, 64-byte aligned.
-//
 // V's B tiles interleave two key rows with unpacklo / unpackhi_epi16, which leaves the 16 columns of a
 // tile in the order 0-3, 8-11, 16-19, 24-27 (tile 2c) and 4-7, 12-15, 20-23, 28-31 (tile 2c + 1) of
 // the 32 dims 32c..; the output's columns are put back in order as they are added to acc.
+// vp [D / 16][16 key pairs][16] u32 <- 32 V rows of one KV head from v_rows (row_stride apart; zero past
+// the first nk), as bf16.
+template <typename kv_t>
+static inline void amx_pack_v(const kv_t* v_rows, int64_t row_stride, int64_t nk, int64_t D, uint32_t* vp) {
+  for (int64_t p = 0; p < 16; ++p)
+    for (int64_t c = 0; c < D / 32; ++c) {
+      const __m512i a = 2 * p < nk ? amx_load32(v_rows + 2 * p * row_stride + 32 * c) : _mm512_setzero_si512();
+      const __m512i b = 2 * p + 1 < nk ? amx_load32(v_rows + (2 * p + 1) * row_stride + 32 * c) : _mm512_setzero_si512();
+      _mm512_store_si512(vp + ((2 * c) * 16 + p) * 16, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(vp + ((2 * c + 1) * 16 + p) * 16, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
+// Per thread, per call (AttnWork::call_id): the full KV blocks this thread has read twice, each KV head's K
+// rows as bf16 (an 8-bit pool's; a bf16 pool's are read in place) and V as packed B tiles, so that a block
+// many sequences share (a common prompt prefix from the prefix cache) is converted and packed once per
+// thread, not once per sequence. A block seen once is prepared in the item's own scratch as before: a
+// block only one sequence reads costs a tag write, and never evicts a block this call has prepared. The
+// pool is not written during the attention phase (rope_and_write_kv runs first), so an entry holds for
+// the rest of its call; a later call's id differs. Direct-mapped, a power-of-two number of entries (up to
+// 64, at least 4) of 2 * tpb * D bf16 each, up to kAmxCacheBytes per thread (L2-resident).
+constexpr int64_t kAmxCacheBytes = 512 * 1024;
+struct AmxBlockTag {
+  const void* k_block;
+  int64_t head;
+  uint64_t call;
+  int64_t times_seen;  // 1: seen, not prepared; 2: prepared
+};
+struct AmxBlockCache {
+  AmxBlockTag* tags;
+  uint16_t* data;
+  int64_t num_entries, entry_elems;
+};
+
+static inline AmxBlockCache amx_block_cache(int64_t tpb, int64_t D) {
+  AmxBlockCache c;
+  c.entry_elems = 2 * tpb * D;
+  c.num_entries = 4;
+  while (c.num_entries < 64 && 2 * c.num_entries * c.entry_elems * 2 <= kAmxCacheBytes) c.num_entries *= 2;
+  const int64_t tag_floats = (c.num_entries * static_cast<int64_t>(sizeof(AmxBlockTag)) + 63) / 64 * 16;
+  float* buffer = kiln::thread_scratch<9>(tag_floats + c.num_entries * c.entry_elems / 2);
+  thread_local const float* cleared = nullptr;  // the buffer whose tags are valid, and their count
+  thread_local int64_t cleared_entries = 0;
+  c.tags = reinterpret_cast<AmxBlockTag*>(buffer);
+  if (buffer != cleared || cleared_entries != c.num_entries) {
+    for (int64_t i = 0; i < c.num_entries; ++i) c.tags[i] = AmxBlockTag{nullptr, 0, 0, 0};
+    cleared = buffer;
+    cleared_entries = c.num_entries;
+  }
+  c.data = reinterpret_cast<uint16_t*>(buffer + tag_floats);
+  return c;
+}
+
+// KV head `head` of the full block at k_block / v_block from c: its K rows ([tpb][D] bf16, 8-bit pools) then
+// its V tiles ([tpb / 32] x amx_pack_v's), prepared on the block's second sight in call `call`; null on the
+// first (the caller prepares it in its scratch).
+template <typename kv_t>
+static inline const uint16_t* amx_cached_block(const AmxBlockCache& c, const kv_t* k_block, const kv_t* v_block,
+                                               int64_t head, int64_t row_stride, int64_t tpb, int64_t D, uint64_t call) {
+  const uint64_t h = (static_cast<uint64_t>(reinterpret_cast<uintptr_t>(k_block)) ^
+                      static_cast<uint64_t>(head) * 0xC2B2AE3D27D4EB4Full) * 0x9E3779B97F4A7C15ull;
+  const int64_t i = static_cast<int64_t>(h >> 40) & (c.num_entries - 1);
+  AmxBlockTag& t = c.tags[i];
+  uint16_t* entry = c.data + i * c.entry_elems;
+  if (t.k_block != k_block || t.head != head || t.call != call) {
+    if (t.call != call || t.times_seen != 2) t = AmxBlockTag{k_block, head, call, 1};  // keeps this call's prepared
+    return nullptr;
+  }
+  if (t.times_seen == 1) {
+    if (sizeof(kv_t) == 1) amx_rows_bf16(k_block + head * D, row_stride, entry, D, tpb);
+    uint32_t* v_tiles = reinterpret_cast<uint32_t*>(entry + tpb * D);
+    for (int64_t kb = 0; kb < tpb; kb += kAmxKeys)
+      amx_pack_v(v_block + head * D + kb * row_stride, row_stride, kAmxKeys, D, v_tiles + (kb / kAmxKeys) * (D / 16) * 256);
+    t.times_seen = 2;
+  }
+  return entry;
+}
+
+// One KV block (n keys from KV position base_pos; k_head: its first K row's slice of this KV head in
+// bf16, rows k_stride apart; v_head: the V row's in the pool's dtype, rows row_stride apart, or v_ready:
+// its V tiles, amx_pack_v's for each 32 keys, already packed) for the query vectors g; m, l, acc: the
+// item's softmax state (vector i = query token * heads of the item + head). vp [D / 16][16][16] u32, st
+// [32][16] float, pa [16][32] bfloat16 and ob [4][16][16] float: scratch, 64-byte aligned.
 template <typename kv_t>
 static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, const uint16_t* k_head, int64_t k_stride,
-                                    const kv_t* v_head, int64_t row_stride, int64_t base_pos, int64_t n, float* m,
-                                    float* l, float* acc, uint32_t* vp, float* st, uint16_t* pa, float* ob) {
+                                    const kv_t* v_head, const uint32_t* v_ready, int64_t row_stride, int64_t base_pos,
+                                    int64_t n, float* m, float* l, float* acc, uint32_t* vp, float* st, uint16_t* pa,
+                                    float* ob) {
   const int64_t D = w.head_dim, steps = D / 32, num_heads_item = w.head_end - w.head_begin;
   const int64_t stride_bytes = k_stride * 2;
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -791,15 +869,11 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
   for (int64_t kb = 0; kb < n; kb += kAmxKeys) {
     const int64_t nk = n - kb < kAmxKeys ? n - kb : kAmxKeys;  // valid keys of this step
     const uint16_t* k_rows = k_head + kb * k_stride;
-    // V rows kb.. in key pairs (zero past nk): B tiles, columns as described above
-    for (int64_t p = 0; p < 16; ++p) {
-      const int64_t r0 = kb + 2 * p;
-      for (int64_t c = 0; c < steps; ++c) {
-        const __m512i a = 2 * p < nk ? amx_load32(v_head + r0 * row_stride + 32 * c) : _mm512_setzero_si512();
-        const __m512i b = 2 * p + 1 < nk ? amx_load32(v_head + (r0 + 1) * row_stride + 32 * c) : _mm512_setzero_si512();
-        _mm512_store_si512(vp + ((2 * c) * 16 + p) * 16, _mm512_unpacklo_epi16(a, b));
-        _mm512_store_si512(vp + ((2 * c + 1) * 16 + p) * 16, _mm512_unpackhi_epi16(a, b));
-      }
+    const uint32_t* vt = vp;  // V rows kb.. as B tiles: prepared by the caller, or packed here
+    if (v_ready != nullptr) {
+      vt = v_ready + (kb / kAmxKeys) * (D / 16) * 256;
+    } else {
+      amx_pack_v(v_head + kb * row_stride, row_stride, nk, D, vp);
     }
     for (int64_t j0 = 0; j0 < g.count; j0 += 16) {
       const int64_t nq = g.count - j0 < 16 ? g.count - j0 : 16;
@@ -862,16 +936,16 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
         const int64_t tiles = D / 16 - c0 < 4 ? D / 16 - c0 : 4;
         _tile_zero(0);
         _tile_zero(1);
-        _tile_loadd(5, vp + (c0 + 0) * 256, 64);
+        _tile_loadd(5, vt + (c0 + 0) * 256, 64);
         _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, vp + (c0 + 1) * 256, 64);
+        _tile_loadd(6, vt + (c0 + 1) * 256, 64);
         _tile_dpbf16ps(1, 4, 6);
         if (tiles > 2) {
           _tile_zero(2);
           _tile_zero(3);
-          _tile_loadd(7, vp + (c0 + 2) * 256, 64);
+          _tile_loadd(7, vt + (c0 + 2) * 256, 64);
           _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, vp + (c0 + 3) * 256, 64);
+          _tile_loadd(5, vt + (c0 + 3) * 256, 64);
           _tile_dpbf16ps(3, 4, 5);
         }
         _tile_stored(0, ob, 64);
@@ -969,7 +1043,9 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   uint32_t* amx_q = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v_f32 + tpb * row_stride) + 63) &
                                                 ~static_cast<uintptr_t>(63));  // the sizes below keep 64 bytes
   int64_t amx_q_size = 0;
+  AmxBlockCache block_cache{};
   if (amx) {
+    block_cache = amx_block_cache(tpb, D);
     amx_configure_tiles();
     for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
       const AmxQueries queries = amx_queries(w, g, amx_q + amx_q_size);
@@ -993,21 +1069,34 @@ static void attend_typed(const AttnWork& w, float* scratch) {
 #if KILN_ISA == KILN_ISA_AMX_BF16
     if (amx) {
       // KV head g's K rows: at k_rows + (g - first_head) * D, k_stride apart (an 8-bit pool's converted to
-      // bf16 first); its V rows are read from the pool (amx_load32)
+      // bf16 first, when the first head not in the cache needs them); its V rows are read from the pool
+      // (amx_load32). A full block's second sight in this thread and call comes from the block cache.
       const uint16_t* k_rows = reinterpret_cast<const uint16_t*>(k_block);
       int64_t first_head = 0, k_stride = row_stride;
-      if (sizeof(kv_t) == 1) {
-        amx_rows_bf16(k_block + kv_head_begin * D, row_stride, k_bf16, span, num_block_tokens);
-        k_rows = k_bf16;
-        first_head = kv_head_begin;
-        k_stride = span;
-      }
+      bool k_ready = sizeof(kv_t) != 1;
       int64_t offset = 0;
       for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
         const AmxQueries queries = amx_queries(w, g, amx_q + offset);
         offset += amx_queries_size(queries, D);
-        amx_attend_block(w, queries, k_rows + (g - first_head) * D, k_stride, v_block + g * D, row_stride, base_pos,
-                         num_block_tokens, m, l, acc, amx_v, amx_st, amx_p, amx_out);
+        const uint16_t* cached = num_block_tokens == tpb ?
+            amx_cached_block(block_cache, k_block, v_block, g, row_stride, tpb, D, w.call_id) : nullptr;
+        if (cached != nullptr) {
+          const uint16_t* k_head = sizeof(kv_t) == 1 ? cached : reinterpret_cast<const uint16_t*>(k_block) + g * D;
+          amx_attend_block(w, queries, k_head, sizeof(kv_t) == 1 ? D : row_stride, v_block + g * D,
+                           reinterpret_cast<const uint32_t*>(cached + tpb * D), row_stride, base_pos, num_block_tokens,
+                           m, l, acc, amx_v, amx_st, amx_p, amx_out);
+          continue;
+        }
+        if (!k_ready) {
+          amx_rows_bf16(k_block + kv_head_begin * D, row_stride, k_bf16, span, num_block_tokens);
+          k_rows = k_bf16;
+          first_head = kv_head_begin;
+          k_stride = span;
+          k_ready = true;
+        }
+        amx_attend_block(w, queries, k_rows + (g - first_head) * D, k_stride, v_block + g * D,
+                         static_cast<const uint32_t*>(nullptr), row_stride, base_pos, num_block_tokens, m, l, acc, amx_v,
+                         amx_st, amx_p, amx_out);
       }
       continue;
     }

@@ -73,6 +73,7 @@ struct AttnWork {
   float* partial;           // a split part's [M] max, [M] sum, [M, head_dim] unnormalized output (merged by
                             //   merge_parts), or null: the item writes its normalized output to `out`
   int64_t cost;             // scheduling estimate: query vectors x KV positions read
+  uint64_t call_id;         // this call's number in the process: what a thread's cached KV blocks are valid for
 };
 
 // Writes the item's output vector for query token qi, head h (of the item's heads): out = acc[0:head_dim] *
@@ -469,6 +470,8 @@ void make_work(const Dims& d, const BatchView& batch, const PoolView& pool, cons
   int64_t heads_per_item = H;
   if (num_chunks < 4 * num_threads) heads_per_item = (num_chunks * Hkv < num_threads) ? 1 : group;
 
+  static std::atomic<uint64_t> num_calls{0};
+  const uint64_t call_id = num_calls.fetch_add(1) + 1;  // never 0, a cleared cache tag's
   work.clear();
   work.reserve(static_cast<size_t>(num_chunks * (H / heads_per_item)));
   for (int64_t b = 0; b < d.num_seqs; ++b) {
@@ -501,6 +504,7 @@ void make_work(const Dims& d, const BatchView& batch, const PoolView& pool, cons
         w.kv_block_end = (first_pos + c0 + n - 1) / d.tokens_per_block + 1;
         w.partial = nullptr;
         w.cost = n * heads_per_item * (first_pos + c0 + n);
+        w.call_id = call_id;
         work.push_back(w);
       }
     }

@@ -151,6 +151,48 @@ def test_every_stored_code_reads_back_exactly(kv_dtype, act_dtype, tpb, v_scale)
     assert torch.equal(out[0].float(), expected)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, *KV_DTYPES], ids=["bf16", "fp8", "int8"])
+def test_sequences_sharing_prefix_blocks_match_the_reference_and_each_alone(kv_dtype):
+    """Decode tokens of sequences whose block tables share two full prefix blocks (as the prefix cache
+    gives them), bf16 activations over 32-token blocks: the AMX path prepares a shared block once per thread
+    and call (its K rows as bf16, its V tiles) and reuses it for every other sequence. Each sequence's
+    output equals the reference and, bit for bit, the output of the same sequence decoded alone, where no
+    block is seen twice."""
+    from kilnlm.plugins.reference import fitting_kv_scale, quantize_kv_pool_reference
+
+    gen = torch.Generator().manual_seed(3)
+    H, Hkv, D, tpb, num_seqs, kv_len = 6, 2, 64, 32, 6, 100
+    blocks_per_seq = (kv_len + tpb - 1) // tpb  # 2 shared + 2 of its own
+    pool = torch.randn(1, 2, 2 + num_seqs * (blocks_per_seq - 2), tpb, Hkv, D, generator=gen)
+    q, k, v = (torch.randn(num_seqs, h, D, generator=gen) for h in (H, Hkv, Hkv))
+    kv_scale = None
+    if kv_dtype != torch.bfloat16:
+        kv_scale = fitting_kv_scale(torch.cat([pool[:, 0].flatten(), k.flatten()]),
+                                    torch.cat([pool[:, 1].flatten(), v.flatten()]), kv_dtype)
+        pool = quantize_kv_pool_reference(pool, kv_scale, kv_dtype)
+    else:
+        pool = pool.to(torch.bfloat16)
+    q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    tables = torch.tensor([[0, 1] + [2 + b * (blocks_per_seq - 2) + j for j in range(blocks_per_seq - 2)]
+                           for b in range(num_seqs)], dtype=torch.int32)
+    slots = torch.tensor([int(tables[b, (kv_len - 1) // tpb]) * tpb + (kv_len - 1) % tpb for b in range(num_seqs)])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+
+    def attend(seqs, fn, kv_pool):
+        n = len(seqs)
+        return fn(q[seqs], k[seqs], v[seqs], kv_pool, 0, torch.full((n,), kv_len - 1), inv_freq,
+                  torch.arange(n + 1, dtype=torch.int32), torch.full((n,), kv_len, dtype=torch.int32), tables[seqs],
+                  slots[seqs], D ** -0.5, kv_scale)
+
+    every = list(range(num_seqs))
+    pool_kernel, pool_ref = pool.clone(), pool.clone()
+    out = attend(every, torch.ops.kilnlm.paged_attention, pool_kernel)
+    expected = attend(every, paged_attention_reference, pool_ref)
+    torch.testing.assert_close(out.float(), expected.float(), **OUT_TOLERANCE[torch.bfloat16])
+    for b in every:
+        assert torch.equal(attend([b], torch.ops.kilnlm.paged_attention, pool.clone()), out[b:b + 1]), b
+
+
 def test_sixteen_bit_pool_results_unchanged_by_the_new_argument(make_packed_batch):
     """kv_scale=None (and the 12-argument form older engines call) is the 16/32-bit pool, bit-identical."""
     batch = make_packed_batch(MIXED, dtype=torch.bfloat16)
