@@ -43,7 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from kilnlm.runtime.errors import EngineError
+from kilnlm.runtime.errors import EngineError, KilnError
 
 ENGINE_SUBDIR = "engine"  # a version directory's engine copy
 POINTER_NAME = "engine.json"  # a version directory's pointer to a cache reference
@@ -147,7 +147,6 @@ def materialize_cached_engine(engine_ref: str, cache_key: str | None, engine_cac
             says what to check: the cache URL, the AWS_* environment of the server, the name:version),
             or the fetched engine does not verify.
     """
-    from kilnlm.runtime.errors import KilnError
 
     engine_cache_dir = Path(engine_cache_dir).expanduser()
     cache = None
@@ -246,7 +245,6 @@ def version_speculative_config(model_dir: str | os.PathLike, version: str | int)
     Raises:
         EngineError: the file cannot be read or is not a valid ``speculative_config`` (the message names it).
     """
-    from kilnlm.runtime.errors import KilnError
     from kilnlm.runtime.speculative import resolve_draft_model
 
     version_dir = Path(model_dir) / str(version)

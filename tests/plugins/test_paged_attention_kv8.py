@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from kilnlm.plugins.reference import KV_CACHE_QMAX, paged_attention_reference
+from kilnlm.plugins.reference import KV_CACHE_QMAX, fitting_kv_scale, paged_attention_reference, quantize_kv_pool_reference
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -158,8 +158,6 @@ def test_sequences_sharing_prefix_blocks_match_the_reference_and_each_alone(kv_d
     and call (its K rows as bf16, its V tiles) and reuses it for every other sequence. Each sequence's
     output equals the reference and, bit for bit, the output of the same sequence decoded alone, where no
     block is seen twice."""
-    from kilnlm.plugins.reference import fitting_kv_scale, quantize_kv_pool_reference
-
     gen = torch.Generator().manual_seed(3)
     H, Hkv, D, tpb, num_seqs, kv_len = 6, 2, 64, 32, 6, 100
     blocks_per_seq = (kv_len + tpb - 1) // tpb  # 2 shared + 2 of its own
