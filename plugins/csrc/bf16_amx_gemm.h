@@ -167,7 +167,7 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
       // token pair): a 128-token SmolLM2 prefill 4% faster, 8 x 256 tokens 7%; a decode step was slower
       if (t_end - t > 2 * kAmxTokens && r + kAmxBlockRows < whole_end) {
         const char* next = reinterpret_cast<const char*>(w + (r + kAmxBlockRows) * k);
-        for (int64_t b = 0; b < kAmxBlockRows * k * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+        for (int64_t b = 0; b < kAmxBlockRows * k * 2; b += 64) _mm_prefetch(next + b, KILN_WEIGHT_PREFETCH);
       }
       amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue);
     }

@@ -121,7 +121,7 @@ static inline __m512 gemv_tile(const uint16_t* x, int64_t x_stride, const L& row
     for (int t = 0; t < NT; ++t)
       for (int v = 0; v < V; ++v) xv[t][v] = (__m512bh)_mm512_loadu_si512(x + t * x_stride + i + 32 * v);
     if (pf_row >= 0 && (i / L::kCols * L::kChunkBytes) % 64 == 0)
-      for (int r = 0; r < NR; ++r) _mm_prefetch(static_cast<const char*>(rows.address(pf_row + r, i)), _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) _mm_prefetch(static_cast<const char*>(rows.address(pf_row + r, i)), KILN_WEIGHT_PREFETCH);
     for (int r = 0; r < NR; ++r) {
       __m512bh wv[V];
       rows.load(r0 + r, i, wv);

@@ -162,7 +162,7 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* x, int6
     if ((i & 63) == 0) {
       // Software prefetch of the next NR rows (contiguous after these): the generation phase streams
       // weights from DRAM and the hardware prefetcher alone leaves bandwidth unused.
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + i), _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + i), KILN_WEIGHT_PREFETCH);
     }
     for (int r = 0; r < NR; ++r) {
       __m256 v[4];

@@ -60,7 +60,7 @@ inline void gemv_block(const W* w, int64_t k, const float* x, int64_t x_stride, 
   for (; c + 16 <= k; c += 16) {
     if ((c & 31) == 0) {
       // the rows 4*NR ahead (this thread's next blocks), one 64-byte line per 32 columns
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * k + c), _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * k + c), KILN_WEIGHT_PREFETCH);
     }
     for (int r = 0; r < NR; ++r) {
       const __m256 w0 = load8(w + r * k + c), w1 = load8(w + r * k + c + 8);

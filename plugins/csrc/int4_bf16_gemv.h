@@ -89,10 +89,10 @@ static inline void int4_gemv_prepare_x(const float* x, const Int4GemvPlan& plan,
   }
 }
 
-// Every cache line of [p, p + num_bytes) into L1.
+// Every cache line of [p, p + num_bytes) towards the core (KILN_WEIGHT_PREFETCH: isa_variants.h).
 static inline void prefetch_lines(const void* p, int64_t num_bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}, end = reinterpret_cast<uintptr_t>(p) + num_bytes;
-  for (uintptr_t line = first; line < end; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  for (uintptr_t line = first; line < end; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), KILN_WEIGHT_PREFETCH);
 }
 
 struct Int4GemvArgs {
@@ -166,7 +166,7 @@ static inline void int4_gemv_tile(const Int4GemvArgs& a, int64_t t0, int64_t r0,
     }
     if (pf_load != nullptr) {
 #pragma GCC unroll 16
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf_load + r * a.half_k + l * 64), _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf_load + r * a.half_k + l * 64), KILN_WEIGHT_PREFETCH);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) {

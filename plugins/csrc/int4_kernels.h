@@ -75,7 +75,7 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
         // Prefetch the rows 4*NR ahead (the next blocks of this thread): the generation phase streams
         // weights from DRAM and the hardware prefetcher alone leaves bandwidth unused.
         for (int r = 0; r < NR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + c / 2), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + c / 2), KILN_WEIGHT_PREFETCH);
       }
       __m512 xv[NT][2];
       for (int t = 0; t < NT; ++t) {
@@ -151,7 +151,7 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
       const int64_t c = c0 + 32 * b;
       if ((c & 127) == 0) {
         for (int r = 0; r < NR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + c / 2), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + c / 2), KILN_WEIGHT_PREFETCH);
       }
       for (int r = 0; r < NR; ++r) {
         const __m256 scale = _mm256_set1_ps(scales[r * num_groups + g]);
@@ -232,7 +232,7 @@ static inline void gemv_chunk_block(const uint8_t* w, int64_t in, const float* s
       if ((j & 1) == 0) {
         // the rows 4*NR ahead (this thread's next blocks), one 64-byte line per two chunks
         for (int r = 0; r < NR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + j * 32), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + j * 32), KILN_WEIGHT_PREFETCH);
       }
       const float* xj = x + j * kChunkCols;
       for (int r = 0; r < NR; ++r) {
@@ -409,7 +409,7 @@ static inline void gemv_int16_row(const uint8_t* row, int64_t in, const Scale* s
   g = 0;
   if (kSpan == 1) {  // a 64-byte line holds two groups' chunks
     for (; g + 2 <= num_groups; g += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + g * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + g * 32), KILN_WEIGHT_PREFETCH);
       __m256i acc0[NT], acc1[NT];
       int16_chunk<NT, true>(row + g * 32, x + g * kChunkCols, x_stride, acc0);
       int16_chunk<NT, true>(row + (g + 1) * 32, x + (g + 1) * kChunkCols, x_stride, acc1);
@@ -421,7 +421,7 @@ static inline void gemv_int16_row(const uint8_t* row, int64_t in, const Scale* s
     __m256i acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_si256();
     for (int64_t j = g * span; j < (g + 1) * span; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + j * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + j * 32), KILN_WEIGHT_PREFETCH);
       int16_chunk<NT, false>(row + j * 32, x + j * kChunkCols, x_stride, acc);
     }
     scale_group(acc, g);

@@ -54,7 +54,7 @@ static inline void vnni_block(const int8_t* w, int64_t in, const uint8_t* xu, in
   for (int64_t c = 0; c < in; c += 64) {
     const __mmask64 mask = column_mask(c, in);
     if ((c & 127) == 0) {
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), KILN_WEIGHT_PREFETCH);
     }
     __m512i xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = _mm512_maskz_loadu_epi8(mask, xu + t * xu_stride + c);
