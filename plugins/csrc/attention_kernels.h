@@ -5,7 +5,8 @@
 // `AttnWork` is defined by the including file, outside the ISA namespaces, with store_output (the
 // output's dtype conversion, shared with the split-KV merge).
 
-#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
+#if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512 || \
+    KILN_ISA == KILN_ISA_AVX512_BF16 || KILN_ISA == KILN_ISA_AMX_BF16
 
 // KV elements are float (float32 pool), uint16_t (bfloat16 bits), uint8_t (float8_e4m3fn bits) or int8_t
 // (int8 pool); kv_f32() reads one as float32 (exact: bf16 bits are a float's upper half).
@@ -43,7 +44,7 @@ constexpr int64_t kGroupHeads = 3;
 // Rows of block scores the scratch holds: kGroupHeads heads (AVX2) or kTileQueries query vectors (AVX-512).
 constexpr int64_t kScoreRows = 4;
 
-#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
+#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AVX512_BF16 || KILN_ISA == KILN_ISA_AMX_BF16
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {
@@ -109,7 +110,7 @@ static inline __m512 exp_ps(__m512 x) {
 }
 
 // Horizontal sums of 16 accumulators at once (transpose-and-add tree): out[o] = sum of a[o]'s lanes.
-static inline void reduce16_rows(const __m512* a, float* out) {
+__attribute__((always_inline)) static inline void reduce16_rows(const __m512* a, float* out) {
   __m512 x[8], y[4];
   for (int m = 0; m < 8; ++m)  // 128-bit lanes: [a2m (l0+l2), a2m (l1+l3), a2m+1 (l0+l2), a2m+1 (l1+l3)]
     x[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
@@ -498,7 +499,7 @@ static inline void attend_group(const float* q, const kv_t* k, const kv_t* v, in
 // three times.
 constexpr int64_t kConvertMinQueries = 8;
 
-#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
+#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AVX512_BF16 || KILN_ISA == KILN_ISA_AMX_BF16
 // The context phase on AVX-512: the query vectors that see a whole KV block (every query token past the
 // block's last position) go through it kTileQueries at a time, so that each K and V row loaded serves all
 // of them (per 16 FMAs, 8 loads instead of 17 for the scores and 20 for the outputs). Each (query, key) dot
@@ -622,7 +623,7 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
   const GroupHeads heads = group_heads(w, kv_head);
   const int64_t h_begin = heads.begin, h_end = heads.end;
   int64_t qi_end = w.num_q_tokens;  // query tokens [0, qi_end) go one vector at a time
-#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AMX_BF16
+#if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AVX512_BF16 || KILN_ISA == KILN_ISA_AMX_BF16
   if (D % 16 == 0 && num_block_tokens % 16 == 0) {
     // Query tokens from first_full on see all num_block_tokens keys (causal: q_pos >= the block's last).
     const int64_t first_full = base_pos + num_block_tokens - 1 - w.first_q_pos;
@@ -665,10 +666,249 @@ static inline void attend_block(const AttnWork& w, int64_t kv_head, const kv_t* 
   }
 }
 
+#if KILN_ISA == KILN_ISA_AVX512_BF16 || KILN_ISA == KILN_ISA_AMX_BF16
+// 32 consecutive KV elements as bfloat16: a bf16 pool's as they are, an 8-bit pool's converted exactly
+// (load16 reads the stored value, an FP8 one as 2^-8 times it (see kv_f32), whose 8 or 4 significant bits
+// bfloat16 holds).
+static inline __m512i load32_bf16(const uint16_t* p) { return _mm512_loadu_si512(p); }
+// FP8 directly into bfloat16 bits, in 16-bit lanes (7 instructions per 32 elements; through float32 they
+// took 12, and made an FP8 pool's decode 0.75x a bf16 pool's against int8's 0.96x). E4M3 `s eeee mmm` with
+// e > 0 is 2^(e - 7) * (1 + m / 8), so 2^-8 times it is the bfloat16 `s (e + 112) mmm0000`: the byte's low
+// seven bits shifted left by 4, plus 112 << 7. Exponent 0 (zero and the subnormals m * 2^-9, i.e.
+// m * 2^-17 after the 2^-8) is the 8-entry table below, indexed by m, the lane's low bits; the sign is then
+// bit 15 of the sign-extended byte.
+static inline __m512i load32_bf16(const uint8_t* p) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x07F0)),
+                                          _mm512_set1_epi16(112 << 7));
+  const __mmask32 tiny = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));  // exponent 0
+  const __m512i subnormal = _mm512_zextsi128_si512(  // m * 2^-17
+      _mm_setr_epi16(0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860));
+  const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, tiny, w, subnormal);
+  return _mm512_ternarylogic_epi32(magnitude, w, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xD8);  // c ? b : a
+}
+template <typename kv_t>
+static inline __m512i load32_bf16(const kv_t* p) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load16(p + 16), load16(p)));
+}
+
+// dst[r * span + c] = src[r * row_stride + c] as bfloat16 for r < rows, c < span (a multiple of 32): an
+// 8-bit block's K (and, off AMX, V) rows.
+template <typename kv_t>
+static inline void rows_to_bf16(const kv_t* src, int64_t row_stride, uint16_t* dst, int64_t span, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < span; c += 32) _mm512_storeu_si512(dst + r * span + c, load32_bf16(src + r * row_stride + c));
+}
+
+#endif
+
+#if KILN_ISA == KILN_ISA_AVX512_BF16
+// The VDPBF16PS path (AVX512-BF16 without AMX, e.g. AMD Zen 4): bfloat16 activations with a bfloat16 or
+// 8-bit pool, in both phases, whatever the block size (even). As on AMX, each query vector is rounded to
+// bfloat16 once per item (as the bf16 model's own q is) and the probabilities are rounded to bfloat16
+// for P . V (as FlashAttention's bf16 kernels feed P to the tensor cores); an 8-bit block's rows are
+// converted to bfloat16 first (rows_to_bf16, exact). VDPBF16PS multiplies bf16 pairs into float32 lanes:
+//   a score: per 32 dims one VDPBF16PS of the query's and the key's bf16 into the (query, key)'s
+//     accumulator, its 16 lanes then summed by reduce16_rows' tree;
+//   the output: per pair of keys (o, o + 1) one VDPBF16PS of the broadcast probability pair into each
+//     32-column chunk's two accumulators, whose lanes hold V's two rows interleaved by unpacklo / hi_epi16
+//     (columns 0-3, 8-11, 16-19, 24-27 and 4-7, 12-15, 20-23, 28-31 of the chunk; put back in order as
+//     they are stored); an odd count's last pair takes probability 0 and a zero row.
+// Per key and KV head of a 3-head GQA group that is about half the float32 kernel's instructions (no
+// widening of K and V, half the multiply-adds). Every (query vector, key) score and every output sum is
+// computed by the same chain whatever tile holds the query vector (1 to kTileQueries of them) and
+// whatever item holds it, so a query's result is the same bits alone, in a batch, in a decode step or in
+// a context chunk (batch invariance; speculative verification sums as decoding does).
+
+static inline __m512 dp_bf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// s[j * s_stride + o] = q[j] . k_o for j < NQ, o < n (keys k_o = k + o * k_stride, in the pool's dtype, read
+// as bf16 by load32_bf16; q bf16; D % 32 == 0). kRows keys per reduction: 16 for one query vector, 4 for
+// up to 4.
+template <int NQ, int kRows, bool kFull, typename kv_t>
+__attribute__((always_inline)) static inline void dp_scores_rows(const uint16_t* const* q, const kv_t* k, int64_t k_stride, int64_t o,
+                                  int rows, int64_t D, float* s, int64_t s_stride) {
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512i kv[kRows];
+    for (int r = 0; r < kRows; ++r)
+      if (kFull || r < rows) kv[r] = load32_bf16(k + (o + r) * k_stride + d);
+    for (int j = 0; j < NQ; ++j) {
+      const __m512i qv = _mm512_loadu_si512(q[j] + d);
+      for (int r = 0; r < kRows; ++r)
+        if (kFull || r < rows) acc[kRows * j + r] = dp_bf16(acc[kRows * j + r], qv, kv[r]);
+    }
+  }
+  alignas(64) float out[16];
+  reduce16_rows(acc, out);
+  for (int j = 0; j < NQ; ++j)
+    for (int r = 0; r < kRows; ++r)
+      if (kFull || r < rows) s[j * s_stride + o + r] = out[kRows * j + r];
+}
+
+template <int NQ, typename kv_t>
+static inline void dp_scores(const uint16_t* const* q, const kv_t* k, int64_t k_stride, int64_t n, int64_t D,
+                             float* s, int64_t s_stride) {
+  static_assert(NQ >= 1 && NQ <= 4, "16 accumulators per reduction");
+  constexpr int kRows = NQ == 1 ? 16 : 4;
+  int64_t o = 0;
+  for (; o + kRows <= n; o += kRows) dp_scores_rows<NQ, kRows, true>(q, k, k_stride, o, kRows, D, s, s_stride);
+  if (o < n) dp_scores_rows<NQ, kRows, false>(q, k, k_stride, o, static_cast<int>(n - o), D, s, s_stride);
+}
+
+// p[0:n] (float32, in place) -> bfloat16 bits at the same address, and a zero after them when n is odd
+// (the last pair's second probability). Writes end at or before the floats still to read.
+static inline void dp_round_probs(float* p, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(p);
+  for (int64_t o = 0; o < n; o += 16) {
+    const int64_t left = n - o, pairs = left >= 16 ? 16 : (left + 1) & ~static_cast<int64_t>(1);
+    const __mmask16 valid = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, p + o)));
+    _mm256_mask_storeu_epi16(out + o, static_cast<__mmask16>(pairs >= 16 ? 0xFFFF : (1u << pairs) - 1), bits);
+  }
+}
+
+// acc[j][d0 : d0 + 32 * kChunks] += sum_o p[j][o] * v_o for j < NQ (p: bf16 bits, zero past n when n is
+// odd; v rows in the pool's dtype, v_stride apart).
+template <int NQ, int kChunks, typename kv_t>
+static inline void dp_pv_cols(const uint16_t* const* p, const kv_t* v, int64_t v_stride, int64_t n, int64_t d0,
+                              float* const* acc) {
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 a[NQ][2 * kChunks];
+  for (int j = 0; j < NQ; ++j)
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 x = _mm512_loadu_ps(acc[j] + d0 + 32 * c), y = _mm512_loadu_ps(acc[j] + d0 + 32 * c + 16);
+      a[j][2 * c] = _mm512_permutex2var_ps(x, to_lo, y);
+      a[j][2 * c + 1] = _mm512_permutex2var_ps(x, to_hi, y);
+    }
+  for (int64_t o = 0; o < n; o += 2) {
+    const kv_t* row = v + o * v_stride + d0;
+    __m512i vv[2 * kChunks];
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i ra = load32_bf16(row + 32 * c);
+      const __m512i rb = o + 1 < n ? load32_bf16(row + v_stride + 32 * c) : _mm512_setzero_si512();
+      vv[2 * c] = _mm512_unpacklo_epi16(ra, rb);
+      vv[2 * c + 1] = _mm512_unpackhi_epi16(ra, rb);
+    }
+    for (int j = 0; j < NQ; ++j) {
+      uint32_t pair;
+      __builtin_memcpy(&pair, p[j] + o, sizeof(pair));
+      const __m512i pv = _mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < 2 * kChunks; ++c) a[j][c] = dp_bf16(a[j][c], pv, vv[c]);
+    }
+  }
+  for (int j = 0; j < NQ; ++j)
+    for (int c = 0; c < kChunks; ++c) {
+      _mm512_storeu_ps(acc[j] + d0 + 32 * c, _mm512_permutex2var_ps(a[j][2 * c], first_half, a[j][2 * c + 1]));
+      _mm512_storeu_ps(acc[j] + d0 + 32 * c + 16, _mm512_permutex2var_ps(a[j][2 * c], second_half, a[j][2 * c + 1]));
+    }
+}
+
+template <int NQ, typename kv_t>
+static inline void dp_pv(const uint16_t* const* p, const kv_t* v, int64_t v_stride, int64_t n, int64_t D,
+                         float* const* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) dp_pv_cols<NQ, 2>(p, v, v_stride, n, d0, acc);
+  if (d0 < D) dp_pv_cols<NQ, 1>(p, v, v_stride, n, d0, acc);
+}
+
+// n keys (K and V rows in the pool's dtype or bf16, kv_stride apart) for the NQ query vectors q[j] (bf16) whose softmax state
+// and output are m[idx[j]], l[idx[j]] and acc + idx[j] * D. s: [kTileQueries, tpb] scratch.
+template <int NQ, typename kv_t>
+static inline void dp_attend_tile(const uint16_t* const* q, const int64_t* idx, const kv_t* k, const kv_t* v,
+                                  int64_t kv_stride, int64_t n, int64_t D, int64_t tpb, float* s, float* m, float* l,
+                                  float* acc) {
+  dp_scores<NQ>(q, k, kv_stride, n, D, s, tpb);
+  float* outputs[NQ];
+  const uint16_t* probs[NQ];
+  for (int j = 0; j < NQ; ++j) {
+    const int64_t i = idx[j];
+    outputs[j] = acc + i * D;
+    softmax_update_block(s + j * tpb, n, m[i], l[i], outputs[j], D);
+    dp_round_probs(s + j * tpb, n);
+    probs[j] = reinterpret_cast<const uint16_t*>(s + j * tpb);
+  }
+  dp_pv<NQ>(probs, v, kv_stride, n, D, outputs);
+}
+
+// Up to kTileQueries query vectors at a time, each seeing the same n keys.
+template <typename kv_t>
+struct DpTile {
+  const uint16_t* q[kTileQueries];
+  int64_t idx[kTileQueries];
+  int count = 0;
+  void flush(const kv_t* k, const kv_t* v, int64_t kv_stride, int64_t n, int64_t D, int64_t tpb, float* s,
+             float* m, float* l, float* acc) {
+    switch (count) {
+      case 4: dp_attend_tile<4>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc); break;
+      case 3: dp_attend_tile<3>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc); break;
+      case 2: dp_attend_tile<2>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc); break;
+      case 1: dp_attend_tile<1>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc); break;
+      default: break;
+    }
+    count = 0;
+  }
+};
+
+// The item's query vectors as bfloat16 (nearest even): qb[i * D ...] for vector i = token * heads + head.
+static inline void dp_pack_queries(const AttnWork& w, uint16_t* qb) {
+  const int64_t D = w.head_dim, heads = w.head_end - w.head_begin;
+  for (int64_t qi = 0; qi < w.num_q_tokens; ++qi)
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* q = w.q + qi * w.q_tok_stride + h * D;
+      uint16_t* dst = qb + (qi * heads + h) * D;
+      for (int64_t d = 0; d < D; d += 32)
+        _mm512_storeu_si512(dst + d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + d + 16),
+                                                                                     _mm512_loadu_ps(q + d))));
+    }
+}
+
+// attend_block on this path: the block's num_block_tokens keys from KV position base_pos for the item's
+// query vectors of KV head kv_head (qb: dp_pack_queries'; k_head / v_head: rows kv_stride apart).
+// Query tokens that see the whole block go kTileQueries vectors at a time across tokens; the others, each
+// token's heads together over the keys that token sees.
+template <typename kv_t>
+static inline void dp_attend_block(const AttnWork& w, int64_t kv_head, const uint16_t* qb, const kv_t* k_head,
+                                   const kv_t* v_head, int64_t kv_stride, int64_t base_pos,
+                                   int64_t num_block_tokens, float* m, float* l, float* acc, float* s) {
+  const int64_t D = w.head_dim, tpb = w.tokens_per_block, num_heads_item = w.head_end - w.head_begin;
+  const GroupHeads heads = group_heads(w, kv_head);
+  // query tokens from first_full on see all num_block_tokens keys (causal: q_pos >= the block's last)
+  const int64_t first_full = base_pos + num_block_tokens - 1 - w.first_q_pos;
+  const int64_t qi_end = first_full > 0 ? (first_full < w.num_q_tokens ? first_full : w.num_q_tokens) : 0;
+  DpTile<kv_t> tile;
+  for (int64_t qi = qi_end; qi < w.num_q_tokens; ++qi)
+    for (int64_t h = heads.begin; h < heads.end; ++h) {
+      const int64_t i = qi * num_heads_item + h;
+      tile.q[tile.count] = qb + i * D;
+      tile.idx[tile.count++] = i;
+      if (tile.count == kTileQueries) tile.flush(k_head, v_head, kv_stride, num_block_tokens, D, tpb, s, m, l, acc);
+    }
+  tile.flush(k_head, v_head, kv_stride, num_block_tokens, D, tpb, s, m, l, acc);
+  for (int64_t qi = 0; qi < qi_end; ++qi) {
+    const int64_t num_valid = w.first_q_pos + qi - base_pos + 1;  // causal: KV positions <= q_pos
+    if (num_valid <= 0) continue;
+    for (int64_t h = heads.begin; h < heads.end; ++h) {
+      const int64_t i = qi * num_heads_item + h;
+      tile.q[tile.count] = qb + i * D;
+      tile.idx[tile.count++] = i;
+      if (tile.count == kTileQueries) tile.flush(k_head, v_head, kv_stride, num_valid, D, tpb, s, m, l, acc);
+    }
+    tile.flush(k_head, v_head, kv_stride, num_valid, D, tpb, s, m, l, acc);
+  }
+}
+#endif
+
 #if KILN_ISA == KILN_ISA_AMX_BF16
 // The AMX path: bfloat16 activations with a bfloat16 pool, or an 8-bit one (an engine of any format),
 // on AMX tiles, in both phases, for blocks of a multiple of 32 tokens. An 8-bit pool's elements are
-// converted to bfloat16 as they are read (amx_load32; exact), K's rows into a buffer first (amx_rows_bf16)
+// converted to bfloat16 as they are read (load32_bf16; exact), K's rows into a buffer first (rows_to_bf16)
 // since the A tiles load rows; its scales fold as on the other paths (k_scale rounds to bf16 with the
 // query, v_scale multiplies the output). Per KV block, KV head and
 // 32 keys, up to 16 query vectors of its GQA group at a time:
@@ -694,39 +934,6 @@ static inline __m512 amx_round_bf16(__m512 v) {
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
                                                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// 32 consecutive KV elements as bfloat16: a bf16 pool's as they are, an 8-bit pool's converted exactly
-// (load16 reads the stored value, an FP8 one as 2^-8 times it (see kv_f32), whose 8 or 4 significant bits
-// bfloat16 holds).
-static inline __m512i amx_load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
-// FP8 directly into bfloat16 bits, in 16-bit lanes (7 instructions per 32 elements; through float32 they
-// took 12, and made an FP8 pool's decode 0.75x a bf16 pool's against int8's 0.96x). E4M3 `s eeee mmm` with
-// e > 0 is 2^(e - 7) * (1 + m / 8), so 2^-8 times it is the bfloat16 `s (e + 112) mmm0000`: the byte's low
-// seven bits shifted left by 4, plus 112 << 7. Exponent 0 (zero and the subnormals m * 2^-9, i.e.
-// m * 2^-17 after the 2^-8) is the 8-entry table below, indexed by m, the lane's low bits; the sign is then
-// bit 15 of the sign-extended byte.
-static inline __m512i amx_load32(const uint8_t* p) {
-  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x07F0)),
-                                          _mm512_set1_epi16(112 << 7));
-  const __mmask32 tiny = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));  // exponent 0
-  const __m512i subnormal = _mm512_zextsi128_si512(  // m * 2^-17
-      _mm_setr_epi16(0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860));
-  const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, tiny, w, subnormal);
-  return _mm512_ternarylogic_epi32(magnitude, w, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xD8);  // c ? b : a
-}
-template <typename kv_t>
-static inline __m512i amx_load32(const kv_t* p) {
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load16(p + 16), load16(p)));
-}
-
-// dst[r * span + c] = src[r * row_stride + c] as bfloat16 for r < rows, c < span (a multiple of 32): an
-// 8-bit block's K rows for the A tiles.
-template <typename kv_t>
-static inline void amx_rows_bf16(const kv_t* src, int64_t row_stride, uint16_t* dst, int64_t span, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < span; c += 32) _mm512_storeu_si512(dst + r * span + c, amx_load32(src + r * row_stride + c));
 }
 
 // The query vectors of one KV head in an item: j-th = (query token j / heads, head h_begin + j % heads).
@@ -780,8 +987,8 @@ template <typename kv_t>
 static inline void amx_pack_v(const kv_t* v_rows, int64_t row_stride, int64_t nk, int64_t D, uint32_t* vp) {
   for (int64_t p = 0; p < 16; ++p)
     for (int64_t c = 0; c < D / 32; ++c) {
-      const __m512i a = 2 * p < nk ? amx_load32(v_rows + 2 * p * row_stride + 32 * c) : _mm512_setzero_si512();
-      const __m512i b = 2 * p + 1 < nk ? amx_load32(v_rows + (2 * p + 1) * row_stride + 32 * c) : _mm512_setzero_si512();
+      const __m512i a = 2 * p < nk ? load32_bf16(v_rows + 2 * p * row_stride + 32 * c) : _mm512_setzero_si512();
+      const __m512i b = 2 * p + 1 < nk ? load32_bf16(v_rows + (2 * p + 1) * row_stride + 32 * c) : _mm512_setzero_si512();
       _mm512_store_si512(vp + ((2 * c) * 16 + p) * 16, _mm512_unpacklo_epi16(a, b));
       _mm512_store_si512(vp + ((2 * c + 1) * 16 + p) * 16, _mm512_unpackhi_epi16(a, b));
     }
@@ -843,7 +1050,7 @@ static inline const uint16_t* amx_cached_block(const AmxBlockCache& c, const kv_
     return nullptr;
   }
   if (t.times_seen == 1) {
-    if (sizeof(kv_t) == 1) amx_rows_bf16(k_block + head * D, row_stride, entry, D, tpb);
+    if (sizeof(kv_t) == 1) rows_to_bf16(k_block + head * D, row_stride, entry, D, tpb);
     uint32_t* v_tiles = reinterpret_cast<uint32_t*>(entry + tpb * D);
     for (int64_t kb = 0; kb < tpb; kb += kAmxKeys)
       amx_pack_v(v_block + head * D + kb * row_stride, row_stride, kAmxKeys, D, v_tiles + (kb / kAmxKeys) * (D / 16) * 256);
@@ -1058,6 +1265,15 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   uint16_t* amx_p = reinterpret_cast<uint16_t*>(amx_st + 512);
   float* amx_out = amx_st + 512 + 256;
 #endif
+#if KILN_ISA == KILN_ISA_AVX512_BF16
+  // bf16 activations with a bf16 or 8-bit pool: the VDPBF16PS path, for every item of such a call. Its
+  // bf16 query vectors follow the float32 rows it has no use for; an 8-bit block's K and V rows, as bf16,
+  // take their place ([tpb, span] each).
+  const bool dpbf16 = sizeof(kv_t) <= 2 && w.out_bf16 && D % 32 == 0 && tpb % 2 == 0;
+  uint16_t* dp_q = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(v_f32 + tpb * row_stride) + 63) &
+                                               ~static_cast<uintptr_t>(63));
+  if (dpbf16) dp_pack_queries(w, dp_q);
+#endif
   if (w.kv_block_begin < end_block) prefetch_block(w.kv_block_begin);
   for (int64_t j = w.kv_block_begin; j < end_block; ++j) {
     const int64_t base_pos = j * tpb;
@@ -1070,7 +1286,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     if (amx) {
       // KV head g's K rows: at k_rows + (g - first_head) * D, k_stride apart (an 8-bit pool's converted to
       // bf16 first, when the first head not in the cache needs them); its V rows are read from the pool
-      // (amx_load32). A full block's second sight in this thread and call comes from the block cache.
+      // (load32_bf16). A full block's second sight in this thread and call comes from the block cache.
       const uint16_t* k_rows = reinterpret_cast<const uint16_t*>(k_block);
       int64_t first_head = 0, k_stride = row_stride;
       bool k_ready = sizeof(kv_t) != 1;
@@ -1088,7 +1304,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
           continue;
         }
         if (!k_ready) {
-          amx_rows_bf16(k_block + kv_head_begin * D, row_stride, k_bf16, span, num_block_tokens);
+          rows_to_bf16(k_block + kv_head_begin * D, row_stride, k_bf16, span, num_block_tokens);
           k_rows = k_bf16;
           first_head = kv_head_begin;
           k_stride = span;
@@ -1097,6 +1313,26 @@ static void attend_typed(const AttnWork& w, float* scratch) {
         amx_attend_block(w, queries, k_rows + (g - first_head) * D, k_stride, v_block + g * D,
                          static_cast<const uint32_t*>(nullptr), row_stride, base_pos, num_block_tokens, m, l, acc, amx_v,
                          amx_st, amx_p, amx_out);
+      }
+      continue;
+    }
+#endif
+#if KILN_ISA == KILN_ISA_AVX512_BF16
+    if (dpbf16) {
+      if (sizeof(kv_t) == 1 && convert) {  // an 8-bit block many query vectors read: converted once
+        uint16_t* k_bf16 = reinterpret_cast<uint16_t*>(k_f32);
+        uint16_t* v_bf16 = reinterpret_cast<uint16_t*>(v_f32);
+        rows_to_bf16(k_block + kv_head_begin * D, row_stride, k_bf16, span, num_block_tokens);
+        rows_to_bf16(v_block + kv_head_begin * D, row_stride, v_bf16, span, num_block_tokens);
+        for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
+          const int64_t offset = (g - kv_head_begin) * D;
+          dp_attend_block(w, g, dp_q, static_cast<const uint16_t*>(k_bf16 + offset),
+                          static_cast<const uint16_t*>(v_bf16 + offset), span, base_pos, num_block_tokens, m, l, acc, s);
+        }
+      } else {
+        for (int64_t g = kv_head_begin; g < kv_head_end; ++g)
+          dp_attend_block(w, g, dp_q, k_block + g * D, v_block + g * D, row_stride, base_pos, num_block_tokens, m, l,
+                          acc, s);
       }
       continue;
     }
@@ -1146,4 +1382,4 @@ static void attend(const AttnWork& w, float* scratch) {
   }
 }
 
-#endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512 || AMX_BF16
+#endif  // KILN_ISA == KILN_ISA_GENERIC || AVX2 || AVX512 || AVX512_BF16 || AMX_BF16

@@ -9,8 +9,8 @@
 // threads take dynamically, largest first; each item runs the online-softmax kernel of
 // attention_kernels.h. Few items that the threads cannot share evenly are split along their KV blocks
 // and the parts' softmax states merged afterwards (split-KV). Activations in float32 or bfloat16,
-// computed in float32 (on AMX, a bf16 engine's q and probabilities enter the tiles as bfloat16; their
-// sums are float32).
+// computed in float32 (on AMX tiles or with AVX512-BF16's VDPBF16PS, a bf16 engine's q and probabilities
+// are rounded to bfloat16 for their products; the sums are float32).
 //
 // KV pool: the activation dtype, or 8 bits (float8_e4m3fn / int8) with the layer's per-tensor scales
 // kv_scale = [k_scale, v_scale]: written as quantize(x / scale) (FP8: saturate at +-448, round to nearest
@@ -104,12 +104,15 @@ using AttendFn = void (*)(const AttnWork&, float*);
 // (bench_plugins.py --only attention). AVX-512 pays off for items with
 // several query vectors: a context-phase item (+10-25% measured), and a generation-phase item over one KV
 // head's GQA group (3 query heads for SmolLM2: 1.4-1.7x the AVX2 variant single-threaded at 128-2048 KV
-// positions); an item of a single query vector runs as fast on either (scripts/bench_plugins.py). One
-// variant for all keeps every query vector's arithmetic the same whatever item holds it (batch
-// invariance: the variants sum in different orders).
+// positions); an item of a single query vector runs as fast on either (scripts/bench_plugins.py). With
+// AVX512-BF16 and no AMX (AMD Zen 4), bf16 activations over a bf16 or 8-bit pool take VDPBF16PS
+// (attention_kernels.h; KILNLM_CPU_ISA=avx512 keeps them on the float32 AVX-512 code). One variant for all
+// keeps every query vector's arithmetic the same whatever item holds it (batch invariance: the variants
+// sum in different orders).
 AttendFn attend_fn() {
 #if defined(__x86_64__)
   if (kiln::cpu_has_amx_bf16()) return amxbf16::attend;
+  if (kiln::cpu_has_avx512_bf16() && !kiln::cpu_isa_capped_at("avx512")) return avx512bf16::attend;
   if (kiln::cpu_has_avx512()) return avx512::attend;
   if (kiln::cpu_has_avx2_fma_f16c()) return avx2::attend;
 #endif

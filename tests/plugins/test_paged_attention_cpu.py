@@ -245,6 +245,39 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(make_packed_batch,
     check_batch_invariance(make_packed_batch, (1, 2, 3))
 
 
+def one_token(batch, i: int):
+    """Query token ``i`` of ``batch``'s one sequence as a decode step of its own (its KV positions up to and
+    including it; same pool, same blocks)."""
+    num_cached = int(batch.seq_lens_kv[0]) - len(batch.q)
+    rows = slice(i, i + 1)
+    return dataclasses.replace(
+        batch, q=batch.q[rows], k=batch.k[rows], v=batch.v[rows], positions=batch.positions[rows],
+        slot_mapping=batch.slot_mapping[rows], cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens_kv=torch.tensor([num_cached + i + 1], dtype=torch.int32))
+
+
+# (cached, new): chunks across block boundaries (16 and 32 tokens) and across split-KV's cut at 256
+CHUNK_SEQS = [(27, 6), (60, 9), (250, 12)]
+
+
+@pytest.mark.parametrize("seq", CHUNK_SEQS, ids=str)
+def test_a_chunk_gets_the_bits_of_decoding_its_tokens_one_at_a_time(make_packed_batch, num_threads, seq):
+    """What speculative verification relies on: the output rows of k new tokens computed in one call (a
+    context chunk, or a sequence's draft tokens) are the bits of k decode steps computing one each, for
+    every pool, whatever kernel variant the CPU takes."""
+    num_threads(2)
+    for dtype, kv_dtype in INVARIANCE_POOLS:
+        for tokens_per_block in (16, 32):
+            batch = make_packed_batch([seq], num_heads=9, num_kv_heads=3, tokens_per_block=tokens_per_block,
+                                      num_blocks=64, dtype=dtype)
+            kv_scale = () if kv_dtype is None else to_8bit_pool(batch, kv_dtype)
+            chunk = torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()), *kv_scale)
+            pool = batch.kv_cache.clone()
+            steps = torch.cat([torch.ops.kilnlm.paged_attention(*one_token(batch, i).args(pool), *kv_scale)
+                               for i in range(seq[1])])
+            assert torch.equal(steps, chunk), (dtype, kv_dtype, tokens_per_block)
+
+
 # What a fresh-process script needs first (KILNLM_CPU_ISA is read once per process): the kernels and this
 # directory's fixtures.
 SCRIPT_PREAMBLE = f"""
@@ -263,27 +296,43 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["avx512bf16", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "generic"])
 def test_batch_invariance_on_the_capped_isa_paths(isa):
-    """The AVX-512 kernel where the CPU also has AMX, the AVX2 kernel (a GQA group's heads scored 1-3 at a
-    time) and the portable one, in a fresh process with KILNLM_CPU_ISA capping the paths (the ISA is chosen
-    once per process)."""
+    """The VDPBF16PS kernel where the CPU also has AMX, the float32 AVX-512 kernel where it also has
+    AVX512-BF16, the AVX2 kernel (a GQA group's heads scored 1-3 at a time) and the portable one, in a fresh
+    process with KILNLM_CPU_ISA capping the paths (the ISA is chosen once per process)."""
     env = dict(os.environ, KILNLM_CPU_ISA=isa)
     result = subprocess.run([sys.executable, "-c", INVARIANCE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-def amx_batch(make_batch, kv_dtype_name: str):
-    """The AMX test's batch: bf16 activations, 32-token blocks, and a bf16 pool or its 8-bit codes."""
-    batch = make_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, dtype=torch.bfloat16)
+def bf16_batch(make_batch, kv_dtype_name: str, tokens_per_block: int = 32):
+    """The bf16-product tests' batch: bf16 activations and a bf16 pool or its 8-bit codes."""
+    batch = make_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=tokens_per_block,
+                       dtype=torch.bfloat16)
     return batch, () if kv_dtype_name == "bf16" else to_8bit_pool(batch, getattr(torch, kv_dtype_name))
 
 
-AMX_SCRIPT = SCRIPT_PREAMBLE + f"""spec = importlib.util.spec_from_file_location("attention_tests", {str(Path(__file__))!r})
+BF16_SCRIPT = SCRIPT_PREAMBLE + f"""spec = importlib.util.spec_from_file_location("attention_tests", {str(Path(__file__))!r})
 tests = importlib.util.module_from_spec(spec); sys.modules["attention_tests"] = tests; spec.loader.exec_module(tests)
-batch, kv_scale = tests.amx_batch(fixtures._make_packed_batch, sys.argv[2])
+batch, kv_scale = tests.bf16_batch(fixtures._make_packed_batch, sys.argv[2], int(sys.argv[3]))
 torch.save(torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()), *kv_scale), sys.argv[1])
 """
+
+
+def outputs_under(isas: tuple[str, ...], tmp_path, kv_dtype_name: str, tokens_per_block: int) -> dict[str, torch.Tensor]:
+    """bf16_batch's output in a fresh process per KILNLM_CPU_ISA cap (``native``: none)."""
+    outputs = {}
+    for isa in isas:
+        env = {key: value for key, value in os.environ.items() if key != "KILNLM_CPU_ISA"}
+        if isa != "native":
+            env["KILNLM_CPU_ISA"] = isa
+        path = tmp_path / f"{isa}.pt"
+        result = subprocess.run([sys.executable, "-c", BF16_SCRIPT, str(path), kv_dtype_name, str(tokens_per_block)],
+                                env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs[isa] = torch.load(path)
+    return outputs
 
 
 @pytest.mark.skipif(not cpu_has("amx_bf16", "amx_tile"), reason="this CPU has no AMX-BF16 tiles (or KILNLM_CPU_ISA caps them)")
@@ -291,23 +340,31 @@ torch.save(torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()),
 def test_bf16_attention_runs_on_amx_tiles(make_packed_batch, tmp_path, kv_dtype_name):
     """On AMX, bf16 activations with 32-token blocks of a bf16 or 8-bit pool take the AMX tiles (q and
     the probabilities rounded to bfloat16 into them, 8-bit codes converted exactly): within the bf16
-    tolerance of the float32 reference, and not the bits of the AVX-512 kernel (float32 q and
-    probabilities), which KILNLM_CPU_ISA=avx512bf16 picks in a fresh process -- so the path is there and
-    is the one taken."""
-    batch, kv_scale = amx_batch(make_packed_batch, kv_dtype_name)
+    tolerance of the float32 reference, and neither the bits of the VDPBF16PS kernel (KILNLM_CPU_ISA=avx512bf16)
+    nor those of the float32 AVX-512 kernel (=avx512), each picked in a fresh process -- so the path is there
+    and is the one taken."""
+    batch, kv_scale = bf16_batch(make_packed_batch, kv_dtype_name)
     out = torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()), *kv_scale)
     expected = paged_attention_reference(*batch.args(batch.kv_cache.clone()), *kv_scale)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
-    outputs = {}
-    for isa in ("native", "avx512bf16"):
-        env = {key: value for key, value in os.environ.items() if key != "KILNLM_CPU_ISA"}
-        if isa != "native":
-            env["KILNLM_CPU_ISA"] = isa
-        path = tmp_path / f"{isa}.pt"
-        result = subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(path), kv_dtype_name], env=env,
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        outputs[isa] = torch.load(path)
+    outputs = outputs_under(("native", "avx512bf16", "avx512"), tmp_path, kv_dtype_name, 32)
     assert torch.equal(outputs["native"], out)
-    torch.testing.assert_close(outputs["avx512bf16"], expected, **TOLERANCE[torch.bfloat16])
-    assert not torch.equal(outputs["native"], outputs["avx512bf16"])
+    for isa in ("avx512bf16", "avx512"):
+        torch.testing.assert_close(outputs[isa], expected, **TOLERANCE[torch.bfloat16])
+        assert not torch.equal(outputs["native"], outputs[isa]), isa
+
+
+@pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX512-BF16 (or KILNLM_CPU_ISA caps it)")
+@pytest.mark.parametrize("kv_dtype_name", ["bf16", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("tokens_per_block", [16, 32])
+def test_bf16_attention_runs_on_vdpbf16ps(make_packed_batch, tmp_path, kv_dtype_name, tokens_per_block):
+    """With AVX512-BF16 (KILNLM_CPU_ISA=avx512bf16 where the CPU also has AMX), bf16 activations over a bf16
+    or 8-bit pool take the VDPBF16PS kernel (q and the probabilities rounded to bfloat16, float32 sums):
+    within the bf16 tolerance of the float32 reference, and not the bits of the float32 AVX-512 kernel
+    (KILNLM_CPU_ISA=avx512) -- so the path is there and is the one taken."""
+    batch, kv_scale = bf16_batch(make_packed_batch, kv_dtype_name, tokens_per_block)
+    expected = paged_attention_reference(*batch.args(batch.kv_cache.clone()), *kv_scale)
+    outputs = outputs_under(("avx512bf16", "avx512"), tmp_path, kv_dtype_name, tokens_per_block)
+    for isa in ("avx512bf16", "avx512"):
+        torch.testing.assert_close(outputs[isa], expected, **TOLERANCE[torch.bfloat16])
+    assert not torch.equal(outputs["avx512bf16"], outputs["avx512"])
