@@ -887,24 +887,23 @@ static inline void dp_attend_block(const AttnWork& w, int64_t kv_head, const uin
   const int64_t first_full = base_pos + num_block_tokens - 1 - w.first_q_pos;
   const int64_t qi_end = first_full > 0 ? (first_full < w.num_q_tokens ? first_full : w.num_q_tokens) : 0;
   DpTile<kv_t> tile;
-  for (int64_t qi = qi_end; qi < w.num_q_tokens; ++qi)
+  const auto flush = [&](int64_t n) { tile.flush(k_head, v_head, kv_stride, n, D, tpb, s, m, l, acc); };
+  // query token qi's vectors into the tile, which runs whenever it is full (over n keys)
+  const auto add_token = [&](int64_t qi, int64_t n) {
     for (int64_t h = heads.begin; h < heads.end; ++h) {
       const int64_t i = qi * num_heads_item + h;
       tile.q[tile.count] = qb + i * D;
       tile.idx[tile.count++] = i;
-      if (tile.count == kTileQueries) tile.flush(k_head, v_head, kv_stride, num_block_tokens, D, tpb, s, m, l, acc);
+      if (tile.count == kTileQueries) flush(n);
     }
-  tile.flush(k_head, v_head, kv_stride, num_block_tokens, D, tpb, s, m, l, acc);
+  };
+  for (int64_t qi = qi_end; qi < w.num_q_tokens; ++qi) add_token(qi, num_block_tokens);
+  flush(num_block_tokens);
   for (int64_t qi = 0; qi < qi_end; ++qi) {
     const int64_t num_valid = w.first_q_pos + qi - base_pos + 1;  // causal: KV positions <= q_pos
     if (num_valid <= 0) continue;
-    for (int64_t h = heads.begin; h < heads.end; ++h) {
-      const int64_t i = qi * num_heads_item + h;
-      tile.q[tile.count] = qb + i * D;
-      tile.idx[tile.count++] = i;
-      if (tile.count == kTileQueries) tile.flush(k_head, v_head, kv_stride, num_valid, D, tpb, s, m, l, acc);
-    }
-    tile.flush(k_head, v_head, kv_stride, num_valid, D, tpb, s, m, l, acc);
+    add_token(qi, num_valid);
+    flush(num_valid);
   }
 }
 #endif
