@@ -822,8 +822,9 @@ static inline void dp_pv(const uint16_t* const* p, const kv_t* v, int64_t v_stri
   if (d0 < D) dp_pv_cols<NQ, 1>(p, v, v_stride, n, d0, acc);
 }
 
-// n keys (K and V rows in the pool's dtype or bf16, kv_stride apart) for the NQ query vectors q[j] (bf16) whose softmax state
-// and output are m[idx[j]], l[idx[j]] and acc + idx[j] * D. s: [kTileQueries, tpb] scratch.
+// n keys (K and V rows in the pool's dtype or bf16, kv_stride apart) for the NQ query vectors q[j] (bf16)
+// whose softmax state and output are m[idx[j]], l[idx[j]] and acc + idx[j] * D. s: [kTileQueries, tpb]
+// scratch.
 template <int NQ, typename kv_t>
 static inline void dp_attend_tile(const uint16_t* const* q, const int64_t* idx, const kv_t* k, const kv_t* v,
                                   int64_t kv_stride, int64_t n, int64_t D, int64_t tpb, float* s, float* m, float* l,
