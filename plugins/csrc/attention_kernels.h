@@ -1285,7 +1285,13 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;  // pool row of offset 0
     const kv_t* k_block = k_pool + first_row * row_stride;
     const kv_t* v_block = v_pool + first_row * row_stride;
+#if KILN_ISA == KILN_ISA_AVX512_BF16
+    // An item of every KV head on this path prefetches the next block in the loop over the heads below.
+    const bool by_parts = dpbf16 && !(sizeof(kv_t) == 1 && convert) && span == row_stride;
+    if (j + 1 < end_block && !by_parts) prefetch_block(j + 1);
+#else
     if (j + 1 < end_block) prefetch_block(j + 1);
+#endif
 #if KILN_ISA == KILN_ISA_AMX_BF16
     if (amx) {
       // KV head g's K rows: at k_rows + (g - first_head) * D, k_stride apart (an 8-bit pool's converted to
@@ -1334,9 +1340,27 @@ static void attend_typed(const AttnWork& w, float* scratch) {
                           static_cast<const uint16_t*>(v_bf16 + offset), span, base_pos, num_block_tokens, m, l, acc, s);
         }
       } else {
-        for (int64_t g = kv_head_begin; g < kv_head_end; ++g)
+        for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
+          // The next block's K and V rows a KV head's share at a time, between the heads' tiles, into L2:
+          // on an AMD Zen 4 (batch-32 decode at 400 KV positions over a 30-layer pool on huge pages, one
+          // thread) a step's attention took 45-47 ms this way against 60-63 ms with the whole block
+          // prefetched at once, which measured the same as no prefetch at all, into L1 or into L2.
+          if (by_parts && j + 1 < end_block) {
+            const int64_t next_row = static_cast<int64_t>(w.block_table[j + 1]) * tpb;
+            const char* k_next = reinterpret_cast<const char*>(k_pool + next_row * row_stride);
+            const char* v_next = reinterpret_cast<const char*>(v_pool + next_row * row_stride);
+            const int64_t block_bytes = tpb * row_stride * static_cast<int64_t>(sizeof(kv_t));
+            const int64_t num_parts = kv_head_end - kv_head_begin, part_bytes = (block_bytes + num_parts - 1) / num_parts;
+            const int64_t b0 = (g - kv_head_begin) * part_bytes;
+            const int64_t b1 = b0 + part_bytes < block_bytes ? b0 + part_bytes : block_bytes;
+            for (int64_t b = b0 & ~static_cast<int64_t>(63); b < b1; b += 64) {
+              __builtin_prefetch(k_next + b, 0, 2);
+              __builtin_prefetch(v_next + b, 0, 2);
+            }
+          }
           dp_attend_block(w, g, dp_q, k_block + g * D, v_block + g * D, row_stride, base_pos, num_block_tokens, m, l,
                           acc, s);
+        }
       }
       continue;
     }
