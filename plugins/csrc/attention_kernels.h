@@ -1181,11 +1181,29 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
 }
 #endif
 
-// Prefetches every cache line of [p, p + num_bytes).
+// Prefetches of one cache line into L1 (prefetcht0) and into L2 (prefetcht1) that the compiler keeps. GCC
+// (12, -O3, C++20) deletes a loop whose body only prefetches: __builtin_prefetch has no side effect, and
+// -ffinite-loops lets it assume the loop ends. That had removed every block prefetch of this file.
+static inline void prefetch_l1(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+static inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// Prefetches every cache line of [p, p + num_bytes) into L1.
 static inline void prefetch_lines(const char* p, int64_t num_bytes) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(num_bytes);
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(63); a < end; a += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(a));
+    prefetch_l1(reinterpret_cast<const char*>(a));
 }
 
 template <typename kv_t>
@@ -1227,16 +1245,16 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     const int64_t span_bytes = span * static_cast<int64_t>(sizeof(kv_t));
     if (span == row_stride) {  // every KV head: the block's rows are contiguous
       for (int64_t b = 0; b < num_rows * row_bytes; b += 64) {
-        __builtin_prefetch(k_rows + b);
-        __builtin_prefetch(v_rows + b);
+        prefetch_l1(k_rows + b);
+        prefetch_l1(v_rows + b);
       }
     } else {  // only the slice of each row this item reads (other KV heads belong to other threads' items)
       const int64_t lead = static_cast<int64_t>(reinterpret_cast<uintptr_t>(k_rows) & 63);
       if (row_bytes % 64 == 0 && lead == static_cast<int64_t>(reinterpret_cast<uintptr_t>(v_rows) & 63)) {
         for (int64_t r = 0; r < num_rows; ++r)  // every row's slice starts `lead` bytes into a line
           for (int64_t b = r * row_bytes - lead; b < r * row_bytes + span_bytes; b += 64) {
-            __builtin_prefetch(k_rows + b);
-            __builtin_prefetch(v_rows + b);
+            prefetch_l1(k_rows + b);
+            prefetch_l1(v_rows + b);
           }
       } else {
         for (int64_t r = 0; r < num_rows; ++r) {
@@ -1244,6 +1262,25 @@ static void attend_typed(const AttnWork& w, float* scratch) {
           prefetch_lines(v_rows + r * row_bytes, span_bytes);
         }
       }
+    }
+  };
+  // Share `part` of `num_parts` of block j's K and V rows (an item of every KV head: contiguous rows), into
+  // L2. The loops over KV heads below prefetch the next block this way, a head's share before each head's
+  // tiles, rather than all of it at once. On an AMD Zen 4 (batch-32 decode at 400 KV positions over a
+  // 30-layer pool on huge pages, one thread; no prefetch / whole block into L1 / shares into L2): VDPBF16PS
+  // 59-63 / 52-65 / 48-57 ms, float32 AVX-512 61-92 / 55-57 / 47-50 ms, AVX2 71-76 / 64-67 / 54-55 ms.
+  // Items of fewer KV heads prefetch their slice of each next block whole (prefetch_block).
+  const bool by_shares = span == row_stride;
+  const auto prefetch_share = [&](int64_t j, int64_t part, int64_t num_parts) {
+    const int64_t row = static_cast<int64_t>(w.block_table[j]) * tpb;
+    const char* k_rows = reinterpret_cast<const char*>(k_pool + row * row_stride);
+    const char* v_rows = reinterpret_cast<const char*>(v_pool + row * row_stride);
+    const int64_t block_bytes = tpb * row_stride * static_cast<int64_t>(sizeof(kv_t));
+    const int64_t share = (block_bytes + num_parts - 1) / num_parts, b0 = part * share;
+    const int64_t b1 = b0 + share < block_bytes ? b0 + share : block_bytes;
+    for (int64_t b = b0 & ~static_cast<int64_t>(63); b < b1; b += 64) {
+      prefetch_l2(k_rows + b);
+      prefetch_l2(v_rows + b);
     }
   };
 #if KILN_ISA == KILN_ISA_AMX_BF16
@@ -1278,20 +1315,24 @@ static void attend_typed(const AttnWork& w, float* scratch) {
                                                ~static_cast<uintptr_t>(63));
   if (dpbf16) dp_pack_queries(w, dp_q);
 #endif
-  if (w.kv_block_begin < end_block) prefetch_block(w.kv_block_begin);
+#if KILN_ISA == KILN_ISA_AMX_BF16
+  // The AMX path prefetches nothing: it was measured (Intel Xeon) while the compiler deleted the prefetches
+  // (prefetch_l1), and no machine with AMX has measured it with them since.
+  const bool prefetching = !amx;
+#else
+  const bool prefetching = true;
+#endif
+  if (w.kv_block_begin < end_block && prefetching) prefetch_block(w.kv_block_begin);
   for (int64_t j = w.kv_block_begin; j < end_block; ++j) {
     const int64_t base_pos = j * tpb;
     const int64_t num_block_tokens = (last_pos + 1 - base_pos) < tpb ? (last_pos + 1 - base_pos) : tpb;
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;  // pool row of offset 0
     const kv_t* k_block = k_pool + first_row * row_stride;
     const kv_t* v_block = v_pool + first_row * row_stride;
-#if KILN_ISA == KILN_ISA_AVX512_BF16
-    // An item of every KV head on this path prefetches the next block in the loop over the heads below.
-    const bool by_parts = dpbf16 && !(sizeof(kv_t) == 1 && convert) && span == row_stride;
-    if (j + 1 < end_block && !by_parts) prefetch_block(j + 1);
-#else
-    if (j + 1 < end_block) prefetch_block(j + 1);
-#endif
+    if (j + 1 < end_block && prefetching && !by_shares) prefetch_block(j + 1);
+    const auto prefetch_next = [&](int64_t g) {  // before KV head g's tiles
+      if (j + 1 < end_block && prefetching && by_shares) prefetch_share(j + 1, g - kv_head_begin, kv_head_end - kv_head_begin);
+    };
 #if KILN_ISA == KILN_ISA_AMX_BF16
     if (amx) {
       // KV head g's K rows: at k_rows + (g - first_head) * D, k_stride apart (an 8-bit pool's converted to
@@ -1336,28 +1377,13 @@ static void attend_typed(const AttnWork& w, float* scratch) {
         rows_to_bf16(v_block + kv_head_begin * D, row_stride, v_bf16, span, num_block_tokens);
         for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
           const int64_t offset = (g - kv_head_begin) * D;
+          prefetch_next(g);
           dp_attend_block(w, g, dp_q, static_cast<const uint16_t*>(k_bf16 + offset),
                           static_cast<const uint16_t*>(v_bf16 + offset), span, base_pos, num_block_tokens, m, l, acc, s);
         }
       } else {
         for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
-          // The next block's K and V rows a KV head's share at a time, between the heads' tiles, into L2:
-          // on an AMD Zen 4 (batch-32 decode at 400 KV positions over a 30-layer pool on huge pages, one
-          // thread) a step's attention took 45-47 ms this way against 60-63 ms with the whole block
-          // prefetched at once, which measured the same as no prefetch at all, into L1 or into L2.
-          if (by_parts && j + 1 < end_block) {
-            const int64_t next_row = static_cast<int64_t>(w.block_table[j + 1]) * tpb;
-            const char* k_next = reinterpret_cast<const char*>(k_pool + next_row * row_stride);
-            const char* v_next = reinterpret_cast<const char*>(v_pool + next_row * row_stride);
-            const int64_t block_bytes = tpb * row_stride * static_cast<int64_t>(sizeof(kv_t));
-            const int64_t num_parts = kv_head_end - kv_head_begin, part_bytes = (block_bytes + num_parts - 1) / num_parts;
-            const int64_t b0 = (g - kv_head_begin) * part_bytes;
-            const int64_t b1 = b0 + part_bytes < block_bytes ? b0 + part_bytes : block_bytes;
-            for (int64_t b = b0 & ~static_cast<int64_t>(63); b < b1; b += 64) {
-              __builtin_prefetch(k_next + b, 0, 2);
-              __builtin_prefetch(v_next + b, 0, 2);
-            }
-          }
+          prefetch_next(g);
           dp_attend_block(w, g, dp_q, k_block + g * D, v_block + g * D, row_stride, base_pos, num_block_tokens, m, l,
                           acc, s);
         }
@@ -1379,11 +1405,14 @@ static void attend_typed(const AttnWork& w, float* scratch) {
       }
       for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
         const int64_t offset = (g - kv_head_begin) * D;
+        prefetch_next(g);
         attend_block<float>(w, g, k_f32 + offset, v_f32 + offset, span, base_pos, num_block_tokens, m, l, acc, s);
       }
     } else {
-      for (int64_t g = kv_head_begin; g < kv_head_end; ++g)
+      for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
+        prefetch_next(g);
         attend_block<kv_t>(w, g, k_block + g * D, v_block + g * D, row_stride, base_pos, num_block_tokens, m, l, acc, s);
+      }
     }
   }
 #if KILN_ISA == KILN_ISA_AMX_BF16
