@@ -1234,8 +1234,9 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   const int64_t end_block = (last_pos / tpb + 1) < w.kv_block_end ? (last_pos / tpb + 1) : w.kv_block_end;
   // Block j's K and V rows (the item's slice of each), into L1. Blocks sit anywhere in the pool (paged)
   // and the hardware prefetcher only follows a block once it has started: the loop prefetches each next
-  // block while it computes one, and the first block is prefetched whole before the loop, so that its
-  // misses overlap instead of coming one row at a time (a decode part reads only ~3 blocks).
+  // block while it computes one (an item of every KV head by prefetch_share below), and the first block is
+  // prefetched whole before the loop, so that its misses overlap instead of coming one row at a time (a
+  // decode part reads only ~3 blocks).
   const auto prefetch_block = [&](int64_t j) {
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;
     const int64_t num_rows = (last_pos + 1 - j * tpb) < tpb ? (last_pos + 1 - j * tpb) : tpb;

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -368,3 +371,30 @@ def test_bf16_attention_runs_on_vdpbf16ps(make_packed_batch, tmp_path, kv_dtype_
     for isa in ("avx512bf16", "avx512"):
         torch.testing.assert_close(outputs[isa], expected, **TOLERANCE[torch.bfloat16])
     assert not torch.equal(outputs["avx512bf16"], outputs["avx512"])
+
+
+# The kernel copies attention_kernels.h is compiled into (isa_variants.h's namespaces), each built on every x86-64.
+ATTENTION_ISA_COPIES = ("generic", "avx2", "avx512", "avx512bf16", "amxbf16")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the prefetches checked are x86-64 instructions")
+def test_kv_block_prefetches_are_in_every_kernel_copy(cpu_kernels):
+    """Each ISA copy of the attention kernel holds its KV block prefetches in the built library: prefetcht0
+    (an item's first block, and the next block of an item of fewer than all KV heads) and prefetcht1 (the next
+    block a KV head's share at a time). GCC deletes a loop whose body only calls __builtin_prefetch, which once
+    removed all of them without a trace (prefetch_l1 in plugins/csrc/attention_kernels.h)."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed: nothing to disassemble the kernels' library with")
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", cpu_kernels], check=True, capture_output=True,
+                             text=True).stdout
+    found: dict[str, set[str]] = {isa: set() for isa in ATTENTION_ISA_COPIES}
+    isa = None
+    for line in listing.splitlines():
+        symbol = re.match(r"[0-9a-f]+ <(.*)>:$", line)
+        if symbol:
+            copy = re.search(r"kiln_attn::(\w+)::\(anonymous namespace\)::attend", symbol.group(1))
+            isa = copy.group(1) if copy else None
+        elif isa in found:
+            found[isa].update(re.findall(r"\bprefetcht[01]\b", line))
+    assert found == {isa: {"prefetcht0", "prefetcht1"} for isa in ATTENTION_ISA_COPIES}
