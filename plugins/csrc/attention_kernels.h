@@ -1268,8 +1268,8 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   // Share `part` of `num_parts` of block j's K and V rows (an item of every KV head: contiguous rows), into
   // L2. The loops over KV heads below prefetch the next block this way, a head's share before each head's
   // tiles, rather than all of it at once. On an AMD Zen 4 (batch-32 decode at 400 KV positions over a
-  // 30-layer pool on huge pages, one thread; no prefetch / whole block into L1 / shares into L2): VDPBF16PS
-  // 59-63 / 52-65 / 48-57 ms, float32 AVX-512 61-92 / 55-57 / 47-50 ms, AVX2 71-76 / 64-67 / 54-55 ms.
+  // 30-layer pool on huge pages, one thread; next block not prefetched / whole into L1 / shares into L2):
+  // VDPBF16PS 59-63 / 52-65 / 48-57 ms, float32 AVX-512 61-92 / 55-57 / 47-50 ms, AVX2 71-76 / 64-67 / 54-55 ms.
   // Items of fewer KV heads prefetch their slice of each next block whole (prefetch_block).
   const bool by_shares = span == row_stride;
   const auto prefetch_share = [&](int64_t j, int64_t part, int64_t num_parts) {
