@@ -702,6 +702,51 @@ static inline void rows_to_bf16(const kv_t* src, int64_t row_stride, uint16_t* d
 
 #endif
 
+// Prefetches of one cache line into L1 (prefetcht0) and into L2 (prefetcht1) that the compiler keeps. GCC
+// (12, -O3, C++20) deletes a loop whose body only prefetches: __builtin_prefetch has no side effect, and
+// -ffinite-loops lets it assume the loop ends. That had removed every block prefetch of this file.
+static inline void prefetch_l1(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+static inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+#if KILN_ISA == KILN_ISA_AVX512_BF16
+// The next KV block's K and V lines, prefetched into L2 a few at a time by the VDPBF16PS loops while they
+// read the current block: step() at each 4 keys scored and each 8 keys of P . V, finish() for whatever is
+// left when the block is done. An empty one (end 0) prefetches nothing. Spread this finely, the prefetches
+// overlap the block's arithmetic (attend_typed's prefetch_share has the coarser schedules' figures); 2 or
+// 4 lines a step left part of each block to finish() and measured 55 and 41-43 ms there, 8 lines 36-48.
+struct NextBlockPrefetch {
+  static constexpr int kLinesPerStep = 6;  // of K and of V: 36 steps of a 3-head item cover a 12 KB block
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t offset = 0;  // bytes of K (and of V) prefetched so far
+  int64_t end = 0;     // bytes of K (and of V) in the block
+  inline void step() {
+    for (int i = 0; i < kLinesPerStep && offset < end; ++i, offset += 64) {
+      prefetch_l2(k + offset);
+      prefetch_l2(v + offset);
+    }
+  }
+  inline void finish() {
+    for (; offset < end; offset += 64) {
+      prefetch_l2(k + offset);
+      prefetch_l2(v + offset);
+    }
+  }
+};
+#endif
+
 #if KILN_ISA == KILN_ISA_AVX512_BF16
 // The VDPBF16PS path (AVX512-BF16 without AMX, e.g. AMD Zen 4): bfloat16 activations with a bfloat16 or
 // 8-bit pool, in both phases, whatever the block size (even). As on AMX, each query vector is rounded to
@@ -733,7 +778,8 @@ static inline __m512 dp_bf16(__m512 acc, __m512i a, __m512i b) {
 template <int NQ, int kRows, bool kFull, typename kv_t>
 __attribute__((always_inline)) static inline void dp_scores_rows(const uint16_t* const* q, const kv_t* k,
                                                                  int64_t k_stride, int64_t o, int rows, int64_t D,
-                                                                 float* s, int64_t s_stride) {
+                                                                 float* s, int64_t s_stride, NextBlockPrefetch& pf) {
+  pf.step();
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 32) {
@@ -755,12 +801,12 @@ __attribute__((always_inline)) static inline void dp_scores_rows(const uint16_t*
 
 template <int NQ, typename kv_t>
 static inline void dp_scores(const uint16_t* const* q, const kv_t* k, int64_t k_stride, int64_t n, int64_t D,
-                             float* s, int64_t s_stride) {
+                             float* s, int64_t s_stride, NextBlockPrefetch& pf) {
   static_assert(NQ >= 1 && NQ <= 4, "16 accumulators per reduction");
   constexpr int kRows = NQ == 1 ? 16 : 4;
   int64_t o = 0;
-  for (; o + kRows <= n; o += kRows) dp_scores_rows<NQ, kRows, true>(q, k, k_stride, o, kRows, D, s, s_stride);
-  if (o < n) dp_scores_rows<NQ, kRows, false>(q, k, k_stride, o, static_cast<int>(n - o), D, s, s_stride);
+  for (; o + kRows <= n; o += kRows) dp_scores_rows<NQ, kRows, true>(q, k, k_stride, o, kRows, D, s, s_stride, pf);
+  if (o < n) dp_scores_rows<NQ, kRows, false>(q, k, k_stride, o, static_cast<int>(n - o), D, s, s_stride, pf);
 }
 
 // p[0:n] (float32, in place) -> bfloat16 bits at the same address, and a zero after them when n is odd
@@ -779,7 +825,7 @@ static inline void dp_round_probs(float* p, int64_t n) {
 // odd; v rows in the pool's dtype, v_stride apart).
 template <int NQ, int kChunks, typename kv_t>
 static inline void dp_pv_cols(const uint16_t* const* p, const kv_t* v, int64_t v_stride, int64_t n, int64_t d0,
-                              float* const* acc) {
+                              float* const* acc, NextBlockPrefetch& pf) {
   const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -792,6 +838,7 @@ static inline void dp_pv_cols(const uint16_t* const* p, const kv_t* v, int64_t v
       a[j][2 * c + 1] = _mm512_permutex2var_ps(x, to_hi, y);
     }
   for (int64_t o = 0; o < n; o += 2) {
+    if (o % 8 == 0) pf.step();
     const kv_t* row = v + o * v_stride + d0;
     __m512i vv[2 * kChunks];
     for (int c = 0; c < kChunks; ++c) {
@@ -816,10 +863,10 @@ static inline void dp_pv_cols(const uint16_t* const* p, const kv_t* v, int64_t v
 
 template <int NQ, typename kv_t>
 static inline void dp_pv(const uint16_t* const* p, const kv_t* v, int64_t v_stride, int64_t n, int64_t D,
-                         float* const* acc) {
+                         float* const* acc, NextBlockPrefetch& pf) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) dp_pv_cols<NQ, 2>(p, v, v_stride, n, d0, acc);
-  if (d0 < D) dp_pv_cols<NQ, 1>(p, v, v_stride, n, d0, acc);
+  for (; d0 + 64 <= D; d0 += 64) dp_pv_cols<NQ, 2>(p, v, v_stride, n, d0, acc, pf);
+  if (d0 < D) dp_pv_cols<NQ, 1>(p, v, v_stride, n, d0, acc, pf);
 }
 
 // n keys (K and V rows in the pool's dtype or bf16, kv_stride apart) for the NQ query vectors q[j] (bf16)
@@ -828,8 +875,8 @@ static inline void dp_pv(const uint16_t* const* p, const kv_t* v, int64_t v_stri
 template <int NQ, typename kv_t>
 static inline void dp_attend_tile(const uint16_t* const* q, const int64_t* idx, const kv_t* k, const kv_t* v,
                                   int64_t kv_stride, int64_t n, int64_t D, int64_t tpb, float* s, float* m, float* l,
-                                  float* acc) {
-  dp_scores<NQ>(q, k, kv_stride, n, D, s, tpb);
+                                  float* acc, NextBlockPrefetch& pf) {
+  dp_scores<NQ>(q, k, kv_stride, n, D, s, tpb, pf);
   float* outputs[NQ];
   const uint16_t* probs[NQ];
   for (int j = 0; j < NQ; ++j) {
@@ -839,7 +886,7 @@ static inline void dp_attend_tile(const uint16_t* const* q, const int64_t* idx, 
     dp_round_probs(s + j * tpb, n);
     probs[j] = reinterpret_cast<const uint16_t*>(s + j * tpb);
   }
-  dp_pv<NQ>(probs, v, kv_stride, n, D, outputs);
+  dp_pv<NQ>(probs, v, kv_stride, n, D, outputs, pf);
 }
 
 // Up to kTileQueries query vectors at a time, each seeing the same n keys.
@@ -849,12 +896,12 @@ struct DpTile {
   int64_t idx[kTileQueries];
   int count = 0;
   void flush(const kv_t* k, const kv_t* v, int64_t kv_stride, int64_t n, int64_t D, int64_t tpb, float* s,
-             float* m, float* l, float* acc) {
+             float* m, float* l, float* acc, NextBlockPrefetch& pf) {
     switch (count) {
-      case 4: dp_attend_tile<4>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc); break;
-      case 3: dp_attend_tile<3>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc); break;
-      case 2: dp_attend_tile<2>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc); break;
-      case 1: dp_attend_tile<1>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc); break;
+      case 4: dp_attend_tile<4>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc, pf); break;
+      case 3: dp_attend_tile<3>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc, pf); break;
+      case 2: dp_attend_tile<2>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc, pf); break;
+      case 1: dp_attend_tile<1>(q, idx, k, v, kv_stride, n, D, tpb, s, m, l, acc, pf); break;
       default: break;
     }
     count = 0;
@@ -881,14 +928,15 @@ static inline void dp_pack_queries(const AttnWork& w, uint16_t* qb) {
 template <typename kv_t>
 static inline void dp_attend_block(const AttnWork& w, int64_t kv_head, const uint16_t* qb, const kv_t* k_head,
                                    const kv_t* v_head, int64_t kv_stride, int64_t base_pos,
-                                   int64_t num_block_tokens, float* m, float* l, float* acc, float* s) {
+                                   int64_t num_block_tokens, float* m, float* l, float* acc, float* s,
+                                   NextBlockPrefetch& pf) {
   const int64_t D = w.head_dim, tpb = w.tokens_per_block, num_heads_item = w.head_end - w.head_begin;
   const GroupHeads heads = group_heads(w, kv_head);
   // query tokens from first_full on see all num_block_tokens keys (causal: q_pos >= the block's last)
   const int64_t first_full = base_pos + num_block_tokens - 1 - w.first_q_pos;
   const int64_t qi_end = first_full > 0 ? (first_full < w.num_q_tokens ? first_full : w.num_q_tokens) : 0;
   DpTile<kv_t> tile;
-  const auto flush = [&](int64_t n) { tile.flush(k_head, v_head, kv_stride, n, D, tpb, s, m, l, acc); };
+  const auto flush = [&](int64_t n) { tile.flush(k_head, v_head, kv_stride, n, D, tpb, s, m, l, acc, pf); };
   // query token qi's vectors into the tile, which runs whenever it is full (over n keys)
   const auto add_token = [&](int64_t qi, int64_t n) {
     for (int64_t h = heads.begin; h < heads.end; ++h) {
@@ -1181,24 +1229,6 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
 }
 #endif
 
-// Prefetches of one cache line into L1 (prefetcht0) and into L2 (prefetcht1) that the compiler keeps. GCC
-// (12, -O3, C++20) deletes a loop whose body only prefetches: __builtin_prefetch has no side effect, and
-// -ffinite-loops lets it assume the loop ends. That had removed every block prefetch of this file.
-static inline void prefetch_l1(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p);
-#endif
-}
-static inline void prefetch_l2(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
 // Prefetches every cache line of [p, p + num_bytes) into L1.
 static inline void prefetch_lines(const char* p, int64_t num_bytes) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(num_bytes);
@@ -1266,10 +1296,11 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     }
   };
   // Share `part` of `num_parts` of block j's K and V rows (an item of every KV head: contiguous rows), into
-  // L2. The loops over KV heads below prefetch the next block this way, a head's share before each head's
-  // tiles, rather than all of it at once. On an AMD Zen 4 (batch-32 decode at 400 KV positions over a
-  // 30-layer pool on huge pages, one thread; next block not prefetched / whole into L1 / shares into L2):
-  // VDPBF16PS 59-63 / 52-65 / 48-57 ms, float32 AVX-512 61-92 / 55-57 / 47-50 ms, AVX2 71-76 / 64-67 / 54-55 ms.
+  // L2. The float32 loops over KV heads below prefetch the next block this way, a head's share before each
+  // head's tiles, rather than all of it at once; the VDPBF16PS loops spread it finer (NextBlockPrefetch).
+  // On an AMD Zen 4 (batch-32 decode at 400 KV positions over a 30-layer pool on huge pages, one thread;
+  // next block not prefetched / whole into L1 / shares into L2 / NextBlockPrefetch): VDPBF16PS 59-63 /
+  // 52-65 / 48-57 / 34-35 ms, float32 AVX-512 61-92 / 55-57 / 47-50 ms, AVX2 71-76 / 64-67 / 54-55 ms.
   // Items of fewer KV heads prefetch their slice of each next block whole (prefetch_block).
   const bool by_shares = span == row_stride;
   const auto prefetch_share = [&](int64_t j, int64_t part, int64_t num_parts) {
@@ -1371,6 +1402,13 @@ static void attend_typed(const AttnWork& w, float* scratch) {
 #endif
 #if KILN_ISA == KILN_ISA_AVX512_BF16
     if (dpbf16) {
+      NextBlockPrefetch next;  // the next block of an item of every KV head, spread over this block's loops
+      if (j + 1 < end_block && by_shares) {
+        const int64_t next_row = static_cast<int64_t>(w.block_table[j + 1]) * tpb;
+        next.k = reinterpret_cast<const char*>(k_pool + next_row * row_stride);
+        next.v = reinterpret_cast<const char*>(v_pool + next_row * row_stride);
+        next.end = tpb * row_stride * static_cast<int64_t>(sizeof(kv_t));
+      }
       if (sizeof(kv_t) == 1 && convert) {  // an 8-bit block many query vectors read: converted once
         uint16_t* k_bf16 = reinterpret_cast<uint16_t*>(k_f32);
         uint16_t* v_bf16 = reinterpret_cast<uint16_t*>(v_f32);
@@ -1378,17 +1416,16 @@ static void attend_typed(const AttnWork& w, float* scratch) {
         rows_to_bf16(v_block + kv_head_begin * D, row_stride, v_bf16, span, num_block_tokens);
         for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
           const int64_t offset = (g - kv_head_begin) * D;
-          prefetch_next(g);
           dp_attend_block(w, g, dp_q, static_cast<const uint16_t*>(k_bf16 + offset),
-                          static_cast<const uint16_t*>(v_bf16 + offset), span, base_pos, num_block_tokens, m, l, acc, s);
+                          static_cast<const uint16_t*>(v_bf16 + offset), span, base_pos, num_block_tokens, m, l, acc, s,
+                          next);
         }
       } else {
-        for (int64_t g = kv_head_begin; g < kv_head_end; ++g) {
-          prefetch_next(g);
+        for (int64_t g = kv_head_begin; g < kv_head_end; ++g)
           dp_attend_block(w, g, dp_q, k_block + g * D, v_block + g * D, row_stride, base_pos, num_block_tokens, m, l,
-                          acc, s);
-        }
+                          acc, s, next);
       }
+      next.finish();
       continue;
     }
 #endif
