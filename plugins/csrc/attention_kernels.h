@@ -1264,9 +1264,9 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   const int64_t end_block = (last_pos / tpb + 1) < w.kv_block_end ? (last_pos / tpb + 1) : w.kv_block_end;
   // Block j's K and V rows (the item's slice of each), into L1. Blocks sit anywhere in the pool (paged)
   // and the hardware prefetcher only follows a block once it has started: the loop prefetches each next
-  // block while it computes one (an item of every KV head by prefetch_share below), and the first block is
-  // prefetched whole before the loop, so that its misses overlap instead of coming one row at a time (a
-  // decode part reads only ~3 blocks).
+  // block while it computes one (an item of every KV head through prefetch_share or NextBlockPrefetch
+  // instead), and the first block is prefetched whole before the loop, so that its misses overlap instead
+  // of coming one row at a time (a decode part reads only ~3 blocks).
   const auto prefetch_block = [&](int64_t j) {
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;
     const int64_t num_rows = (last_pos + 1 - j * tpb) < tpb ? (last_pos + 1 - j * tpb) : tpb;
@@ -1363,7 +1363,8 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     const kv_t* v_block = v_pool + first_row * row_stride;
     if (j + 1 < end_block && prefetching && !by_shares) prefetch_block(j + 1);
     const auto prefetch_next = [&](int64_t g) {  // before KV head g's tiles
-      if (j + 1 < end_block && prefetching && by_shares) prefetch_share(j + 1, g - kv_head_begin, kv_head_end - kv_head_begin);
+      if (j + 1 < end_block && prefetching && by_shares)
+        prefetch_share(j + 1, g - kv_head_begin, kv_head_end - kv_head_begin);
     };
 #if KILN_ISA == KILN_ISA_AMX_BF16
     if (amx) {
