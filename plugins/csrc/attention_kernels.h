@@ -720,12 +720,12 @@ static inline void prefetch_l2(const void* p) {
 #endif
 }
 
-#if KILN_ISA == KILN_ISA_AVX512_BF16
 // The next KV block's K and V lines, prefetched into L2 a few at a time by the VDPBF16PS loops while they
 // read the current block: step() at each 4 keys scored and each 8 keys of P . V, finish() for whatever is
-// left when the block is done. An empty one (end 0) prefetches nothing. Spread this finely, the prefetches
-// overlap the block's arithmetic (attend_typed's prefetch_share has the coarser schedules' figures); 2 or
-// 4 lines a step left part of each block to finish() and measured 55 and 41-43 ms there, 8 lines 36-48.
+// left when the block is done (the float32 paths' prefetch_share finishes one share of a block at once).
+// An empty one (end 0) prefetches nothing. Spread this finely, the prefetches overlap the block's
+// arithmetic (attend_typed's prefetch_share has the coarser schedules' figures); 2 or 4 lines a step left
+// part of each block to finish() and measured 55 and 41-43 ms there, 8 lines 36-48.
 struct NextBlockPrefetch {
   static constexpr int kLinesPerStep = 6;  // of K and of V: 36 steps of a 3-head item cover a 12 KB block
   const char* k = nullptr;
@@ -745,7 +745,6 @@ struct NextBlockPrefetch {
     }
   }
 };
-#endif
 
 #if KILN_ISA == KILN_ISA_AVX512_BF16
 // The VDPBF16PS path (AVX512-BF16 without AMX, e.g. AMD Zen 4): bfloat16 activations with a bfloat16 or
@@ -1303,17 +1302,20 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   // 52-65 / 48-57 / 34-35 ms, float32 AVX-512 61-92 / 55-57 / 47-50 ms, AVX2 71-76 / 64-67 / 54-55 ms.
   // Items of fewer KV heads prefetch their slice of each next block whole (prefetch_block).
   const bool by_shares = span == row_stride;
-  const auto prefetch_share = [&](int64_t j, int64_t part, int64_t num_parts) {
+  const auto block_lines = [&](int64_t j) {  // all of block j's K and V rows, not yet prefetched
+    NextBlockPrefetch lines;
     const int64_t row = static_cast<int64_t>(w.block_table[j]) * tpb;
-    const char* k_rows = reinterpret_cast<const char*>(k_pool + row * row_stride);
-    const char* v_rows = reinterpret_cast<const char*>(v_pool + row * row_stride);
-    const int64_t block_bytes = tpb * row_stride * static_cast<int64_t>(sizeof(kv_t));
-    const int64_t share = (block_bytes + num_parts - 1) / num_parts, b0 = part * share;
-    const int64_t b1 = b0 + share < block_bytes ? b0 + share : block_bytes;
-    for (int64_t b = b0 & ~static_cast<int64_t>(63); b < b1; b += 64) {
-      prefetch_l2(k_rows + b);
-      prefetch_l2(v_rows + b);
-    }
+    lines.k = reinterpret_cast<const char*>(k_pool + row * row_stride);
+    lines.v = reinterpret_cast<const char*>(v_pool + row * row_stride);
+    lines.end = tpb * row_stride * static_cast<int64_t>(sizeof(kv_t));
+    return lines;
+  };
+  const auto prefetch_share = [&](int64_t j, int64_t part, int64_t num_parts) {
+    NextBlockPrefetch lines = block_lines(j);
+    const int64_t share = (lines.end + num_parts - 1) / num_parts, first = part * share;
+    lines.offset = first & ~static_cast<int64_t>(63);
+    if (first + share < lines.end) lines.end = first + share;
+    lines.finish();
   };
 #if KILN_ISA == KILN_ISA_AMX_BF16
   // bf16 activations with a bf16 or 8-bit pool: the AMX path. Its buffers follow the float32 rows it has
@@ -1403,13 +1405,8 @@ static void attend_typed(const AttnWork& w, float* scratch) {
 #endif
 #if KILN_ISA == KILN_ISA_AVX512_BF16
     if (dpbf16) {
-      NextBlockPrefetch next;  // the next block of an item of every KV head, spread over this block's loops
-      if (j + 1 < end_block && by_shares) {
-        const int64_t next_row = static_cast<int64_t>(w.block_table[j + 1]) * tpb;
-        next.k = reinterpret_cast<const char*>(k_pool + next_row * row_stride);
-        next.v = reinterpret_cast<const char*>(v_pool + next_row * row_stride);
-        next.end = tpb * row_stride * static_cast<int64_t>(sizeof(kv_t));
-      }
+      // the next block of an item of every KV head, spread over this block's loops
+      NextBlockPrefetch next = j + 1 < end_block && by_shares ? block_lines(j + 1) : NextBlockPrefetch{};
       if (sizeof(kv_t) == 1 && convert) {  // an 8-bit block many query vectors read: converted once
         uint16_t* k_bf16 = reinterpret_cast<uint16_t*>(k_f32);
         uint16_t* v_bf16 = reinterpret_cast<uint16_t*>(v_f32);

@@ -381,7 +381,7 @@ ATTENTION_ISA_COPIES = ("generic", "avx2", "avx512", "avx512bf16", "amxbf16")
 def test_kv_block_prefetches_are_in_every_kernel_copy(cpu_kernels):
     """Each ISA copy of the attention kernel holds its KV block prefetches in the built library: prefetcht0
     (an item's first block, and the next block of an item of fewer than all KV heads) and prefetcht1 (the next
-    block a KV head's share at a time). GCC deletes a loop whose body only calls __builtin_prefetch, which once
+    block of an item of every KV head). GCC deletes a loop whose body only calls __builtin_prefetch, which once
     removed all of them without a trace (prefetch_l1 in plugins/csrc/attention_kernels.h)."""
     objdump = shutil.which("objdump")
     if objdump is None:
