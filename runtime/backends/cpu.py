@@ -3,6 +3,7 @@ kilnlm's C++ kernels (:mod:`kilnlm.plugins.cpu`), with the paged KV pool in CPU 
 
 from __future__ import annotations
 
+import math
 import platform
 import shutil
 import tempfile
@@ -14,7 +15,7 @@ import torch
 from kilnlm.runtime.abi import KV_CACHE_DTYPES, EngineInputs, kv_cache_bytes_per_block, kv_cache_shape
 from kilnlm.runtime.errors import EngineError
 from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest, rank_model_config
-from kilnlm.runtime.memory import advise_huge_pages
+from kilnlm.runtime.memory import advise_huge_pages, zeroed_memory
 
 
 def machine_cpu_isas() -> set[str]:
@@ -127,18 +128,11 @@ class CpuBackend:
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Zeros ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` in ``kv_cache_dtype``,
         CPU, backed by transparent huge pages where Linux allows (attention reads the pool every step);
-        ``num_kv_heads`` is this rank's."""
+        ``num_kv_heads`` is this rank's. Returns at once: the pages are faulted in by a background thread
+        (:func:`~kilnlm.runtime.memory.zeroed_memory`)."""
         m = self.model
         shape = kv_cache_shape(m.num_layers, num_blocks, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim)
-        # Huge pages are asked for before the zeros fault fresh pages in, since collapsing a written pool
-        # copies it (~0.5 s for SmolLM2's default 377 MB); then collapsed, for memory the allocator reused
-        # (already faulted in, in 4 KiB pages).
-        kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype)
-        span = (kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.nbytes)
-        advise_huge_pages(*span, collapse=False)
-        kv_cache.zero_()
-        advise_huge_pages(*span)
-        return kv_cache
+        return zeroed_memory(math.prod(shape) * self.kv_cache_dtype.itemsize).view(self.kv_cache_dtype).view(shape)
 
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """The package's forward over ``inputs.as_args(kv_cache)``; releases the GIL while it runs."""

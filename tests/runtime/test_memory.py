@@ -1,4 +1,5 @@
 """kilnlm.runtime.memory: advise_huge_pages, a hint that never fails and never changes the memory's contents;
+zeroed_memory, zeros returned at once and faulted in behind the caller's back without losing its writes;
 preload_malloc, the LD_PRELOAD allocator of the serving processes."""
 
 from __future__ import annotations
@@ -7,13 +8,14 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from kilnlm.runtime.errors import KilnError
-from kilnlm.runtime.memory import HUGE_PAGE_BYTES, advise_huge_pages, find_malloc_library, preload_malloc
+from kilnlm.runtime.memory import HUGE_PAGE_BYTES, advise_huge_pages, find_malloc_library, preload_malloc, zeroed_memory
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -85,18 +87,14 @@ def test_engine_weights_are_moved_to_64_byte_boundaries(tiny_engine_dir):
     assert Engine.load(tiny_engine_dir).backend.package.realign_constants() == 0
 
 
-def test_advice_before_first_touch_gives_huge_pages_on_fault(tiny_engine_dir):
-    """allocate_kv_cache advises the pool before zeroing it (no collapse, no copy): the pool is zeros, and
-    where Linux has transparent huge pages its memory is backed by them."""
-    from kilnlm.runtime.engine import Engine
+def wait_for_populating_threads() -> None:
+    for thread in threading.enumerate():
+        if thread.name == "kilnlm-populate":
+            thread.join()
 
-    engine = Engine.load(tiny_engine_dir)
-    num_blocks = max(1, (8 * HUGE_PAGE_BYTES) // engine.kv_cache_bytes_per_block())
-    kv_cache = engine.allocate_kv_cache(num_blocks)
-    assert not kv_cache.any()
-    if not collapse_supported():
-        pytest.skip("no transparent huge pages to check here (needs Linux 6.1+ with THP enabled)")
-    begin, end = kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.nbytes
+
+def huge_page_bytes_in(begin: int, end: int) -> int:
+    """AnonHugePages of this process's mappings that overlap ``[begin, end)``, in bytes."""
     huge_kib = 0
     current = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -106,7 +104,39 @@ def test_advice_before_first_touch_gives_huge_pages_on_fault(tiny_engine_dir):
             current = (lo, hi)
         elif fields[0] == "AnonHugePages:" and current and current[0] < end and current[1] > begin:
             huge_kib += int(fields[1])
-    assert huge_kib * 1024 >= 4 * HUGE_PAGE_BYTES, f"only {huge_kib} KiB of the pool's mappings are huge pages"
+    return huge_kib * 1024
+
+
+def test_zeroed_memory_keeps_what_is_written_while_it_is_faulted_in():
+    """The caller writes a pattern into every page right away, while the background thread is faulting the
+    pages in; once that thread is done the pattern is intact and the rest is still zeros."""
+    nbytes = 6 * HUGE_PAGE_BYTES + 12345
+    memory = zeroed_memory(nbytes)
+    assert memory.shape == (nbytes,) and memory.dtype == torch.uint8
+    pages = torch.arange(0, nbytes, 4096)
+    memory[pages] = 7
+    wait_for_populating_threads()
+    expected = torch.zeros(nbytes, dtype=torch.uint8)
+    expected[pages] = 7
+    assert torch.equal(memory, expected)
+    if sys.platform.startswith("linux"):
+        assert memory.data_ptr() % HUGE_PAGE_BYTES == 0
+
+
+def test_kv_cache_is_zeros_on_huge_pages(tiny_engine_dir):
+    """allocate_kv_cache's pool (zeroed_memory) is zeros, and where Linux has transparent huge pages its
+    memory is backed by them once the background thread has faulted it in."""
+    from kilnlm.runtime.engine import Engine
+
+    engine = Engine.load(tiny_engine_dir)
+    num_blocks = max(1, (8 * HUGE_PAGE_BYTES) // engine.kv_cache_bytes_per_block())
+    kv_cache = engine.allocate_kv_cache(num_blocks)
+    assert not kv_cache.any()
+    if not collapse_supported():
+        pytest.skip("no transparent huge pages to check here (needs Linux 6.1+ with THP enabled)")
+    wait_for_populating_threads()
+    huge = huge_page_bytes_in(kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.nbytes)
+    assert huge >= 7 * HUGE_PAGE_BYTES, f"only {huge // 1024} KiB of the pool's mappings are huge pages"
 
 
 # ------------------------------------------------------------------------------------- preload_malloc
