@@ -82,3 +82,51 @@ def test_an_unknown_target_is_refused_before_loading(tmp_path, monkeypatch):
     for load in (verify_engine, Engine.load):
         with pytest.raises(EngineError, match=r"build.target is 'tensorrt'.*no 'tensorrt' backend.*rebuild the engine for one of cpu"):
             load(tmp_path / "engine")
+
+
+def test_extract_package_matches_zipfile(tmp_path):
+    """extract_package copies stored members with sendfile from their bytes inside the zip (after a local
+    header whose extra field zip64 may fill) and leaves compressed or oddly named members to zipfile: the
+    files it writes are zipfile's, byte for byte."""
+    import zipfile
+
+    from kilnlm.runtime.backends.cpu import extract_package
+
+    package = tmp_path / "model.pt2"
+    members = {"model/data/aotinductor/model/wrapper.so": torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes(),
+               "model/archive_format": b"pt2", "model/.data/version": b"1\n", "model/empty": b""}
+    with zipfile.ZipFile(package, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+        archive.writestr("model/compressed.json", b'{"a": 1}' * 1000, compress_type=zipfile.ZIP_DEFLATED)
+        with archive.open("model/zip64.bin", "w", force_zip64=True) as member:  # a zip64 extra field
+            member.write(b"x" * 5000)
+        archive.mkdir("model/folder")
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    extract_package(package, ours)
+    with zipfile.ZipFile(package) as archive:
+        archive.extractall(theirs)
+    files = sorted(p.relative_to(theirs) for p in theirs.rglob("*"))
+    assert files == sorted(p.relative_to(ours) for p in ours.rglob("*"))
+    assert len(files) == 12  # 7 files, 5 folders
+    for rel in files:
+        assert (ours / rel).is_dir() == (theirs / rel).is_dir()
+        if (theirs / rel).is_file():
+            assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
+
+
+def test_extract_package_refuses_a_member_whose_local_header_is_missing(tmp_path):
+    """The zip's directory points at a member's local header; bytes that are not one are a corrupt zip."""
+    import zipfile
+
+    from kilnlm.runtime.backends.cpu import extract_package
+
+    package = tmp_path / "model.pt2"
+    with zipfile.ZipFile(package, "w") as archive:
+        archive.writestr("model/wrapper.so", b"w" * 100_000)
+    raw = bytearray(package.read_bytes())
+    assert raw[:4] == b"PK\x03\x04"
+    raw[:4] = b"XXXX"
+    package.write_bytes(bytes(raw))
+    with pytest.raises(zipfile.BadZipFile, match="no local header for 'model/wrapper.so'"):
+        extract_package(package, tmp_path / "out")
