@@ -21,6 +21,8 @@ from kilnlm.runtime.signing import FROM_ENVIRONMENT, TrustedKeys, check_signatur
 
 __all__ = ["Engine", "verify_engine"]
 
+TOKENIZER_DIR = "tokenizer"  # the engine directory's folder holding its tokenizer
+
 
 def verify_engine(engine_dir: str | os.PathLike, trusted_keys: TrustedKeys | str | None = FROM_ENVIRONMENT) -> Manifest:
     """Check ``engine_dir`` without loading it: with trusted keys (``trusted_keys``: by default
@@ -72,7 +74,7 @@ class Engine:
         self.backend = backend
         self.dtype = ACTIVATION_DTYPES[manifest.build.dtype]
         self.kv_cache_dtype = backend.kv_cache_dtype
-        self.tokenizer_dir = engine_dir / "tokenizer"
+        self.tokenizer_dir = engine_dir / TOKENIZER_DIR
 
     @classmethod
     def load(cls, engine_dir: str | os.PathLike, trusted_keys: TrustedKeys | str | None = FROM_ENVIRONMENT) -> "Engine":
@@ -83,13 +85,19 @@ class Engine:
         (:mod:`kilnlm.runtime.backends.tensor_parallel`). Raises :class:`EngineError` for a refused engine or
         one that fails to load."""
         root = Path(engine_dir)
-        manifest = verify_engine(root, trusted_keys)
-        backend_cls = engine_backend(manifest, root / MANIFEST_NAME)
+        return cls.load_verified(root, verify_engine(root, trusted_keys))
+
+    @classmethod
+    def load_verified(cls, engine_dir: Path, manifest: Manifest) -> "Engine":
+        """:meth:`load` without the checks: ``manifest`` is what :func:`verify_engine` has just returned for
+        ``engine_dir``, so that a caller can do other work between the two. Raises :class:`EngineError` for
+        an engine that fails to load."""
+        backend_cls = engine_backend(manifest, engine_dir / MANIFEST_NAME)
         if manifest.build.tp_size > 1:  # one process per rank
             from kilnlm.runtime.backends.tensor_parallel import TensorParallelBackend
 
-            return cls(root, manifest, TensorParallelBackend.load(root, manifest, backend_cls))
-        return cls(root, manifest, backend_cls.load(root, manifest))
+            return cls(engine_dir, manifest, TensorParallelBackend.load(engine_dir, manifest, backend_cls))
+        return cls(engine_dir, manifest, backend_cls.load(engine_dir, manifest))
 
     @property
     def broken(self) -> str | None:

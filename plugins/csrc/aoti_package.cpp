@@ -118,11 +118,14 @@ void set_tensor_parallel_group_name(const std::string& name);  // collectives.cp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<kiln_aoti::AotiPackage>(m, "AotiPackage")
-      .def(pybind11::init<std::string>(), pybind11::arg("package_path"))
+      // Loading and realigning release the GIL too: the executor parses the tokenizer meanwhile.
+      .def(pybind11::init<std::string>(), pybind11::arg("package_path"),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("run", &kiln_aoti::AotiPackage::run, pybind11::arg("inputs"),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("constants_span", &kiln_aoti::AotiPackage::constants_span)
-      .def("realign_constants", &kiln_aoti::AotiPackage::realign_constants);
+      .def("realign_constants", &kiln_aoti::AotiPackage::realign_constants,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("set_tensor_parallel_group_name", &kiln_collectives::set_tensor_parallel_group_name,
         pybind11::arg("group_name"),
         "The c10d group name (ProcessGroup.group_name) of the process's tensor-parallel group, which "
