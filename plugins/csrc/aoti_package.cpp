@@ -70,14 +70,29 @@ class AotiPackage {
     TORCH_CHECK(buffer != nullptr, "kilnlm: could not allocate ", size, " bytes for the engine's weights");
     constants_buffer_.reset(buffer);
     madvise(buffer, size, MADV_HUGEPAGE);  // a hint: without transparent huge pages the copy still aligns
+    // The copy in 2 MiB pieces over the process's threads: most of its time is the kernel faulting in the
+    // buffer's fresh huge pages, which runs in parallel (271 MB on the Zen 4 VM, alternating: one thread
+    // 0.49-0.96 s, two 0.36-0.44 s).
+    struct Piece {
+      const uint8_t* src;
+      uint8_t* dst;
+      size_t bytes;
+    };
+    std::vector<Piece> pieces;
     size_t offset = 0;
     for (const auto& [name, fqn] : fqns) {
       const at::Tensor& t = by_fqn.at(fqn);
       auto* dst = static_cast<uint8_t*>(buffer) + offset;
-      std::memcpy(dst, t.data_ptr(), t.nbytes());
+      const auto* src = static_cast<const uint8_t*>(t.data_ptr());
+      for (size_t done = 0; done < t.nbytes(); done += kHugePage) {
+        pieces.push_back({src + done, dst + done, std::min(kHugePage, t.nbytes() - done)});
+      }
       realigned_.emplace(name, at::from_blob(dst, t.sizes(), t.strides(), t.options()));
       offset += (t.nbytes() + kAlign - 1) / kAlign * kAlign;
     }
+    at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].bytes);
+    });
     runner->update_constant_buffer(realigned_, /*use_inactive=*/true, /*validate_full_updates=*/true,
                                    /*user_managed=*/true);
     runner->swap_constant_buffer();
