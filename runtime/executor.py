@@ -190,8 +190,8 @@ class Executor:
         self._num_preemptions = 0
         self._num_draft_tokens = 0
         self._num_accepted_draft_tokens = 0
-        # This thread's OpenMP workers (any parallel torch op it ran, e.g. a caller's, or a draft engine's
-        # pool) would slow every forward of the loop thread by 2x or more (kilnlm.runtime.openmp).
+        # This thread's OpenMP workers (an engine's load copies its weights on them, from_engine_dir's and a
+        # draft engine's alike) would slow every forward of the loop thread by 2x or more (kilnlm.runtime.openmp).
         release_calling_thread_workers()
         self._thread = threading.Thread(target=self._loop, name="kilnlm-executor", daemon=True)
         self._thread.start()
