@@ -76,12 +76,12 @@ def zeroed_memory(nbytes: int) -> torch.Tensor:
     """``nbytes`` zero bytes: a ``[nbytes]`` uint8 CPU tensor, returned at once. On Linux it is a private
     anonymous mapping of its own, starting on a 2 MiB boundary and advised ``MADV_HUGEPAGE`` before any
     page is touched. Linux zero-fills such pages when they are first touched, so nothing writes the zeros;
-    a daemon thread at ``SCHED_IDLE`` then faults every page in (``MADV_POPULATE_WRITE``, which never
-    changes a page's contents, so the caller may write the memory meanwhile). Faulting SmolLM2's 377 MB
-    pool in as huge pages takes 0.35-0.65 s on the development VM, which ``torch.zeros`` spent on the
-    engine's start-up path. Where the kernel lacks ``MADV_POPULATE_WRITE`` (before 5.14), pages fault in on
-    first touch. The mapping goes when the tensor and its views are freed. Elsewhere: ``torch.zeros``.
-    Raises OSError when the address space cannot be mapped."""
+    a daemon thread then faults every page in (``MADV_POPULATE_WRITE``, which never changes a page's
+    contents, so the caller may write the memory meanwhile). Faulting SmolLM2's 377 MB pool in as huge
+    pages takes 0.35-0.65 s on the development VM, which ``torch.zeros`` spent on the engine's start-up
+    path. Where the kernel lacks ``MADV_POPULATE_WRITE`` (before 5.14), pages fault in on first touch. The
+    mapping goes when the tensor and its views are freed. Elsewhere: ``torch.zeros``. Raises OSError when
+    the address space cannot be mapped."""
     import torch  # here: the serving launcher imports this module and must start without torch
 
     if not sys.platform.startswith("linux"):
@@ -97,13 +97,6 @@ def zeroed_memory(nbytes: int) -> torch.Tensor:
 
 
 def _populate(mapping: mmap.mmap, begin: int, nbytes: int) -> None:
-    # At SCHED_IDLE (this thread only): it takes a CPU only when nothing else wants it. At the normal
-    # priority it slowed a first forward that came while it ran, its two OpenMP threads on the VM's two
-    # vCPUs, from ~0.03 to 0.15-0.82 s; at SCHED_IDLE 0.03-0.35 s (12 runs on the Zen 4).
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
     # One huge page per call: the populate holds the process's mmap lock, and a thread that maps memory
     # meanwhile (a thread's stack, a large malloc) waits for it, and every page fault behind that one.
     madvise = _madvise()
