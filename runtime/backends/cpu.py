@@ -3,7 +3,6 @@ kilnlm's C++ kernels (:mod:`kilnlm.plugins.cpu`), with the paged KV pool in CPU 
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import shutil
@@ -174,7 +173,7 @@ class CpuBackend:
         (:func:`~kilnlm.runtime.memory.zeroed_memory`)."""
         m = self.model
         shape = kv_cache_shape(m.num_layers, num_blocks, self.manifest.build.tokens_per_block, m.num_kv_heads, m.head_dim)
-        return zeroed_memory(math.prod(shape) * self.kv_cache_dtype.itemsize).view(self.kv_cache_dtype).view(shape)
+        return zeroed_memory(num_blocks * self.kv_cache_bytes_per_block()).view(self.kv_cache_dtype).view(shape)
 
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """The package's forward over ``inputs.as_args(kv_cache)``; releases the GIL while it runs."""
