@@ -10,7 +10,10 @@ Reads from an engine's tokenizer directory:
 
 ``encode`` gives the ids transformers' ``AutoTokenizer`` gives; ``apply_chat_template`` renders the
 template the way transformers does (a sandboxed jinja2 environment with ``trim_blocks``/``lstrip_blocks``,
-the loop-controls extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps non-ASCII).
+the loop-controls extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps non-ASCII),
+compiled once per template: compiling SmolLM2's takes ~2 ms, rendering it ~0.07 ms. jinja2 is imported with
+the first compilation (:meth:`Tokenizer.prepare_chat_template`), not with this module: ~70 ms that a
+process's cold start would otherwise pay before its engine loads.
 """
 
 from __future__ import annotations
@@ -21,9 +24,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from kilnlm.runtime.errors import EngineError, RequestError
@@ -50,7 +50,7 @@ class Tokenizer:
         self.eos_token_id = self._token_id(self.special_tokens.get("eos_token"))
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.add_eos_token = bool(config.get("add_eos_token", False))
-        self._template_env: jinja2.Environment | None = None
+        self._compiled_template: tuple[str, Any] | None = None  # (source, its jinja2.Template)
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str | os.PathLike) -> "Tokenizer":
@@ -104,30 +104,55 @@ class Tokenizer:
 
         Raises :class:`RequestError` if the engine has no chat template or the template rejects the
         messages (its ``raise_exception``)."""
-        if not self.chat_template:
-            raise RequestError("this engine's tokenizer has no chat template: send a plain prompt instead of messages")
-        template = self._environment().from_string(self.chat_template)
+        from jinja2.exceptions import TemplateError
+
+        template = self._chat_template()
         try:
             return template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **template_vars
             )
-        except jinja2.exceptions.TemplateError as exc:
+        except TemplateError as exc:
             raise RequestError(f"the chat template rejected the messages: {exc}") from None
 
-    def _environment(self) -> jinja2.Environment:
-        if self._template_env is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template_env = env
-        return self._template_env
+    def prepare_chat_template(self) -> None:
+        """Compile the chat template now (importing jinja2), so that the first request does not: for a
+        thread that prepares the tokenizer while the engine loads. An engine without a template, or with
+        one that does not compile, is left for :meth:`apply_chat_template` to report."""
+        try:
+            self._chat_template()
+        except RequestError:
+            pass
+
+    def _chat_template(self) -> Any:
+        """``chat_template`` compiled as a ``jinja2.Template``, once per source (the attribute may be
+        replaced). Raises :class:`RequestError` if there is none or it does not compile."""
+        source = self.chat_template
+        if not source:
+            raise RequestError("this engine's tokenizer has no chat template: send a plain prompt instead of messages")
+        compiled = self._compiled_template
+        if compiled is not None and compiled[0] == source:
+            return compiled[1]
+        import jinja2.ext
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise RequestError(f"the engine's chat template does not compile: {exc}; rebuild the engine with a "
+                               "valid tokenizer_config.json") from None
+        self._compiled_template = (source, template)
+        return template
 
 
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:

@@ -65,6 +65,45 @@ def test_chat_template_raise_exception_becomes_request_error(rt_tokenizer_dir):
         tokenizer.apply_chat_template([])
 
 
+def test_chat_template_is_compiled_once_per_source(rt_tokenizer_dir, monkeypatch):
+    """Each request renders the compiled template; replacing the source compiles the new one."""
+    import jinja2
+
+    compiled = []
+    real_from_string = jinja2.Environment.from_string
+    monkeypatch.setattr(jinja2.Environment, "from_string",
+                        lambda env, source, *a, **k: compiled.append(source) or real_from_string(env, source, *a, **k))
+    tokenizer = Tokenizer.from_dir(rt_tokenizer_dir)
+    tokenizer.prepare_chat_template()
+    messages = [{"role": "user", "content": "hi"}]
+    first = tokenizer.apply_chat_template(messages)
+    assert tokenizer.apply_chat_template(messages) == first and "hi" in first
+    assert compiled == [tokenizer.chat_template]
+    tokenizer.chat_template = "{{ messages[0]['content'] }}!"
+    assert tokenizer.apply_chat_template(messages) == "hi!"
+    assert len(compiled) == 2
+
+
+def test_chat_template_that_does_not_compile_is_a_request_error(rt_tokenizer_dir):
+    tokenizer = Tokenizer.from_dir(rt_tokenizer_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}"  # no endfor
+    tokenizer.prepare_chat_template()  # left for the request to report
+    with pytest.raises(RequestError, match="does not compile"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    tokenizer.chat_template = None
+    with pytest.raises(RequestError, match="no chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_the_tokenizer_module_does_not_import_jinja2():
+    """jinja2 (~70 ms) comes with the first compiled template, not with the runtime's imports."""
+    import subprocess
+    import sys
+
+    code = "import sys, kilnlm.runtime.tokenizer; print('jinja2' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip() == "False"
+
+
 def test_missing_tokenizer_json_is_an_engine_error(tmp_path):
     with pytest.raises(EngineError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
