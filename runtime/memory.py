@@ -10,7 +10,8 @@ when asked: :func:`advise_huge_pages` marks a range ``MADV_HUGEPAGE`` (future fa
 ``MADV_COLLAPSE`` (Linux 6.1+: rebuild the already-populated pages as huge pages now). Both are hints: a
 kernel without them, THP disabled, or no free huge pages leaves the memory as it was, which is never an
 error. :func:`zeroed_memory` gives a large zero-filled buffer (the KV pool) at once: fresh pages, advised
-before their first touch and faulted in by a background thread, off the engine's start-up path.
+before their first touch and faulted in by a background thread, off the engine's start-up path. That thread
+stands aside while a forward runs (:func:`running_forward`), for at most :data:`POPULATE_MAX_DEFER_S` in all.
 
 :func:`preload_malloc` picks the C allocator of the processes that serve an engine (tritonserver and its
 Python backend stubs, the benchmark's engine processes): TCMalloc, else jemalloc, through ``LD_PRELOAD`` when
@@ -28,7 +29,9 @@ import os
 import sys
 import sysconfig
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +44,10 @@ MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 HUGE_PAGE_BYTES = 2 << 20
+# How long, in all, a pool's populating thread may wait for forwards to finish before it populates alongside
+# them: enough for a cold start's first forwards (SmolLM2: 0.01-0.1 s each), little against the seconds a
+# server under load takes to fill its pool.
+POPULATE_MAX_DEFER_S = 1.0
 
 _libc = None
 
@@ -77,7 +84,8 @@ def zeroed_memory(nbytes: int) -> torch.Tensor:
     anonymous mapping of its own, starting on a 2 MiB boundary and advised ``MADV_HUGEPAGE`` before any
     page is touched. Linux zero-fills such pages when they are first touched, so nothing writes the zeros;
     a daemon thread then faults every page in (``MADV_POPULATE_WRITE``, which never changes a page's
-    contents, so the caller may write the memory meanwhile). Faulting SmolLM2's 377 MB pool in as huge
+    contents, so the caller may write the memory meanwhile), standing aside while forwards run
+    (:func:`running_forward`). Faulting SmolLM2's 377 MB pool in as huge
     pages takes 0.35-0.65 s on the development VM, which ``torch.zeros`` spent on the engine's start-up
     path. Where the kernel lacks ``MADV_POPULATE_WRITE`` (before 5.14), pages fault in on first touch. The
     mapping goes when the tensor and its views are freed. Elsewhere: ``torch.zeros``. Raises OSError when
@@ -92,17 +100,66 @@ def zeroed_memory(nbytes: int) -> torch.Tensor:
     begin = memory.data_ptr()
     advise_huge_pages(begin, begin + nbytes, collapse=False)
     # The thread holds the mapping, so it stays mapped until the populate returns. ctypes releases the GIL.
+    # Counted before it starts, so that a forward right after this call already makes it wait.
+    with _GATE.condition:
+        _GATE.populating += 1
     threading.Thread(target=_populate, args=(mapping, begin, nbytes), name="kilnlm-populate", daemon=True).start()
     return memory
 
 
+class _ForwardGate:
+    """The forwards running in this process, for :func:`_populate` to wait on."""
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition()
+        self.running = 0  # forwards in progress
+        self.populating = 0  # live populating threads: without one, forwards skip the condition
+
+
+_GATE = _ForwardGate()
+
+
+@contextmanager
+def running_forward() -> Iterator[None]:
+    """Marks an engine forward in progress (:meth:`kilnlm.runtime.engine.Engine.forward` runs inside it).
+
+    A forward's parallel regions wait at each barrier for the slowest of its threads, so one core lost to
+    :func:`zeroed_memory`'s populating thread slows the whole forward: on a 2-vCPU Zen 4, a cold start's
+    first token took 0.1-0.9 s while the pool faulted in, against ~0.03 s alone. The populating thread waits
+    while any forward runs, up to :data:`POPULATE_MAX_DEFER_S` in all, so that the pool still fills under
+    a steady load. Costs nothing once no pool is being populated."""
+    if not _GATE.populating:
+        yield
+        return
+    with _GATE.condition:
+        _GATE.running += 1
+    try:
+        yield
+    finally:
+        with _GATE.condition:
+            _GATE.running -= 1
+            if not _GATE.running:
+                _GATE.condition.notify_all()
+
+
 def _populate(mapping: mmap.mmap, begin: int, nbytes: int) -> None:
+    # zeroed_memory counted this thread in _GATE.populating; it uncounts itself when done.
     # One huge page per call: the populate holds the process's mmap lock, and a thread that maps memory
     # meanwhile (a thread's stack, a large malloc) waits for it, and every page fault behind that one.
     madvise = _madvise()
-    for offset in range(0, nbytes, HUGE_PAGE_BYTES):
-        if madvise(begin + offset, min(HUGE_PAGE_BYTES, nbytes - offset), MADV_POPULATE_WRITE) != 0:
-            return  # before Linux 5.14, or no memory: the rest faults in on first touch
+    deferred = 0.0  # seconds spent waiting for forwards
+    try:
+        for offset in range(0, nbytes, HUGE_PAGE_BYTES):
+            if _GATE.running and deferred < POPULATE_MAX_DEFER_S:
+                start = time.monotonic()
+                with _GATE.condition:
+                    _GATE.condition.wait_for(lambda: not _GATE.running, timeout=POPULATE_MAX_DEFER_S - deferred)
+                deferred += time.monotonic() - start
+            if madvise(begin + offset, min(HUGE_PAGE_BYTES, nbytes - offset), MADV_POPULATE_WRITE) != 0:
+                return  # before Linux 5.14, or no memory: the rest faults in on first touch
+    finally:
+        with _GATE.condition:
+            _GATE.populating -= 1
 
 
 # LD_PRELOAD allocators, in the order "auto" tries them (PyTorch's CPU launcher's), each with the file names

@@ -1,6 +1,6 @@
 """kilnlm.runtime.memory: advise_huge_pages, a hint that never fails and never changes the memory's contents;
-zeroed_memory, zeros returned at once and faulted in behind the caller's back without losing its writes;
-preload_malloc, the LD_PRELOAD allocator of the serving processes."""
+zeroed_memory, zeros returned at once and faulted in behind the caller's back without losing its writes, out
+of the way of running forwards for a bounded time; preload_malloc, the LD_PRELOAD allocator of the serving processes."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kilnlm.runtime.errors import KilnError
-from kilnlm.runtime.memory import HUGE_PAGE_BYTES, advise_huge_pages, find_malloc_library, preload_malloc, zeroed_memory
+from kilnlm.runtime import memory as memory_module
+from kilnlm.runtime.memory import (HUGE_PAGE_BYTES, advise_huge_pages, find_malloc_library, preload_malloc, running_forward,
+                                   zeroed_memory)
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -26,6 +29,14 @@ def collapse_supported() -> bool:
         return False
     major, minor = (int(part) for part in platform.release().split(".")[:2])
     return (major, minor) >= (6, 1)
+
+
+def populate_supported() -> bool:
+    """Linux 5.14+ (MADV_POPULATE_WRITE)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    major, minor = (int(part) for part in platform.release().split(".")[:2])
+    return (major, minor) >= (5, 14)
 
 
 def test_range_without_an_aligned_huge_page_is_left_alone():
@@ -88,23 +99,61 @@ def test_engine_weights_are_moved_to_64_byte_boundaries(tiny_engine_dir):
 
 
 def wait_for_populating_threads() -> None:
-    for thread in threading.enumerate():
-        if thread.name == "kilnlm-populate":
-            thread.join()
+    for thread in populating_threads():
+        thread.join()
 
 
-def huge_page_bytes_in(begin: int, end: int) -> int:
-    """AnonHugePages of this process's mappings that overlap ``[begin, end)``, in bytes."""
-    huge_kib = 0
+def smaps_bytes_in(begin: int, end: int, field: str) -> int:
+    """``field`` (``Rss:``, ``AnonHugePages:``) of this process's mappings that overlap ``[begin, end)``, in bytes."""
+    kib = 0
     current = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if "-" in fields[0] and not fields[0].endswith(":"):
             lo, hi = (int(a, 16) for a in fields[0].split("-"))
             current = (lo, hi)
-        elif fields[0] == "AnonHugePages:" and current and current[0] < end and current[1] > begin:
-            huge_kib += int(fields[1])
-    return huge_kib * 1024
+        elif fields[0] == field and current and current[0] < end and current[1] > begin:
+            kib += int(fields[1])
+    return kib * 1024
+
+
+def huge_page_bytes_in(begin: int, end: int) -> int:
+    return smaps_bytes_in(begin, end, "AnonHugePages:")
+
+
+def populating_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "kilnlm-populate"]
+
+
+@pytest.mark.skipif(not populate_supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE) to fault memory in ahead")
+def test_population_waits_while_a_forward_runs():
+    """No page is faulted in while a forward runs (but the one in flight when it began), and the rest is once
+    it ends."""
+    nbytes = 32 * HUGE_PAGE_BYTES
+    memory = zeroed_memory(nbytes)
+    begin, end = memory.data_ptr(), memory.data_ptr() + nbytes
+    with running_forward():
+        at_start = smaps_bytes_in(begin, end, "Rss:")
+        time.sleep(0.3)
+        held = smaps_bytes_in(begin, end, "Rss:")
+    wait_for_populating_threads()
+    assert held - at_start <= HUGE_PAGE_BYTES, f"{(held - at_start) >> 20} MiB faulted in during the forward"
+    assert smaps_bytes_in(begin, end, "Rss:") >= nbytes
+    assert memory_module._GATE.running == 0 and memory_module._GATE.populating == 0
+
+
+@pytest.mark.skipif(not populate_supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE) to fault memory in ahead")
+def test_population_waits_for_forwards_only_so_long(monkeypatch):
+    """Under a forward that never ends the pool still fills, once the waits reach POPULATE_MAX_DEFER_S."""
+    monkeypatch.setattr(memory_module, "POPULATE_MAX_DEFER_S", 0.2)
+    nbytes = 8 * HUGE_PAGE_BYTES
+    memory = zeroed_memory(nbytes)
+    with running_forward():
+        deadline = time.monotonic() + 30
+        while populating_threads() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not populating_threads(), "the populating thread still waits after its budget"
+        assert smaps_bytes_in(memory.data_ptr(), memory.data_ptr() + nbytes, "Rss:") >= nbytes
 
 
 def test_zeroed_memory_keeps_what_is_written_while_it_is_faulted_in():
