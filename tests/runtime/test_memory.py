@@ -143,6 +143,26 @@ def test_population_waits_while_a_forward_runs():
 
 
 @pytest.mark.skipif(not populate_supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE) to fault memory in ahead")
+def test_population_waits_while_forwards_run_back_to_back():
+    """Steps a millisecond apart, as an executor's are, keep it waiting as one long forward does."""
+    nbytes = 32 * HUGE_PAGE_BYTES
+    memory = zeroed_memory(nbytes)
+    begin, end = memory.data_ptr(), memory.data_ptr() + nbytes
+    with running_forward():
+        at_start = smaps_bytes_in(begin, end, "Rss:")
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        with running_forward():
+            time.sleep(0.01)
+        time.sleep(0.001)
+    with running_forward():
+        held = smaps_bytes_in(begin, end, "Rss:")
+    wait_for_populating_threads()
+    assert held - at_start <= HUGE_PAGE_BYTES, f"{(held - at_start) >> 20} MiB faulted in between the forwards"
+    assert smaps_bytes_in(begin, end, "Rss:") >= nbytes
+
+
+@pytest.mark.skipif(not populate_supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE) to fault memory in ahead")
 def test_population_waits_for_forwards_only_so_long(monkeypatch):
     """Under a forward that never ends the pool still fills, once the waits reach POPULATE_MAX_DEFER_S."""
     monkeypatch.setattr(memory_module, "POPULATE_MAX_DEFER_S", 0.2)
