@@ -17,7 +17,6 @@ from kilnlm.runtime.abi import ACTIVATION_DTYPES, KV_CACHE_DTYPES, EngineInputs
 from kilnlm.runtime.backends import EngineBackend, engine_backend
 from kilnlm.runtime.errors import EngineError
 from kilnlm.runtime.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, parse_manifest, read_manifest_bytes, verify_files
-from kilnlm.runtime.memory import running_forward
 from kilnlm.runtime.signing import FROM_ENVIRONMENT, TrustedKeys, check_signature, read_signature, trusted_keys_of
 
 __all__ = ["Engine", "verify_engine"]
@@ -145,5 +144,4 @@ class Engine:
         if kv_cache.dtype != self.kv_cache_dtype:
             raise EngineError(f"kv_cache is {kv_cache.dtype} but the engine expects {self.kv_cache_dtype}: "
                               "use Engine.allocate_kv_cache")
-        with running_forward():  # a KV pool still faulting in waits (kilnlm.runtime.memory)
-            return self.backend.forward(inputs, kv_cache)
+        return self.backend.forward(inputs, kv_cache)

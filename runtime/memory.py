@@ -127,7 +127,8 @@ _GATE = _ForwardGate()
 
 @contextmanager
 def running_forward() -> Iterator[None]:
-    """Marks an engine forward in progress (:meth:`kilnlm.runtime.engine.Engine.forward` runs inside it).
+    """Marks an engine forward in progress (``CpuBackend.forward``, :mod:`kilnlm.runtime.backends.cpu`, runs
+    inside it, on every tensor-parallel rank).
 
     A forward's parallel regions wait at each barrier for the slowest of its threads, so one core lost to
     :func:`zeroed_memory`'s populating thread slows the whole forward: on a 2-vCPU Zen 4, a cold start's

@@ -16,7 +16,7 @@ import torch
 from kilnlm.runtime.abi import KV_CACHE_DTYPES, EngineInputs, kv_cache_bytes_per_block, kv_cache_shape
 from kilnlm.runtime.errors import EngineError
 from kilnlm.runtime.manifest import MANIFEST_NAME, Manifest, rank_model_config
-from kilnlm.runtime.memory import advise_huge_pages, zeroed_memory
+from kilnlm.runtime.memory import advise_huge_pages, running_forward, zeroed_memory
 
 
 def machine_cpu_isas() -> set[str]:
@@ -176,6 +176,9 @@ class CpuBackend:
         return zeroed_memory(num_blocks * self.kv_cache_bytes_per_block()).view(self.kv_cache_dtype).view(shape)
 
     def forward(self, inputs: EngineInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The package's forward over ``inputs.as_args(kv_cache)``; releases the GIL while it runs."""
-        (logits,) = self.package.run(list(inputs.as_args(kv_cache)))
+        """The package's forward over ``inputs.as_args(kv_cache)``; releases the GIL while it runs. A KV pool
+        still faulting in (:func:`~kilnlm.runtime.memory.zeroed_memory`) waits meanwhile, on every
+        tensor-parallel rank alike (:func:`~kilnlm.runtime.memory.running_forward`)."""
+        with running_forward():
+            (logits,) = self.package.run(list(inputs.as_args(kv_cache)))
         return logits
