@@ -23,20 +23,21 @@ from kilnlm.runtime.memory import (HUGE_PAGE_BYTES, advise_huge_pages, find_mall
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def linux_at_least(major: int, minor: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    release = tuple(int(part) for part in platform.release().split(".")[:2])
+    return release >= (major, minor)
+
+
 def collapse_supported() -> bool:
     """Linux 6.1+ (MADV_COLLAPSE) with transparent huge pages not disabled."""
-    if not sys.platform.startswith("linux") or not THP_ENABLED.exists() or "[never]" in THP_ENABLED.read_text():
-        return False
-    major, minor = (int(part) for part in platform.release().split(".")[:2])
-    return (major, minor) >= (6, 1)
+    return linux_at_least(6, 1) and THP_ENABLED.exists() and "[never]" not in THP_ENABLED.read_text()
 
 
 def populate_supported() -> bool:
     """Linux 5.14+ (MADV_POPULATE_WRITE)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    major, minor = (int(part) for part in platform.release().split(".")[:2])
-    return (major, minor) >= (5, 14)
+    return linux_at_least(5, 14)
 
 
 def test_range_without_an_aligned_huge_page_is_left_alone():
