@@ -57,10 +57,12 @@ from kilnlm.runtime.signing import FROM_ENVIRONMENT
 logger = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("ngram", "draft")
-# The fields each method takes, beside ``method`` (integers >= 1 unless listed in _STRING_FIELDS).
+# The fields each method takes, beside ``method`` (integers >= 1 unless listed in _STRING_FIELDS or
+# _PROBABILITY_FIELDS).
 _METHOD_FIELDS = {"ngram": ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"),
-                  "draft": ("num_speculative_tokens", "model", "disable_by_batch_size")}
+                  "draft": ("num_speculative_tokens", "model", "disable_by_batch_size", "draft_p_min")}
 _STRING_FIELDS = ("model",)
+_PROBABILITY_FIELDS = ("draft_p_min",)  # numbers in (0, 1]
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ class SpeculativeConfig:
     ``num_speculative_tokens`` (draft tokens per step, k >= 1), ``prompt_lookup_max`` / ``prompt_lookup_min``
     (the n-gram sizes the ``ngram`` method matches, 1 <= min <= max), ``model`` (the ``draft`` method's
     engine directory), ``disable_by_batch_size`` (no drafts in a step while more requests than this run;
-    None: no limit)."""
+    None: no limit), ``draft_p_min`` (the ``draft`` method stops drafting for a sequence after a token its
+    model gave a probability below this, llama.cpp's ``--draft-p-min``; the token is still proposed, its
+    forward being spent; None: always ``num_speculative_tokens``)."""
 
     method: str
     num_speculative_tokens: int
@@ -77,6 +81,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None
     disable_by_batch_size: int | None = None
+    draft_p_min: float | None = None
 
 
 def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | None:
@@ -110,6 +115,10 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
             if name in _STRING_FIELDS:
                 if not isinstance(value, str) or not value:
                     raise KilnError(f"speculative_config {name} is {value!r}: it must be a non-empty string")
+            elif name in _PROBABILITY_FIELDS:
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+                    raise KilnError(f"speculative_config {name} is {value!r}: it must be a probability in (0, 1]")
+                value = float(value)
             elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise KilnError(f"speculative_config {name} is {value!r}: it must be an integer >= 1")
             values[name] = value
@@ -196,7 +205,8 @@ class _DraftSequence:
 class DraftModelProposer(Proposer):
     """Draft tokens from a second engine (see the module docstring), greedy, for all of a step's requests
     at once: their catch-up tokens packed into as few forwards as the draft's ``max_num_tokens`` and
-    ``max_batch_size`` allow, then one forward per draft position over every request still drafting.
+    ``max_batch_size`` allow, then one forward per draft position over every request still drafting (with
+    ``draft_p_min``: until it drafts a token its model gave a probability below that).
 
     ``engine``: a loaded :class:`kilnlm.runtime.engine.Engine` (or anything with its ``manifest``,
     ``forward``, ``allocate_kv_cache``), its vocabulary ``vocab_size`` (the target's). Its KV pool holds
@@ -243,17 +253,23 @@ class DraftModelProposer(Proposer):
             # catch-up: each sequence's tokens in pieces of at most max_num_tokens, piece j in round j
             pending = {index: (seq, [new[i : i + self.max_num_tokens] for i in range(0, len(new), self.max_num_tokens)])
                        for index, seq, _, new in work}
+            p_min = self.config.draft_p_min or 0.0
+            unsure = set()  # the sequences that drafted a token below draft_p_min: they draft no further
             while pending:
                 parts = [(index, seq, pieces.pop(0)) for index, (seq, pieces) in pending.items()]
-                for index, token in self._forward_all(parts):
+                for index, token, p in self._forward_all(parts):
                     if not pending[index][1]:  # the last piece: its logits give the first draft
                         drafts[index].append(token)
+                        if p < p_min:
+                            unsure.add(index)
                 pending = {index: entry for index, entry in pending.items() if entry[1]}
             # one token per sequence per forward for the remaining draft positions
             active = [(index, seq, k) for index, seq, k, _ in work]
-            while active := [(index, seq, k) for index, seq, k in active if len(drafts[index]) < k]:
-                for index, token in self._forward_all([(index, seq, drafts[index][-1:]) for index, seq, _ in active]):
+            while active := [(index, seq, k) for index, seq, k in active if len(drafts[index]) < k and index not in unsure]:
+                for index, token, p in self._forward_all([(index, seq, drafts[index][-1:]) for index, seq, _ in active]):
                     drafts[index].append(token)
+                    if p < p_min:
+                        unsure.add(index)
         except Exception:  # the draft engine's failure costs this step's drafts, never a request
             logger.exception("the draft model's forward failed: %d requests go on without drafts this step", len(work))
             for index, _, _, _ in work:
@@ -274,16 +290,18 @@ class DraftModelProposer(Proposer):
         seq.blocks.extend(self.free_blocks.pop() for _ in range(max(needed, 0)))
         return True
 
-    def _forward_all(self, parts: list[tuple[int, _DraftSequence, list[int]]]) -> list[tuple[int, int]]:
+    def _forward_all(self, parts: list[tuple[int, _DraftSequence, list[int]]]) -> list[tuple[int, int, float]]:
         """``(index, sequence, new_ids)`` parts, each sequence at most once, through the draft engine in
         forwards of at most ``max_num_tokens`` tokens and ``max_batch_size`` sequences (every part fits
-        one); returns ``(index, argmax after the part's last token)`` per part."""
+        one); returns ``(index, argmax after the part's last token, its probability)`` per part."""
         out, group, group_tokens = [], [], 0
         for part in [*parts, None]:
             if part is None or len(group) == self.max_batch_size or group_tokens + len(part[2]) > self.max_num_tokens:
                 if group:
                     logits = self._forward([(seq, new) for _, seq, new in group])
-                    out += [(index, int(row.argmax())) for (index, _, _), row in zip(group, logits)]
+                    top = logits.max(dim=-1)
+                    probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1))
+                    out += [(index, int(t), float(p)) for (index, _, _), t, p in zip(group, top.indices, probs)]
                 group, group_tokens = [], 0
             if part is not None:
                 group.append(part)

@@ -30,6 +30,9 @@ def test_the_config_takes_vllms_json():
         SpeculativeConfig("ngram", 2, disable_by_batch_size=8)
     assert parse_speculative_config('{"method": "draft", "model": "engines/int4", "num_speculative_tokens": 3}') == \
         SpeculativeConfig("draft", 3, model="engines/int4")
+    assert parse_speculative_config({"method": "draft", "model": "d", "num_speculative_tokens": 3, "draft_p_min": 0.75}) == \
+        SpeculativeConfig("draft", 3, model="d", draft_p_min=0.75)
+    assert parse_speculative_config({"method": "draft", "model": "d", "num_speculative_tokens": 3, "draft_p_min": 1}).draft_p_min == 1.0
 
 
 @pytest.mark.parametrize("text, message", [
@@ -44,6 +47,11 @@ def test_the_config_takes_vllms_json():
     ('{"method": "draft", "num_speculative_tokens": 2}', "needs model"),
     ('{"method": "draft", "num_speculative_tokens": 2, "model": 3}', "model is 3"),
     ('{"method": "draft", "num_speculative_tokens": 2, "model": "x", "prompt_lookup_max": 2}', "unknown fields"),
+    ('{"method": "draft", "num_speculative_tokens": 2, "model": "x", "draft_p_min": 0}', "draft_p_min is 0: it must be a probability"),
+    ('{"method": "draft", "num_speculative_tokens": 2, "model": "x", "draft_p_min": 1.5}', "draft_p_min is 1.5"),
+    ('{"method": "draft", "num_speculative_tokens": 2, "model": "x", "draft_p_min": "0.5"}', "draft_p_min is '0.5'"),
+    ('{"method": "draft", "num_speculative_tokens": 2, "model": "x", "draft_p_min": true}', "draft_p_min is True"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_p_min": 0.5}', "unknown fields \\['draft_p_min'\\]"),
 ])
 def test_a_bad_config_is_refused_naming_the_field(text, message):
     with pytest.raises(KilnError, match=message):
@@ -214,6 +222,36 @@ def test_the_draft_pool_keeps_only_what_the_request_still_has(make_eager_engine,
     assert not proposer.sequences and sorted(proposer.free_blocks) == list(range(2 * 24))
     # the pool holds no more sequences than the target runs at once
     assert len(DraftModelProposer(config, engine, vocab_size, max_batch_size=1).free_blocks) == 24
+
+
+def test_draft_p_min_stops_drafting_after_a_token_below_it(make_eager_engine, tokenizer):
+    """draft_p_min (llama.cpp's --draft-p-min): a sequence drafts no further after a token its draft model
+    gave a probability below it, and that token is still proposed; at every threshold between the drafted
+    tokens' probabilities the drafts are the full proposal's first tokens up to the first one below it. In
+    flight, greedy outputs stay the non-speculative ones."""
+    from types import SimpleNamespace
+
+    engine = make_eager_engine(max_batch_size=2, max_num_tokens=8, max_seq_len=96, tokens_per_block=4)
+    vocab_size = engine.manifest.model.vocab_size
+
+    def proposer(p_min):
+        return DraftModelProposer(SpeculativeConfig("draft", 4, model="(in memory)", draft_p_min=p_min), engine, vocab_size)
+
+    request = SimpleNamespace(request_id="a", token_ids=tokenizer.encode("The capital of France is Paris, and the"))
+    unlimited, probabilities = proposer(None), []
+    forward_all = unlimited._forward_all
+    unlimited._forward_all = lambda parts: [probabilities.append(out[2]) or out for out in forward_all(parts)]
+    full = unlimited.propose(request, 4)
+    probabilities = probabilities[-4:]  # the drafts' (the prompt's catch-up takes more than one forward)
+    assert len(full) == 4 and all(0 < p < 1 for p in probabilities)
+    for p_min in sorted(set(probabilities)) + [max(probabilities) * 1.01, 1.0]:
+        below = [i for i, p in enumerate(probabilities) if p < p_min]
+        assert proposer(p_min).propose(request, 4) == full[:below[0] + 1 if below else 4], p_min
+    requests = [r for r in mixed_requests(tokenizer) if r[1].greedy]
+    expected, _ = run_with_proposer(engine, tokenizer, requests)
+    median = sorted(probabilities)[len(probabilities) // 2]
+    actual, stats = run_with_proposer(engine, tokenizer, requests, proposer(median))
+    assert actual == expected and stats.total_draft_tokens > 0
 
 
 def test_a_failing_draft_model_costs_drafts_not_requests(make_eager_engine, tokenizer):
