@@ -293,15 +293,17 @@ class DraftModelProposer(Proposer):
     def _forward_all(self, parts: list[tuple[int, _DraftSequence, list[int]]]) -> list[tuple[int, int, float]]:
         """``(index, sequence, new_ids)`` parts, each sequence at most once, through the draft engine in
         forwards of at most ``max_num_tokens`` tokens and ``max_batch_size`` sequences (every part fits
-        one); returns ``(index, argmax after the part's last token, its probability)`` per part."""
+        one); returns ``(index, argmax after the part's last token, its probability)`` per part, the
+        probability computed only with ``draft_p_min`` (else 1.0)."""
         out, group, group_tokens = [], [], 0
         for part in [*parts, None]:
             if part is None or len(group) == self.max_batch_size or group_tokens + len(part[2]) > self.max_num_tokens:
                 if group:
                     logits = self._forward([(seq, new) for _, seq, new in group])
-                    top = logits.max(dim=-1)
-                    probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1))
-                    out += [(index, int(t), float(p)) for (index, _, _), t, p in zip(group, top.indices, probs)]
+                    tokens = logits.argmax(dim=-1).tolist()
+                    probs = ([1.0] * len(group) if self.config.draft_p_min is None else
+                             torch.exp(logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1)).tolist())
+                    out += [(index, token, p) for (index, _, _), token, p in zip(group, tokens, probs)]
                 group, group_tokens = [], 0
             if part is not None:
                 group.append(part)

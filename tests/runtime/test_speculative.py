@@ -238,10 +238,12 @@ def test_draft_p_min_stops_drafting_after_a_token_below_it(make_eager_engine, to
         return DraftModelProposer(SpeculativeConfig("draft", 4, model="(in memory)", draft_p_min=p_min), engine, vocab_size)
 
     request = SimpleNamespace(request_id="a", token_ids=tokenizer.encode("The capital of France is Paris, and the"))
-    unlimited, probabilities = proposer(None), []
+    # a threshold below every probability drafts as none does, and has the probabilities computed
+    unlimited, probabilities = proposer(1e-30), []
     forward_all = unlimited._forward_all
     unlimited._forward_all = lambda parts: [probabilities.append(out[2]) or out for out in forward_all(parts)]
     full = unlimited.propose(request, 4)
+    assert full == proposer(None).propose(request, 4)
     probabilities = probabilities[-4:]  # the drafts' (the prompt's catch-up takes more than one forward)
     assert len(full) == 4 and all(0 < p < 1 for p in probabilities)
     for p_min in sorted(set(probabilities)) + [max(probabilities) * 1.01, 1.0]:
