@@ -38,7 +38,10 @@
 // L1, the AVX-512 GEMVs' prefetch distance (up to 32 rows of 1,536 bf16 ahead, 96 KB) evicts the lines
 // they are about to read; on an AMD EPYC (Zen 4, 32 KB L1D) prefetcht1 took batch-1 decode from 13.0-14.7
 // to 10.9-11.0 ms a step (bf16), 11.4-11.6 to 7.1-7.5 (fp8), 9.3-9.7 to 7.3-7.4 (int8_sq); int4_awq and
-// the AVX2 path (KILNLM_CPU_ISA=avx2) showed no difference beyond noise. Evaluated where KILN_ISA is set.
+// the AVX2 path (KILNLM_CPU_ISA=avx2) showed no difference beyond noise. prefetchnta in every copy, so
+// that the streamed weights would not evict the step's other data from the caches, was slower on the same
+// machine (alternating builds, batch-1 step: bf16 10.4-12.1 -> 12.2-15.1 ms, fp8 6.4-8.4 -> 9.5-10.6,
+// int8_sq 7.3-9.7 -> 9.5-12.6; int4_awq + LM head 4.1-4.5 against 3.6-4.6). Evaluated where KILN_ISA is set.
 #ifndef KILN_WEIGHT_PREFETCH
 #define KILN_WEIGHT_PREFETCH static_cast<_mm_hint>(KILN_ISA == KILN_ISA_AVX2 ? _MM_HINT_T0 : _MM_HINT_T1)
 #endif
