@@ -84,6 +84,7 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
     log.info("loaded %s (%s, %d layers) in %.1f s", opts.checkpoint, model_cfg.architecture, model_cfg.num_layers,
              time.perf_counter() - t_start)
 
+    ck = smooth_checkpoint_for(opts, ck)  # before the network: the KV-cache calibration reads the same weights
     network = build_network(opts, ck, model_cfg)
     build_cfg = dataclasses.replace(opts.manifest_build_config(), exclude_modules=list(network.float_linears))
     if opts.quantizes_kv_cache:
@@ -135,6 +136,24 @@ def compile_ranks(target, network: LlamaNetwork, model_cfg: ModelConfig, build_c
     return files
 
 
+def smooth_checkpoint_for(opts: ResolvedBuildOptions, ck: Checkpoint) -> Checkpoint:
+    """``ck`` with the format's SmoothQuant smoothing folded into its weights (:mod:`kilnlm.builder.smoothing`,
+    measured on the calibration text), or ``ck`` itself for a format without it or a checkpoint smoothed
+    already. Everything after it -- the mixed-precision search, the FP8 calibration, the network, the
+    KV-cache calibration -- reads the smoothed weights."""
+    if opts.format.smoothing_alpha is None or ck.smoothing_alpha is not None:
+        return ck
+    from kilnlm.builder.calibration import calibration_batches
+    from kilnlm.builder.smoothing import activation_amax, smooth_checkpoint
+
+    t0 = time.perf_counter()
+    smoothed = smooth_checkpoint(ck, activation_amax(ck, calibration_batches(ck.tokenizer, opts.calibration)),
+                                 opts.smoothquant_alpha)
+    log.info("SmoothQuant smoothing (alpha %g) folded into the weights in %.1f s", opts.smoothquant_alpha,
+             time.perf_counter() - t0)
+    return smoothed
+
+
 def _float_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:
     return LlamaNetwork(model_cfg, ck.state_dict, opts.torch_dtype)
 
@@ -177,10 +196,12 @@ _NETWORK_BUILDERS = {Quantization.NONE: _float_network, Quantization.FP8_CALIBRA
 
 
 def build_network(opts: ResolvedBuildOptions, ck: Checkpoint, model_cfg: ModelConfig) -> LlamaNetwork:
-    """The eager network for ``opts.format``: quantization (ModelOpt, when the format has one) included,
-    activations in ``opts.dtype``. Raises :class:`BuildError` for invalid quantization options or
+    """The eager network for ``opts.format``: smoothing (:func:`smooth_checkpoint_for`, unless ``ck`` is
+    smoothed already) and quantization (ModelOpt, when the format has one) included, activations in
+    ``opts.dtype``. Raises :class:`BuildError` for invalid quantization options or
     calibration data."""
     t0 = time.perf_counter()
+    ck = smooth_checkpoint_for(opts, ck)
     network = _NETWORK_BUILDERS[opts.format.quantization](opts, ck, model_cfg)
     if opts.format.quantization is not Quantization.NONE:
         log.info("%s quantization took %.1f s", opts.qformat, time.perf_counter() - t0)

@@ -46,10 +46,23 @@ class Checkpoint:
     generation_config: Any | None
     digest: str  # "sha256:<hex>"
     source: Path
+    smoothing_alpha: float | None = None  # SmoothQuant smoothing folded into state_dict (builder/smoothing.py)
 
     @property
     def architecture(self) -> str:
         return self.config.architectures[0]
+
+
+def float_model(ck: Checkpoint):
+    """A float32 transformers model (eval mode) holding ``ck``'s weights, tied embeddings tied: what ModelOpt
+    calibrates and the builder measures activations on."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(ck.config, dtype=torch.float32)
+    model.load_state_dict(ck.state_dict, strict=False)
+    if getattr(ck.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -66,7 +66,7 @@ class BuildOptions:
     quantize_lm_head: bool = False  # quantized formats: the LM head through the same format
     per_token: bool | None = None  # SmoothQuant: dynamic per-token activation scales, else one calibrated per tensor (None: the format's)
     use_fp8_rowwise: bool = False  # TensorRT-LLM's spelling of fp8_rowwise: --qformat fp8 --use-fp8-rowwise
-    smoothquant_alpha: float | None = None  # SmoothQuant's alpha (None: searched; 0.5 with per_token)
+    smoothquant_alpha: float | None = None  # SmoothQuant's alpha (None: int8_sq searched, 0.5 with per_token; fp8's own)
     auto_quantize_bits: float | None = None  # FP8 formats: mean bits per decoder linear weight (None: the format's)
     export_checkpoint: Path | None = None  # ModelOpt formats: also write ModelOpt's unified HF checkpoint here
     sign_key: Path | None = None  # an Ed25519 private key: sign the engine's manifest (kilnlm.runtime.signing)
@@ -87,7 +87,8 @@ class ResolvedBuildOptions:
     where it divides every linear of the model, else the largest of 64 / 32 / 16 that does (decided when the
     checkpoint is read, :func:`kilnlm.builder.quantize_int.default_group_size`). ``zero_point``: the
     format's default where it offers zero points, else None. ``calib_data``: None = the default texts.
-    ``smoothquant_alpha``: None = searched (per-tensor SmoothQuant only). ``auto_quantize_bits``: the
+    ``smoothquant_alpha``: None = searched (per-tensor SmoothQuant only); a format that smooths before its FP8
+    calibration resolves it to its ``smoothing_alpha``. ``auto_quantize_bits``: the
     mixed-precision search's budget where the format offers it, else None; ``weight_bits`` means no search
     (:attr:`searches_precision`). ``use_fp8_rowwise``: whether the
     format is an FP8 rowwise one (``qformat`` already names it: both spellings resolve alike). ``compile``:
@@ -206,9 +207,12 @@ def check_quant_options(options: BuildOptions, fmt: QuantFormat) -> None:
     if options.zero_point is not None and fmt.zero_point is None:
         raise BuildError(f"--zero-point / --no-zero-point apply to the int4 formats "
                          f"({', '.join(format_names(lambda f: f.zero_point is not None))}), not --qformat {q}: drop it")
-    if (options.per_token is not None or options.smoothquant_alpha is not None) and not fmt.smoothquant:
-        raise BuildError(f"--per-token / --smoothquant-alpha apply to --qformat "
-                         f"{' / '.join(format_names(lambda f: f.smoothquant))}, not {q}: drop them")
+    if options.per_token is not None and not fmt.smoothquant:
+        raise BuildError(f"--per-token applies to --qformat {' / '.join(format_names(lambda f: f.smoothquant))}, "
+                         f"not {q}: drop it")
+    if options.smoothquant_alpha is not None and not fmt.smooths:
+        raise BuildError(f"--smoothquant-alpha applies to --qformat {' / '.join(format_names(lambda f: f.smooths))}, "
+                         f"not {q}: drop it")
     if options.smoothquant_alpha is not None and not 0.0 <= options.smoothquant_alpha <= 1.0:
         raise BuildError(f"--smoothquant-alpha {options.smoothquant_alpha}: it must be within [0, 1] "
                          f"({PER_TOKEN_SMOOTHQUANT_ALPHA} is SmoothQuant's usual choice with --per-token)")
@@ -259,6 +263,8 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
     alpha = options.smoothquant_alpha
     if per_token and alpha is None:
         alpha = PER_TOKEN_SMOOTHQUANT_ALPHA
+    if alpha is None:
+        alpha = fmt.smoothing_alpha
     return ResolvedBuildOptions(
         checkpoint=Path(options.checkpoint), output=Path(options.output), qformat=fmt.name, dtype=dtype,
         target=target.name, max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,

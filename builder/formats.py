@@ -44,9 +44,15 @@ PER_TOKEN_SMOOTHQUANT_ALPHA = 0.5
 # --auto-quantize-bits default of fp8_rowwise: at most 1/16 of the decoder's linear weights stay 16-bit, the
 # ones ModelOpt's auto_quantize scores most sensitive on the calibration text (+6% weight bytes at most).
 # Fixed before it was measured on any held-out text (docs/quantization.md has what it buys). Per-tensor fp8
-# offers the search but does not run it by default (8 bits): with it, fp8 still misses +3% on three held-out
-# texts, and its engine answers the end-to-end checks' question in French (docs/quantization.md).
+# offers the search but does not run it by default (8 bits); its smoothing (FP8_SMOOTHING_ALPHA) is what keeps it
+# within its bound.
 FP8_AUTO_QUANTIZE_BITS = 8.5
+# fp8's SmoothQuant migration strength (builder/smoothing.py): of 0.1, 0.2, 0.3, 0.4, 0.5 and 0.7, the one whose
+# ModelOpt FP8 simulation of SmolLM2 lost the least next-token loss on validation windows of the default
+# calibration text (0.029 nats per token over fp32 against 0.035-0.041 for the others and 0.032 unsmoothed).
+# Smoothing moves the massive activations' range into the weights, so that one static activation scale no
+# longer flushes a text's ordinary activations towards E4M3's subnormals (docs/quantization.md).
+FP8_SMOOTHING_ALPHA = 0.3
 
 
 class Quantization(enum.Enum):
@@ -86,6 +92,9 @@ class QuantFormat:
     one); ``smoothquant``: SmoothQuant's options
     (``--per-token``, ``--smoothquant-alpha``) apply and its smoothing folds into the norms; ``per_token``:
     the ``--per-token / --no-per-token`` default of a SmoothQuant format.
+    ``smoothing_alpha``: the migration strength of the SmoothQuant smoothing a format with static per-tensor
+    activation scales folds into the float weights before it calibrates (:mod:`kilnlm.builder.smoothing`;
+    ``--smoothquant-alpha`` overrides it; None: no such smoothing).
     ``fp8_rowwise_of``: TensorRT-LLM's other spelling of this format, ``--qformat <fp8_rowwise_of>
     --use-fp8-rowwise`` (resolved to this entry, :func:`kilnlm.builder.config.resolve`).
     ``auto_quantize_bits``: the ``--auto-quantize-bits`` default of a format that offers the mixed-precision
@@ -114,6 +123,7 @@ class QuantFormat:
     calib_size_reason: str = ""  # why calib_size differs from the usual default (for the CLI's help)
     smoothquant: bool = False
     per_token: bool = False
+    smoothing_alpha: float | None = None
     fp8_rowwise_of: str | None = None
     auto_quantize_bits: float | None = None
 
@@ -130,6 +140,11 @@ class QuantFormat:
     @property
     def group_wise(self) -> bool:
         return self.group_size is not None
+
+    @property
+    def smooths(self) -> bool:
+        """Whether SmoothQuant smooths this format's activations (``--smoothquant-alpha`` applies)."""
+        return self.smoothquant or self.smoothing_alpha is not None
 
     @property
     def exports_checkpoint(self) -> bool:
@@ -160,7 +175,8 @@ FORMATS: dict[str, QuantFormat] = {f.name: f for f in (
     QuantFormat("fp8", "E4M3 per-tensor, calibrated", "bfloat16", "float8_e4m3fn", 8, Fp8Linear,
                 quantization=Quantization.FP8_CALIBRATION, scale_granularity=ScaleGranularity.TENSOR, scale_bytes=4,
                 linear_plugin="fp8_linear", modelopt_config="FP8_DEFAULT_CFG", calibrated=True,
-                quantizes_activations=True, lm_head_quantizable=True, auto_quantize_bits=8),
+                quantizes_activations=True, lm_head_quantizable=True, auto_quantize_bits=8,
+                smoothing_alpha=FP8_SMOOTHING_ALPHA),
     # TensorRT-LLM's --use_fp8_rowwise (quant_algo FP8_PER_CHANNEL_PER_TOKEN): activation scales computed per
     # token at run time, so no static scale for SmolLM2's massive activations to break.
     QuantFormat("fp8_rowwise", "E4M3 per-channel weights, per-token dynamic activations", "bfloat16", "float8_e4m3fn",

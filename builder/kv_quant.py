@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kilnlm.builder.checkpoint import Checkpoint
+from kilnlm.builder.checkpoint import Checkpoint, float_model
 from kilnlm.builder.errors import BuildError
 from kilnlm.plugins.reference import KV_CACHE_QMAX
 from kilnlm.runtime.abi import KV_CACHE_DTYPES
@@ -81,13 +81,8 @@ def calibrate_kv_cache(ck: Checkpoint, calib_batches: list[torch.Tensor], show_p
     except ImportError as exc:
         raise BuildError(f"--kv-cache-dtype fp8 / int8 needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(ck.config, dtype=torch.float32)
-    model.load_state_dict(ck.state_dict, strict=False)
-    if getattr(ck.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    model.eval()
+    model = float_model(ck)
     # Only the KV quantizers (FP8_KV_CFG's entries) on; their amax does not depend on num_bits.
     config = {"quant_cfg": [{"quantizer_name": "*", "enable": False}, *mtq.FP8_KV_CFG["quant_cfg"]],
               "algorithm": "max"}

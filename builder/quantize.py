@@ -22,7 +22,7 @@ import logging
 import torch
 
 from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, forward_loop
-from kilnlm.builder.checkpoint import Checkpoint
+from kilnlm.builder.checkpoint import Checkpoint, float_model
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.formats import QuantFormat
 from kilnlm.builder.network.layers import Fp8Amax, Fp8RowwiseLinear, IntQuantization
@@ -51,13 +51,7 @@ def calibrate_fp8(ck: Checkpoint, fmt: QuantFormat, cfg: CalibrationConfig, quan
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
         raise BuildError(f"--qformat {fmt.name} needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(ck.config, dtype=torch.float32)
-    model.load_state_dict(ck.state_dict, strict=False)
-    if getattr(ck.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    model.eval()
+    model = float_model(ck)
     # the default recipe leaves the LM head (and embeddings) unquantized
     recipe = getattr(mtq, fmt.modelopt_config)
     recipe = without_lm_head_exclusion(recipe) if quantize_lm_head else recipe

@@ -44,6 +44,9 @@ def _formats_help() -> dict[str, str]:
         "zero_point": names(lambda f: f.zero_point is not None),
         "zero_point_default": ", ".join(f"{'on' if f.zero_point else 'off'} for {f.name}" for f in zero_points),
         "smoothquant": names(lambda f: f.smoothquant),
+        "smooths": names(lambda f: f.smooths),
+        "smoothing_default": ", ".join(f"{f.smoothing_alpha:g} for {f.name}" for f in FORMATS.values()
+                                       if f.smoothing_alpha is not None),
         "alpha_grid": f"{grid[0]}, {grid[1]}, ..., {grid[-1]}",
         "alpha_calibrations": str(len(grid) + 1),
         "per_token_alpha": str(PER_TOKEN_SMOOTHQUANT_ALPHA),
@@ -110,8 +113,9 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                         "(8 = every linear quantized, no search; the LM head is not counted, --quantize-lm-head "
                         f"decides it) (default: {h['auto_quantize_default']})")
     p.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
-                   help=f"{h['smoothquant']}: SmoothQuant's migration strength in [0, 1], how much of the activations' "
-                        f"range moves into the weights (default: searched over {h['alpha_grid']} for the lowest loss "
+                   help=f"{h['smooths']}: SmoothQuant's migration strength in [0, 1], how much of the activations' "
+                        f"range moves into the weights (default: {h['smoothing_default']}; for {h['smoothquant']} "
+                        f"searched over {h['alpha_grid']} for the lowest loss "
                         f"on held-out windows of the calibration text, {h['alpha_calibrations']} calibrations, with --no-per-token; "
                         f"{h['per_token_alpha']} with per-token scales, TensorRT-LLM's recipe)")
     p.add_argument("--export-checkpoint", type=Path, default=None, metavar="DIR",

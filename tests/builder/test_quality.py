@@ -143,17 +143,6 @@ def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_
 # within its own limit, and fails beyond it; a pair that meets its bound passes, whichever ISA's kernels ran (the
 # engines' perplexity moves by ~0.5% between AVX-512 and AVX2 kernels).
 KNOWN_MISSES: dict[tuple[str, str], tuple[float, str]] = {
-    # Per-tensor FP8 on this 135M model: one static activation scale per linear, set by SmolLM2's massive
-    # activations on the calibration text, flushes a text's smaller activations towards E4M3's subnormals (only
-    # ~100 of them clip in 512 tokens); ModelOpt's simulation misses too (docs/quantization.md, "What limits
-    # quality"), and so does the engine with --auto-quantize-bits 8.5 (+3.97% / +3.26% / +3.27% on Apache-2.0 /
-    # MPL-2.0 / Vim). fp8_rowwise, TensorRT-LLM's answer to it, meets +3% on every text.
-    # Its margins are within the ~0.6% that the kernels' summation order alone moves it: Vim measured +2.67%
-    # before the batch-invariant kernels (attention's fixed split-KV cuts, fp8 tiles in the GEMV's column
-    # order), +3.25% after, +3.06% with bf16 attention on VDPBF16PS (docs/quantization.md).
-    ("fp8", "Apache-2.0"): (1.075, "+5.34% on an AMD Zen 4 (VDPBF16PS attention); ModelOpt's simulation +5.3%"),
-    ("fp8", "MPL-2.0"): (1.05, "+3.37% on an AMD Zen 4; ModelOpt's simulation +2.9%"),
-    ("fp8", "vim usr_02"): (1.05, "+3.06% on an AMD Zen 4"),
     # int4 on a 135M model: kilnlm's zero-point rounding of ModelOpt's awq_lite simulated in fp32 gives +20.6%
     # on Apache-2.0 and +12.3% on MPL-2.0, ModelOpt's own symmetric W4A16_AWQ +41.2% / +21.9%, and no
     # ModelOpt AWQ variant had a lower loss on the calibration text's validation windows.

@@ -13,6 +13,7 @@ import pytest
 
 from kilnlm.builder.cache_key import EXCLUDED_FIELDS, checkpoint_content_digest, compute_cache_key
 from kilnlm.builder.config import BuildOptions, ResolvedBuildOptions, resolve
+from kilnlm.builder.formats import FORMATS
 from kilnlm.builder.targets.cpu import CompileOptions
 
 # field -> (base options, changed options): each pair differs in that one field only and is valid for the build.
@@ -89,6 +90,10 @@ def test_options_that_do_not_change_the_engine_keep_the_key(checkpoint, tmp_path
     fp8 = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "d", qformat="fp8", **extra)).key
            for extra in ({}, {"calib_size": 24, "calib_max_seq_len": 256, "auto_quantize_bits": 8})]
     assert len(set(fp8)) == 1  # unset options and their defaults
+    assert fp8[0] == _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "d", qformat="fp8",
+                                           smoothquant_alpha=FORMATS["fp8"].smoothing_alpha)).key
+    assert fp8[0] != _compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "d", qformat="fp8",
+                                           smoothquant_alpha=0.6)).key  # fp8's smoothing changes its weights
     awq = [_compute(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", qformat="int4_awq", **extra)).key
            for extra in ({}, {"calib_size": 16, "zero_point": True})]
     assert len(set(awq)) == 1  # the format's own defaults
