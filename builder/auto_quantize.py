@@ -68,9 +68,9 @@ def search_float_linears(ck: Checkpoint, fmt: QuantFormat, calibration: Calibrat
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
         raise BuildError(f"--auto-quantize-bits needs NVIDIA ModelOpt ({exc}): pip install 'kilnlm[build]'") from None
-    from kilnlm.builder.quantize_int import _float_model
+    from kilnlm.builder.checkpoint import float_model
 
-    model = _float_model(ck, untie=False)
+    model = float_model(ck)
     linears = {name: m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     searched = {name: n for name, n in linears.items() if name.startswith(DECODER_PREFIX)}
     fixed = sum(linears.values()) - sum(searched.values())

@@ -10,6 +10,7 @@ Supported architectures: see :data:`SUPPORTED_ARCHITECTURES`.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -53,14 +54,22 @@ class Checkpoint:
         return self.config.architectures[0]
 
 
-def float_model(ck: Checkpoint):
-    """A float32 transformers model (eval mode) holding ``ck``'s weights, tied embeddings tied: what ModelOpt
-    calibrates and the builder measures activations on."""
+def float_model(ck: Checkpoint, untie: bool = False):
+    """A float32 transformers model (eval mode) holding ``ck``'s weights: what ModelOpt calibrates and the
+    builder measures activations on. Tied embeddings stay tied, unless ``untie``: then the LM head gets a copy
+    of the embedding of its own (a quantized LM head needs its own weight; the embedding stays float)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(ck.config, dtype=torch.float32)
-    model.load_state_dict(ck.state_dict, strict=False)
-    if getattr(ck.config, "tie_word_embeddings", False):
+    config = copy.deepcopy(ck.config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if untie and tied:
+        config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = dict(ck.state_dict)
+    if untie and tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    model.load_state_dict(state, strict=False)
+    if tied and not untie:
         model.tie_weights()
     return model.eval()
 

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from kilnlm.builder.calibration import calibration_batches, forward_loop
-from kilnlm.builder.checkpoint import Checkpoint
+from kilnlm.builder.checkpoint import Checkpoint, float_model
 from kilnlm.builder.config import ResolvedBuildOptions
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.export import export_unified_checkpoint, read_unified_checkpoint
@@ -137,23 +137,6 @@ def modelopt_recipe(fmt: QuantFormat, group_size: int, quantize_lm_head: bool,
     if fmt.smoothquant and smoothquant_alpha is not None:
         recipe["algorithm"] = {"method": "smoothquant", "alpha": float(smoothquant_alpha)}
     return recipe
-
-
-def _float_model(ck: Checkpoint, untie: bool):
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(ck.config)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if untie and tied:  # a quantized LM head needs its own weight; the embedding stays float
-        config.tie_word_embeddings = False
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = dict(ck.state_dict)
-    if untie and tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-    model.load_state_dict(state, strict=False)
-    if tied and not untie:
-        model.tie_weights()
-    return model.eval()
 
 
 def calibration_loss(model, batches: list[torch.Tensor], group_size: int = 8) -> float:
@@ -284,7 +267,7 @@ def quantize_int(ck: Checkpoint, opts: ResolvedBuildOptions) -> tuple[dict[str, 
         if group_size is None:
             group_size = default_group_size(ck.config, opts.quantize_lm_head, fmt.group_size)
         check_group_size(ck.config, group_size, opts.quantize_lm_head)
-    model = _float_model(ck, untie=opts.quantize_lm_head)
+    model = float_model(ck, untie=opts.quantize_lm_head)
     loop = None
     if fmt.calibrated:
         batches = calibration_batches(ck.tokenizer, opts.calibration)

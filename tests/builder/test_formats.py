@@ -651,14 +651,14 @@ def test_smoothquant_alpha_search_keeps_the_lowest_calibration_loss(tiny_llama_d
 
     from kilnlm.builder import quantize_int
     from kilnlm.builder.calibration import CalibrationConfig, calibration_batches, forward_loop
-    from kilnlm.builder.checkpoint import load_checkpoint
+    from kilnlm.builder.checkpoint import float_model, load_checkpoint
     from kilnlm.builder.formats import SMOOTHQUANT_ALPHA_GRID
 
     ck = load_checkpoint(tiny_llama_dir)
     int8_sq = FORMATS["int8_sq"]
     batches = calibration_batches(ck.tokenizer, CalibrationConfig(num_samples=4, seq_len=64))
     loop = forward_loop(batches, "calibration", False)
-    model = quantize_int._float_model(ck, untie=False)
+    model = float_model(ck)
     with torch.no_grad():
         expected = float(model(batches[0], labels=batches[0]).loss)
     assert quantize_int.calibration_loss(model, batches[:1]) == pytest.approx(expected, abs=1e-5)
