@@ -130,15 +130,18 @@ def prepare_hf_dir(work_dir: Path) -> Path:
     return hf_dir
 
 
-def prepare_engine(work_dir: Path, hf_dir: Path, spec: str) -> Path:
+def prepare_engine(work_dir: Path, hf_dir: Path, spec: str, limits: dict | None = None) -> Path:
+    """The engine of format spec ``spec`` (:func:`split_spec`) in ``work_dir`` with ``limits``
+    (BuildOptions fields; None: ``BENCH_LIMITS``, {}: the CLI's defaults), built unless an engine built with
+    the same options is there."""
     from kilnlm.builder.build import build_engine
     from kilnlm.builder.config import BuildOptions
     from kilnlm.builder.formats import FORMATS
 
     qformat, options = split_spec(spec)
     engine_dir = work_dir / ("engine-" + "".join(c if c.isalnum() or c in "._" else "-" for c in spec))
-    # a spec's options override the defaults; scenario (c)'s requests decode in one batch
-    asked = dict(max_batch_size=SHARED_PREFIX[0], max_seq_len=512, max_num_tokens=2048)
+    # a spec's options override the limits
+    asked = dict(BENCH_LIMITS if limits is None else limits)
     if FORMATS[qformat].group_wise:
         asked["group_size"] = INT4_GROUP_SIZE
     asked |= options
@@ -162,6 +165,8 @@ def make_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[int]
 
 TTFT_REQUESTS = 5  # scenario (a)'s TTFT: the median of this many requests, each alone, after its first
 SHARED_PREFIX = (64, 200, 56, 64)  # scenario (c): requests, prefix tokens, distinct tokens, output tokens
+# the engines' limits: scenario (c)'s requests decode in one batch
+BENCH_LIMITS = dict(max_batch_size=SHARED_PREFIX[0], max_seq_len=512, max_num_tokens=2048)
 
 
 def make_shared_prefix_prompts(tokenizer, num_prompts: int, prefix_tokens: int, distinct_tokens: int) -> list[list[int]]:
