@@ -12,9 +12,10 @@ vim-runtime). The first ``NUM_TOKENS`` tokens of each (Apache-2.0 holds ~2,200),
 Bounds (issue 29, item 3), perplexity relative to fp32 on the same tokens and windows, on every text:
 fp8 and fp8_rowwise <= +3%, int8_sq <= +5%, int8_wo <= +2%, int4_awq <= +12%, and int4_awq below int4_wo. The 8-bit KV
 caches (fp8 / int8 pool with calibrated per-layer scales) are measured on the fp8-weight engine against the
-same engine with a bfloat16 KV cache; bound: <= +4% (KV_CACHE_BOUND, kilnlm's own). The fp8 engine's
-perplexity moves by ~0.5% with its kernels' arithmetic alone (AVX-512 against AVX2 kernels on one Intel
-Xeon), which 4% leaves room for without hiding a broken scale (which costs tens of percent). Each engine is
+same engine with a bfloat16 KV cache; bound: <= +4% (KV_CACHE_BOUND, kilnlm's own). That ratio moves with
+the kernels' arithmetic alone, by up to ~4 points on one text between ISA paths (the fp8 pool on Apache-2.0:
++1.51% on an AMD Zen 4's AVX-512 kernels, +5.21% on a Zen 3's AVX2 ones), while a broken scale costs tens
+of percent. Each engine is
 built once per session (the ``smollm2_format_engine`` factory in tests/conftest.py) and evaluated once per
 text.
 
@@ -140,14 +141,18 @@ def test_fp32_engine_perplexity_matches_transformers(perplexity, smollm2_engine_
 
 # (engine, held-out text) -> (the largest ratio still accepted, the measured miss): the pairs that miss their bound
 # (engine: a qformat, or the ``what`` of a test below). Such a pair xfails (reported, never hidden) while it stays
-# within its own limit, and fails beyond it; a pair that meets its bound passes, whichever ISA's kernels ran (the
-# engines' perplexity moves by ~0.5% between AVX-512 and AVX2 kernels).
+# within its own limit, and fails beyond it; a pair that meets its bound passes, whichever ISA's kernels ran (a
+# ratio moves by up to a few points between AVX-512 and AVX2 kernels).
 KNOWN_MISSES: dict[tuple[str, str], tuple[float, str]] = {
     # int4 on a 135M model: kilnlm's zero-point rounding of ModelOpt's awq_lite simulated in fp32 gives +20.6%
     # on Apache-2.0 and +12.3% on MPL-2.0, ModelOpt's own symmetric W4A16_AWQ +41.2% / +21.9%, and no
     # ModelOpt AWQ variant had a lower loss on the calibration text's validation windows.
     ("int4_awq", "Apache-2.0"): (1.24, "+20.23% on an AMD Zen 4"),
     ("int4_awq", "MPL-2.0"): (1.15, "+12.12% on an AMD Zen 4"),
+    # the fp8 pool on AVX2 kernels only: +1.51% over the fp8 engine on a Zen 4's AVX-512 ones, where attention
+    # rounds q and P to bfloat16; the AVX2 kernels match the plugin reference with an fp8 pool
+    # (tests/plugins/test_paged_attention_kv8.py), and the same engine is within +4% on the other three texts
+    ("fp8 --kv-cache-dtype fp8", "Apache-2.0"): (1.07, "+5.21% on an AMD Zen 3, AVX2 kernels"),
 }
 
 
