@@ -15,9 +15,8 @@ caches (fp8 / int8 pool with calibrated per-layer scales) are measured on the fp
 same engine with a bfloat16 KV cache; bound: <= +4% (KV_CACHE_BOUND, kilnlm's own). That ratio moves with
 the kernels' arithmetic alone, by up to ~4 points on one text between ISA paths (the fp8 pool on Apache-2.0:
 +1.51% on an AMD Zen 4's AVX-512 kernels, +5.21% on a Zen 3's AVX2 ones), while a broken scale costs tens
-of percent. Each engine is
-built once per session (the ``smollm2_format_engine`` factory in tests/conftest.py) and evaluated once per
-text.
+of percent. Each engine is built once per session (the ``smollm2_format_engine`` factory in
+tests/conftest.py) and evaluated once per text.
 
 Factual recall (``FACT_PROBES``): perplexity on licence text does not show whether a quantized model still
 recalls facts. Every format is held to six one-line factual questions: each 8-bit format must keep each
