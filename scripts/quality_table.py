@@ -28,7 +28,7 @@ from benchmark import LM_HEAD_SUFFIX, prepare_engine, prepare_hf_dir, split_spec
 from kilnlm.runtime.manifest import MANIFEST_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "builder"))
-from test_quality import EVAL, FACT_PROBES, FORMAT_BOUNDS, HELD_OUT_TEXTS, KV_CACHE_BOUND  # noqa: E402
+from test_quality import EVAL, FACT_PROBES, FORMAT_BOUNDS, HELD_OUT_TEXTS, KV_CACHE_BOUND, answer_log_probs  # noqa: E402
 
 DEFAULT_FORMATS = ("fp32,bf16,fp8,fp8+lm_head,fp8_rowwise,fp8_rowwise:calib_size=8,fp8_rowwise:calib_size=64,"
                    "fp8_rowwise:auto_quantize_bits=8,int8_wo,int8_wo+lm_head,int8_sq,int8_sq+lm_head,"
@@ -64,21 +64,6 @@ def bound(spec: str) -> float | None:
     return None if options else FORMAT_BOUNDS.get(qformat)
 
 
-def probe_log_probs(engine) -> dict[str, float]:
-    """Each ``FACT_PROBES`` answer's first-token log-probability after its chat-templated question and prefix."""
-    from kilnlm.runtime.perplexity import PerplexityConfig, token_nlls
-    from kilnlm.runtime.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
-    log_probs = {}
-    for question, prefix, answer in FACT_PROBES:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-        ids = tokenizer.encode(prompt + prefix + answer)
-        nlls, _ = token_nlls(engine, ids, PerplexityConfig(context_len=len(ids), stride=len(ids) - 1))
-        log_probs[answer.strip()] = -float(nlls[-1])
-    return log_probs
-
-
 def measure(engine_dir: Path) -> tuple[dict[str, float], dict[str, float], int]:
     """(text name -> perplexity, probe answer -> log-probability, linears kept 16-bit) of one engine."""
     from kilnlm.runtime.engine import Engine
@@ -90,7 +75,7 @@ def measure(engine_dir: Path) -> tuple[dict[str, float], dict[str, float], int]:
     perplexities = {name: evaluate_perplexity(engine, tokenizer.encode(path.read_text(encoding="utf-8")), EVAL).perplexity
                     for name, path in HELD_OUT_TEXTS.items()}
     kept = json.loads((engine_dir / MANIFEST_NAME).read_text())["build"].get("exclude_modules") or []
-    return perplexities, probe_log_probs(engine), len(kept)
+    return perplexities, answer_log_probs(engine), len(kept)
 
 
 def cpu_description() -> str:

@@ -183,6 +183,23 @@ FACT_MIN_PROB = {"fp32": 0.5, "fp8": 0.5, "fp8_rowwise": 0.5, "int8_sq": 0.5, "i
                  "int4_wo": 0.1}
 
 
+def answer_log_probs(engine) -> dict[str, float]:
+    """Each ``FACT_PROBES`` answer's first-token log-probability through ``engine``, after the chat-templated
+    question and the answer's prefix (also what scripts/quality_table.py prints)."""
+    from kilnlm.runtime.perplexity import PerplexityConfig, token_nlls
+    from kilnlm.runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
+    log_probs = {}
+    for question, prefix, answer in FACT_PROBES:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        ids = tokenizer.encode(prompt + prefix + answer)
+        assert tokenizer.decode(ids[-1:]) == answer, "the answer must be one token"
+        nlls, _ = token_nlls(engine, ids, PerplexityConfig(context_len=len(ids), stride=len(ids) - 1))
+        log_probs[answer.strip()] = -float(nlls[-1])
+    return log_probs
+
+
 def test_every_format_is_held_to_the_factual_probes():
     from kilnlm.builder.formats import FORMATS
 
@@ -196,18 +213,8 @@ def test_formats_keep_factual_answers(smollm2_format_engine, qformat):
     int8_sq calibrated on the language reference alone failed four probes (ModelOpt's simulation: Paris
     -2.28, Tokyo -1.61, Rome -3.42, Berlin -2.14)."""
     from kilnlm.runtime.engine import Engine
-    from kilnlm.runtime.perplexity import PerplexityConfig, token_nlls
-    from kilnlm.runtime.tokenizer import Tokenizer
 
-    engine = Engine.load(smollm2_format_engine(qformat))
-    tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
-    log_probs = {}
-    for question, prefix, answer in FACT_PROBES:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-        ids = tokenizer.encode(prompt + prefix + answer)
-        assert tokenizer.decode(ids[-1:]) == answer, "the answer must be one token"
-        nlls, _ = token_nlls(engine, ids, PerplexityConfig(context_len=len(ids), stride=len(ids) - 1))
-        log_probs[answer.strip()] = -float(nlls[-1])
+    log_probs = answer_log_probs(Engine.load(smollm2_format_engine(qformat)))
     print(f"\n[quality] {qformat} factual answers' log-probabilities: "
           + " ".join(f"{a} {lp:.2f}" for a, lp in log_probs.items()))
     assert {a: lp for a, lp in log_probs.items() if lp <= math.log(FACT_MIN_PROB[qformat])} == {}
