@@ -151,17 +151,25 @@ def test_population_waits_while_forwards_run_back_to_back():
     begin, end = memory.data_ptr(), memory.data_ptr() + nbytes
     with running_forward():
         at_start = smaps_bytes_in(begin, end, "Rss:")
+    steps = long_gaps = 0
     deadline = time.monotonic() + 0.3
     while time.monotonic() < deadline:
         with running_forward():
             time.sleep(0.01)
+        gap_start = time.monotonic()
         time.sleep(0.001)
+        steps += 1
+        long_gaps += time.monotonic() - gap_start >= memory_module.POPULATE_QUIET_S
     with running_forward():
         held = smaps_bytes_in(begin, end, "Rss:")
     wait_for_populating_threads()
-    # a gap that oversleeps past POPULATE_QUIET_S lets a page through; waking at every forward's end (what this
-    # guards against) lets one through per step, ~27 here
-    assert held - at_start <= 4 * HUGE_PAGE_BYTES, f"{(held - at_start) >> 20} MiB faulted in between the forwards"
+    if long_gaps > steps // 2:
+        pytest.skip(f"{long_gaps} of {steps} 1 ms sleeps overslept POPULATE_QUIET_S: the machine is too loaded to keep "
+                    "forwards back to back")
+    # a gap that oversleeps past POPULATE_QUIET_S lets a page through (the scheduler does that on a loaded
+    # machine); waking at every forward's end (what this guards against) lets one through per step
+    pages = (held - at_start) // HUGE_PAGE_BYTES
+    assert pages <= long_gaps + 4, f"{pages} huge pages faulted in over {steps} steps, {long_gaps} gaps of >= 5 ms"
     assert smaps_bytes_in(begin, end, "Rss:") >= nbytes
 
 
