@@ -182,13 +182,14 @@ def _load_gguf(path: Path) -> Checkpoint:
         raise BuildError(f"{path} cannot be read as GGUF ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): check the file") from None
     _check_architecture(config, path)
     log.info("dequantizing GGUF tensors of %s", path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    architectures = config.architectures
+    # config given: transformers would otherwise parse the whole GGUF's metadata once more (~12 s for SmolLM2)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
     state = {k: v.detach().to(torch.float32).clone() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     generation_config = model.generation_config
-    architectures = config.architectures
     config = model.config
     config.architectures = architectures
     # The GGUF loader leaves a quantization_config that describes the *file*, not the float weights.
