@@ -19,12 +19,12 @@ from servers import running_kilnlm_serve
 pytestmark = [pytest.mark.e2e]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
-WARM_UP_REQUESTS = 60
-MEASURED_REQUESTS = 240
+WARM_UP_REQUESTS = 30
+MEASURED_REQUESTS = 120
 CONCURRENCY = 8
 # Allocator pools, gRPC / HTTP buffers and Python's own caches settle during the warm-up; a leak of one KV
 # block's worth of host memory per request (SmolLM2 fp32: 30 layers x 2 x 32 tokens x 3 heads x 64 x 4 bytes
-# = 1.4 MB) would grow the server by over 300 MB in the measured round.
+# = 1.4 MB) would grow the server by over 160 MB in the measured round.
 MEMORY_GROWTH_MB = 128
 
 
