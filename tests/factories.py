@@ -4,7 +4,9 @@ KV-cache managers and schedulers on tiny limits."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -110,6 +112,31 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.Pat
             else:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(out)
+    return out
+
+
+def truncate_checkpoint(src_dir: str | os.PathLike, out_dir: str | os.PathLike, num_layers: int) -> Path:
+    """Write the first ``num_layers`` decoder layers of the HF checkpoint ``src_dir`` (its real weights, every
+    other tensor and file as they are, ``num_hidden_layers`` set) to ``out_dir``: the real model's shapes and
+    weight statistics at a fraction of its compile time."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and ".safetensors" not in path.name and path.name != "config.json":
+            shutil.copy(path, out / path.name)
+    config = json.loads((src / "config.json").read_text())
+    assert num_layers <= config["num_hidden_layers"], (num_layers, config["num_hidden_layers"])
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer is None or int(layer.group(1)) < num_layers:
+                kept[name] = tensor
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 

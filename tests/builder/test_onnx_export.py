@@ -189,24 +189,27 @@ def test_quantized_formats_export_as_standard_qdq_and_run(qformat, onnx_export, 
     assert greedy_generate(Eager(ort_model.forward), prompt, 8, []) == greedy_generate(Eager(eager_forward), prompt, 8, [])
 
 
-# ---- SmolLM2: the exports of the real model against its CPU engines (float32 activations: ONNX Runtime runs
-# the attention plugin on float32 only) --------------------------------------------------------------------
+# ---- SmolLM2: exports of the real model's first layers (``smollm2_truncated_dir``: its weights, shapes and
+# vocabulary) against CPU engines of the same build (float32 activations: ONNX Runtime runs the attention plugin
+# on float32 only) -------------------------------------------------------------------------------------------
 SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
                    "Once upon a time, in a small village,", "The three primary colors are"]
 SMOLLM2_POOL_BLOCKS = 2  # 64 tokens: prompt + continuation fit, and ONNX Runtime copies little per layer
 
 
 @pytest.fixture(scope="module")
-def smollm2_pair(smollm2_format_engine, smollm2_hf_dir, tmp_path_factory):
-    """``smollm2_pair(qformat) -> (Engine, OnnxRuntimeModel)``: SmolLM2's float32-activation CPU engine of
-    ``qformat`` and its ``--target onnx`` export, both built from the checkpoint with the same options."""
+def smollm2_pair(smollm2_truncated_dir, tmp_path_factory):
+    """``smollm2_pair(qformat) -> (Engine, OnnxRuntimeModel)``: the truncated SmolLM2's float32-activation CPU
+    engine of ``qformat`` and its ``--target onnx`` export, both built from the checkpoint with the same options."""
     from conftest import SMOLLM2_INT4_GROUP_SIZE
 
     def get(qformat: str):
         options = {"group_size": SMOLLM2_INT4_GROUP_SIZE} if qformat.startswith("int4") else {}
-        engine = Engine.load(smollm2_format_engine(qformat, dtype="float32"), trusted_keys=None)
-        export_dir = build_test_engine(smollm2_hf_dir, tmp_path_factory.mktemp("onnx") / f"smollm2_{qformat}",
-                                       qformat=qformat, dtype="float32", target="onnx", **options)
+        out = tmp_path_factory.mktemp("smollm2_pair")
+        engine = Engine.load(build_test_engine(smollm2_truncated_dir, out / "engine", qformat=qformat, dtype="float32",
+                                               **options), trusted_keys=None)
+        export_dir = build_test_engine(smollm2_truncated_dir, out / "onnx", qformat=qformat, dtype="float32",
+                                       target="onnx", **options)
         return engine, OnnxRuntimeModel(export_dir / "model.onnx")
 
     return get
@@ -232,13 +235,14 @@ def test_smollm2_int4_awq_export_gives_the_cpu_engines_greedy_tokens(smollm2_pai
 def test_smollm2_fp8_export_agrees_with_the_cpu_engine_teacher_forced(smollm2_pair, hf_tokenizer):
     """fp8 quantizes activations to 3 mantissa bits, so a one-ulp float32 difference upstream (ONNX Runtime's
     Sigmoid * x against torch's SiLU) can flip one element's rounding, and the flip grows layer by layer:
-    measured on these prompts, layer 0-4 outputs equal the engine's within 1e-5 and the first difference
-    (2.5e-5) appears at layer 5's down_proj; the CPU engine against its own eager network (the same kernels,
-    inductor's float fusion) shows the same spread where a flip happens (median max |logit difference| 1.8).
-    Exact greedy equality is therefore not a property fp8 has, and the test checks what serving needs instead,
-    teacher-forced on the engine's 24-token greedy continuations: the export picks the engine's token wherever
-    the engine's top-2 margin is at least 1.5 logits, and on at least 85% of all positions (measured: every
-    disagreement at a margin below 0.7, 93% agreement)."""
+    measured on the whole model and these prompts, layer 0-4 outputs equal the engine's within 1e-5 and the
+    first difference (2.5e-5) appears at layer 5's down_proj; the CPU engine against its own eager network (the
+    same kernels, inductor's float fusion) shows the same spread where a flip happens (median max |logit
+    difference| 1.8). Exact greedy equality is therefore not a property fp8 has, and the test checks what
+    serving needs instead, teacher-forced on the engine's 24-token greedy continuations: the export picks the
+    engine's token wherever the engine's top-2 margin is at least 1.5 logits, and on at least 85% of all
+    positions (measured on the whole model: every disagreement at a margin below 0.7, 93% agreement; on the
+    first 6 layers this test builds, 123 of 125 positions on an AMD Zen 3)."""
     engine, ort_model = smollm2_pair("fp8")
     build, model = engine.manifest.build, engine.manifest.model
     agreed = positions = 0
@@ -256,4 +260,5 @@ def test_smollm2_fp8_export_agrees_with_the_cpu_engine_teacher_forced(smollm2_pa
         assert same[clear].all(), f"{prompt!r}: the export's token differs where the engine's margin is >= 1.5"
         agreed += int(same.sum())
         positions += len(same)
+    print(f"\n[onnx] the fp8 export agrees with the engine on {agreed} of {positions} positions")
     assert agreed >= 0.85 * positions, f"the export agrees with the engine on {agreed} of {positions} positions"

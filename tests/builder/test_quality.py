@@ -16,7 +16,9 @@ same engine with a bfloat16 KV cache; bound: <= +4% (KV_CACHE_BOUND, kilnlm's ow
 the kernels' arithmetic alone, by up to ~4 points on one text between ISA paths (the fp8 pool on Apache-2.0:
 +1.51% on an AMD Zen 4's AVX-512 kernels, +5.21% on a Zen 3's AVX2 ones), while a broken scale costs tens
 of percent. Each engine is built once per session (the ``smollm2_format_engine`` factory in
-tests/conftest.py) and evaluated once per text.
+tests/conftest.py) and evaluated once per text. The checks on the engines CI builds for its other tests (fp32,
+fp8, fp8 with an fp8 KV cache, int4_awq) run in every run; the rest carry the ``quality`` marker
+(``bash scripts/test.sh -m quality``; tests/conftest.py, ``SMOLLM2_CI_ENGINES``).
 
 Factual recall (``FACT_PROBES``): perplexity on licence text does not show whether a quantized model still
 recalls facts. Every format is held to six one-line factual questions: each 8-bit format must keep each
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import quality_marks
 
 from kilnlm.runtime.perplexity import PerplexityConfig, PerplexityResult, evaluate_perplexity, plan_windows
 
@@ -156,11 +159,12 @@ KNOWN_MISSES: dict[tuple[str, str], tuple[float, str]] = {
 
 
 @pytest.mark.parametrize("text", HELD_OUT_TEXTS)
-@pytest.mark.parametrize("qformat", FORMAT_BOUNDS)
+@pytest.mark.parametrize("qformat", [pytest.param(q, marks=quality_marks(q)) for q in FORMAT_BOUNDS])
 def test_format_perplexity_within_bound(perplexity, qformat, text):
     assert_within({text: perplexity(qformat)[text]}, perplexity("fp32"), FORMAT_BOUNDS[qformat], qformat)
 
 
+@pytest.mark.quality
 def test_int8_sq_quantized_lm_head_within_the_int8_sq_bound(perplexity):
     """int8_sq's LM head quantized too (``--quantize-lm-head``, per-token scales like the rest) meets
     int8_sq's bound on every text (measured +2.20% / +2.59% / +1.32% / +1.41% on an AMD Zen 4)."""
@@ -206,7 +210,7 @@ def test_every_format_is_held_to_the_factual_probes():
     assert set(FACT_MIN_PROB) == set(FORMATS) - {"bf16"}  # bf16: fp32's weights rounded, measured in the tables
 
 
-@pytest.mark.parametrize("qformat", FACT_MIN_PROB)
+@pytest.mark.parametrize("qformat", [pytest.param(q, marks=quality_marks(q)) for q in FACT_MIN_PROB])
 def test_formats_keep_factual_answers(smollm2_format_engine, qformat):
     """After the chat-templated question and the answer's prefix, the answer's first token keeps probability
     above ``FACT_MIN_PROB[qformat]`` through the engine. Log-probabilities per format: docs/quantization.md.
@@ -220,6 +224,7 @@ def test_formats_keep_factual_answers(smollm2_format_engine, qformat):
     assert {a: lp for a, lp in log_probs.items() if lp <= math.log(FACT_MIN_PROB[qformat])} == {}
 
 
+@pytest.mark.quality
 def test_int4_awq_better_than_int4_wo_on_every_text(perplexity):
     awq, rtn = perplexity("int4_awq"), perplexity("int4_wo")
     print("[quality] int4_awq vs int4_wo: "
@@ -227,7 +232,8 @@ def test_int4_awq_better_than_int4_wo_on_every_text(perplexity):
     assert all(awq[name].perplexity < rtn[name].perplexity for name in HELD_OUT_TEXTS)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", [pytest.param(kv, marks=quality_marks(KV_CACHE_BASE_QFORMAT, kv))
+                                            for kv in ["fp8", "int8"]])
 def test_8bit_kv_cache_perplexity_within_bound(perplexity, kv_cache_dtype):
     assert_within(perplexity(KV_CACHE_BASE_QFORMAT, kv_cache_dtype), perplexity(KV_CACHE_BASE_QFORMAT), KV_CACHE_BOUND,
                   f"{KV_CACHE_BASE_QFORMAT} --kv-cache-dtype {kv_cache_dtype}")

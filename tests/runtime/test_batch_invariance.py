@@ -1,6 +1,9 @@
 """Batch invariance (issue 26, item 4): a request's greedy tokens do not depend on what else is in the batch.
 16 prompts of real English text (8-158 tokens) generate 48 greedy tokens each, first one at a time, then all
-16 submitted together, each run on a fresh executor (no prefix cache shared between the two).
+16 submitted together, each run on a fresh executor (no prefix cache shared between the two). The engines:
+SmolLM2's whole-model ones that CI builds anyway (tests/conftest.py, ``SMOLLM2_CI_ENGINES``), and for the other
+formats engines of its first layers (``smollm2_truncated_dir``: the same kernels, shapes, LM head and
+vocabulary), which cost a fraction of a whole-model build.
 
 With KILNLM_BATCH_INVARIANT=1 every format, on any CPU: every kernel then sums each row in one order at
 every token count (plugins/csrc/cpu_features.h). Without it, the formats whose kernels do so anyway, on CPUs
@@ -11,6 +14,7 @@ measurements, the kernels responsible and what the switch costs."""
 from __future__ import annotations
 
 import pytest
+from conftest import SMOLLM2_CI_ENGINES
 
 from factories import BATCH_INVARIANT_CPU_FLAGS, BATCH_INVARIANT_SKIP_REASON, cpu_has
 from kilnlm.builder.formats import FORMATS
@@ -44,6 +48,11 @@ def generate(engine_dir, together: bool) -> list[list[int]]:
         executor.shutdown()
 
 
+def format_engine(smollm2_format_engine, qformat: str):
+    """The whole-model engine where CI builds it anyway, else the first layers' (module docstring)."""
+    return smollm2_format_engine(qformat, truncated=(qformat, "auto") not in SMOLLM2_CI_ENGINES)
+
+
 def assert_alone_equals_together(engine_dir) -> None:
     alone, together = generate(engine_dir, together=False), generate(engine_dir, together=True)
     assert all(len(tokens) == MAX_TOKENS for tokens in alone + together)
@@ -56,11 +65,11 @@ def assert_alone_equals_together(engine_dir) -> None:
 def test_with_the_switch_every_format_gives_greedy_tokens_alone_equal_those_in_a_batch(smollm2_format_engine, qformat,
                                                                                        monkeypatch):
     monkeypatch.setenv("KILNLM_BATCH_INVARIANT", "1")
-    assert_alone_equals_together(smollm2_format_engine(qformat))
+    assert_alone_equals_together(format_engine(smollm2_format_engine, qformat))
 
 
 @pytest.mark.skipif(not cpu_has(*BATCH_INVARIANT_CPU_FLAGS), reason=BATCH_INVARIANT_SKIP_REASON)
 @pytest.mark.parametrize("qformat", INVARIANT_WITHOUT_SWITCH)
 def test_greedy_tokens_alone_equal_those_in_a_batch_of_16(smollm2_format_engine, qformat, monkeypatch):
     monkeypatch.delenv("KILNLM_BATCH_INVARIANT", raising=False)
-    assert_alone_equals_together(smollm2_format_engine(qformat))
+    assert_alone_equals_together(format_engine(smollm2_format_engine, qformat))

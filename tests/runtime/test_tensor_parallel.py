@@ -156,22 +156,25 @@ SMOLLM2_PROMPTS = ["The capital of France is", "Write a short poem about the sea
                    "Explain what a paged KV cache is."]
 
 
-def test_smollm2_tp3_greedy_equals_tp1(smollm2_hf_dir, smollm2_engine_fp32_dir, hf_tokenizer, tmp_path):
-    """SmolLM2 split over its 3 KV heads (3 query heads and 512 MLP columns per rank, 16384 vocabulary rows
-    each): five chat prompts in flight give the one-rank engine's greedy completions token for token."""
+def test_smollm2_tp3_greedy_equals_tp1(smollm2_truncated_dir, hf_tokenizer, tmp_path):
+    """SmolLM2's first layers (``smollm2_truncated_dir``: its real weights, LM head and vocabulary) split over its
+    3 KV heads (3 query heads and 512 MLP columns per rank, 16384 vocabulary rows each): five chat prompts in
+    flight give the one-rank engine's greedy completions token for token."""
     from kilnlm.runtime.executor import Executor, ExecutorConfig
 
-    tp3_dir = build_test_engine(smollm2_hf_dir, tmp_path / "smollm2_fp32_tp3", qformat="fp32", tp_size=3,
-                                max_batch_size=8, max_seq_len=512, max_num_tokens=512)
+    limits = dict(max_batch_size=8, max_seq_len=512, max_num_tokens=512)
+    engine_dirs = {f"tp{tp_size}": build_test_engine(smollm2_truncated_dir, tmp_path / f"smollm2_fp32_tp{tp_size}", qformat="fp32",
+                                                     tp_size=tp_size, **limits) for tp_size in (1, 3)}
     prompts = [hf_tokenizer.encode(hf_tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                                    add_generation_prompt=True), add_special_tokens=False)
                for p in SMOLLM2_PROMPTS]
     max_tokens = [24] * len(prompts)
     outputs = {}
-    for name, engine_dir in (("tp1", smollm2_engine_fp32_dir), ("tp3", tp3_dir)):
+    for name, engine_dir in engine_dirs.items():
         with Executor.from_engine_dir(engine_dir, ExecutorConfig(max_batch_size=8)) as executor:
             outputs[name] = run_in_flight(executor, prompts, max_tokens)
     assert outputs["tp3"] == outputs["tp1"] and all(len(o) == 24 for o in outputs["tp1"])
+    assert len({tuple(o) for o in outputs["tp1"]}) > 1, "the truncated model answers every prompt alike"
 
 
 @pytest.mark.triton

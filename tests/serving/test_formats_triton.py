@@ -8,7 +8,8 @@ KV pool, so the whole set fits in memory at once. The fp32 engine is covered by 
 The question, in the chat template and tokenized here as TensorRT-LLM's clients of its ``tensorrt_llm``
 model do, goes through Triton's HTTP ``generate`` endpoint, greedy.
 Every format listed must build and serve: one the builder does not offer, or that fails to build or to
-load, fails the test (only a machine without tritonserver skips).
+load, fails the test (only a machine without tritonserver skips). The answers need an engine of every format
+and carry the ``quality`` marker (``bash scripts/test.sh -m quality``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def test_every_quantized_format_is_served():
     assert {qformat for qformat, _ in FORMATS.values()} == set(format_names(lambda f: f.quantization is not Quantization.NONE))
 
 
+@pytest.mark.quality  # one whole-SmolLM2 engine per format (tests/conftest.py, SMOLLM2_CI_ENGINES)
 @pytest.mark.parametrize("model", [
     pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[m])) if m in KNOWN_WRONG else m
     for m in FORMATS
