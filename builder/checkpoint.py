@@ -183,7 +183,7 @@ def _load_gguf(path: Path) -> Checkpoint:
     _check_architecture(config, path)
     log.info("dequantizing GGUF tensors of %s", path.name)
     architectures = config.architectures
-    # config given: transformers would otherwise parse the whole GGUF's metadata once more (~12 s for SmolLM2)
+    # config given: transformers would otherwise parse the whole GGUF's metadata once more
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
     state = {k: v.detach().to(torch.float32).clone() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
