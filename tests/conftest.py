@@ -130,10 +130,15 @@ SMOLLM2_INT4_GROUP_SIZE = 64
 SMOLLM2_CI_ENGINES = {("fp32", "auto"), ("fp8", "auto"), ("fp8", "fp8"), ("bf16", "auto"), ("int4_awq", "auto")}
 
 
+def ci_builds_whole_smollm2(qformat: str, kv_cache_dtype: str = "auto") -> bool:
+    """Whether CI builds the whole-SmolLM2 engine of ``qformat`` and ``kv_cache_dtype`` (``SMOLLM2_CI_ENGINES``)."""
+    return (qformat, kv_cache_dtype) in SMOLLM2_CI_ENGINES
+
+
 def quality_marks(qformat: str, kv_cache_dtype: str = "auto") -> tuple:
-    """``(pytest.mark.quality,)`` for a check on a whole-SmolLM2 engine CI does not build
-    (``SMOLLM2_CI_ENGINES``), else ``()``: ``pytest.param(..., marks=quality_marks(qformat))``."""
-    return () if (qformat, kv_cache_dtype) in SMOLLM2_CI_ENGINES else (pytest.mark.quality,)
+    """``(pytest.mark.quality,)`` for a check on a whole-SmolLM2 engine CI does not build, else ``()``:
+    ``pytest.param(..., marks=quality_marks(qformat))``."""
+    return () if ci_builds_whole_smollm2(qformat, kv_cache_dtype) else (pytest.mark.quality,)
 
 
 @pytest.fixture(scope="session")

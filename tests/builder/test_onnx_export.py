@@ -198,18 +198,14 @@ SMOLLM2_POOL_BLOCKS = 2  # 64 tokens: prompt + continuation fit, and ONNX Runtim
 
 
 @pytest.fixture(scope="module")
-def smollm2_pair(smollm2_truncated_dir, tmp_path_factory):
+def smollm2_pair(smollm2_format_engine):
     """``smollm2_pair(qformat) -> (Engine, OnnxRuntimeModel)``: the truncated SmolLM2's float32-activation CPU
-    engine of ``qformat`` and its ``--target onnx`` export, both built from the checkpoint with the same options."""
-    from conftest import SMOLLM2_INT4_GROUP_SIZE
+    engine of ``qformat`` and its ``--target onnx`` export, both built from the checkpoint with the same options
+    (the ``smollm2_format_engine`` factory's)."""
 
     def get(qformat: str):
-        options = {"group_size": SMOLLM2_INT4_GROUP_SIZE} if qformat.startswith("int4") else {}
-        out = tmp_path_factory.mktemp("smollm2_pair")
-        engine = Engine.load(build_test_engine(smollm2_truncated_dir, out / "engine", qformat=qformat, dtype="float32",
-                                               **options), trusted_keys=None)
-        export_dir = build_test_engine(smollm2_truncated_dir, out / "onnx", qformat=qformat, dtype="float32",
-                                       target="onnx", **options)
+        engine = Engine.load(smollm2_format_engine(qformat, truncated=True, dtype="float32"), trusted_keys=None)
+        export_dir = smollm2_format_engine(qformat, truncated=True, dtype="float32", target="onnx")
         return engine, OnnxRuntimeModel(export_dir / "model.onnx")
 
     return get

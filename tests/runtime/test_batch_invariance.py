@@ -14,7 +14,7 @@ measurements, the kernels responsible and what the switch costs."""
 from __future__ import annotations
 
 import pytest
-from conftest import SMOLLM2_CI_ENGINES
+from conftest import ci_builds_whole_smollm2
 
 from factories import BATCH_INVARIANT_CPU_FLAGS, BATCH_INVARIANT_SKIP_REASON, cpu_has
 from kilnlm.builder.formats import FORMATS
@@ -50,7 +50,7 @@ def generate(engine_dir, together: bool) -> list[list[int]]:
 
 def format_engine(smollm2_format_engine, qformat: str):
     """The whole-model engine where CI builds it anyway, else the first layers' (module docstring)."""
-    return smollm2_format_engine(qformat, truncated=(qformat, "auto") not in SMOLLM2_CI_ENGINES)
+    return smollm2_format_engine(qformat, truncated=not ci_builds_whole_smollm2(qformat))
 
 
 def assert_alone_equals_together(engine_dir) -> None:

@@ -163,8 +163,9 @@ def test_smollm2_tp3_greedy_equals_tp1(smollm2_truncated_dir, hf_tokenizer, tmp_
     from kilnlm.runtime.executor import Executor, ExecutorConfig
 
     limits = dict(max_batch_size=8, max_seq_len=512, max_num_tokens=512)
-    engine_dirs = {f"tp{tp_size}": build_test_engine(smollm2_truncated_dir, tmp_path / f"smollm2_fp32_tp{tp_size}", qformat="fp32",
-                                                     tp_size=tp_size, **limits) for tp_size in (1, 3)}
+    engine_dirs = {f"tp{tp_size}": build_test_engine(smollm2_truncated_dir, tmp_path / f"smollm2_fp32_tp{tp_size}",
+                                                     qformat="fp32", tp_size=tp_size, **limits)
+                   for tp_size in (1, 3)}
     prompts = [hf_tokenizer.encode(hf_tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                                    add_generation_prompt=True), add_special_tokens=False)
                for p in SMOLLM2_PROMPTS]
