@@ -280,8 +280,11 @@ class Executor:
             )
         end_ids = frozenset() if params.ignore_eos else (frozenset({params.end_id}) if params.end_id is not None else self.eos_token_ids)
         with self._lock:
-            if self._engine_error is not None:
-                raise EngineError(f"the engine cannot run any more ({self._engine_error}): restart the server")
+            # engine_error, not _engine_error: the loop fails a broken step's requests before it records
+            # the error, and a client that saw those failures must not get a new request accepted.
+            engine_error = self.engine_error
+            if engine_error is not None:
+                raise EngineError(f"the engine cannot run any more ({engine_error}): restart the server")
             if self._stopping:
                 raise RequestError("the executor is shut down: create a new one")
             max_queue_size = self.config.max_queue_size

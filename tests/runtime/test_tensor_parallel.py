@@ -109,6 +109,20 @@ def test_a_killed_rank_fails_every_request_and_stops_the_executor(tiny_tp2_engin
     assert executor.engine.broken is not None and not worker.is_alive()
 
 
+def test_a_rank_that_died_while_idle_refuses_the_next_request(tiny_tp2_engine_dir):
+    """submit checks the engine itself, not only what the loop has recorded: the loop fails a broken
+    step's requests before it records the error, and a client that saw them fail must not get a new
+    request accepted (this test has no step in flight, so only the engine knows)."""
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
+
+    with Executor.from_engine_dir(tiny_tp2_engine_dir, ExecutorConfig(max_batch_size=2)) as executor:
+        (worker,) = executor.engine.backend.processes
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        with pytest.raises(EngineError, match=r"the engine cannot run any more \(tensor-parallel rank 1 \(pid \d+\) exited"):
+            executor.submit([7, 8])
+
+
 def test_tp_size_that_does_not_divide_the_heads_is_refused_before_building(tiny_llama_dir, tmp_path):
     with pytest.raises(BuildError, match=r"--tp-size 3 does not divide the model's num_attention_heads \(4\).*--tp-size 1 / 2"):
         build_test_engine(tiny_llama_dir, tmp_path / "out", qformat="fp32", tp_size=3, **TINY_ENGINE_LIMITS)
