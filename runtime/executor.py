@@ -280,9 +280,10 @@ class Executor:
             )
         end_ids = frozenset() if params.ignore_eos else (frozenset({params.end_id}) if params.end_id is not None else self.eos_token_ids)
         with self._lock:
-            # engine_error, not _engine_error: the loop fails a broken step's requests before it records
-            # the error, and a client that saw those failures must not get a new request accepted.
-            engine_error = self.engine_error
+            # The engine is asked too, not only what the loop recorded: the loop fails a broken step's
+            # requests before it records the error, and a client that saw those failures must not get a
+            # new request accepted. After a shutdown (which closes an owned engine) the shutdown is the reason.
+            engine_error = self._engine_error or (None if self._stopping else self.engine_error)
             if engine_error is not None:
                 raise EngineError(f"the engine cannot run any more ({engine_error}): restart the server")
             if self._stopping:

@@ -15,7 +15,7 @@ from factories import make_engine_inputs, run_in_flight
 
 from kilnlm.builder.errors import BuildError
 from kilnlm.runtime.engine import Engine
-from kilnlm.runtime.errors import EngineError
+from kilnlm.runtime.errors import EngineError, RequestError
 from kilnlm.runtime.manifest import read_manifest
 
 # A packed step mixing two contexts (one chunked), then steps mixing the chunk's rest with generation.
@@ -121,6 +121,16 @@ def test_a_rank_that_died_while_idle_refuses_the_next_request(tiny_tp2_engine_di
         worker.join(10)
         with pytest.raises(EngineError, match=r"the engine cannot run any more \(tensor-parallel rank 1 \(pid \d+\) exited"):
             executor.submit([7, 8])
+
+
+def test_a_shut_down_executor_names_the_shutdown_not_its_closed_engine(tiny_tp2_engine_dir):
+    from kilnlm.runtime.executor import Executor, ExecutorConfig
+
+    executor = Executor.from_engine_dir(tiny_tp2_engine_dir, ExecutorConfig(max_batch_size=2))
+    executor.shutdown()
+    assert executor.engine.broken == "the engine was closed"
+    with pytest.raises(RequestError, match="the executor is shut down"):
+        executor.submit([7, 8])
 
 
 def test_tp_size_that_does_not_divide_the_heads_is_refused_before_building(tiny_llama_dir, tmp_path):
