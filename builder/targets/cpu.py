@@ -118,7 +118,7 @@ def compile_engine(network: torch.nn.Module, model: ModelConfig, build: BuildCon
     except Exception as exc:  # export failures are many types; report them as one build error
         raise BuildError(f"torch.export failed for {model.architecture}: {str(exc).splitlines()[0]}") from exc
     log.info("exported the network in %.1f s", time.perf_counter() - t0)
-    log.info("AOT-compiling with AOTInductor (the longest step: 0.5-1.5 min for the 135M-parameter SmolLM2 on 2 cores, by CPU)")
+    log.info("AOT-compiling with AOTInductor (the longest step: 0.5-2 min for the 135M-parameter SmolLM2 on 2 cores, by CPU)")
     t0 = time.perf_counter()
     package_path = Path(package_path)
     try:
