@@ -283,7 +283,7 @@ class Executor:
             # The engine is asked too, not only what the loop recorded: the loop fails a broken step's
             # requests before it records the error, and a client that saw those failures must not get a
             # new request accepted. After a shutdown (which closes an owned engine) the shutdown is the reason.
-            engine_error = self._engine_error or (None if self._stopping else self.engine_error)
+            engine_error = self._engine_error if self._stopping else self.engine_error
             if engine_error is not None:
                 raise EngineError(f"the engine cannot run any more ({engine_error}): restart the server")
             if self._stopping:
