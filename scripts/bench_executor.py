@@ -14,6 +14,7 @@ import threading
 import time
 
 from kilnlm.runtime.executor import Executor, ExecutorConfig
+from kilnlm.runtime.memory import wait_until_populated
 from kilnlm.runtime.request import SamplingParams
 
 
@@ -56,6 +57,7 @@ def main() -> None:
     engine = TimedEngine(Engine.load(args.engine))
     config = ExecutorConfig(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens)
     executor = Executor(engine, Tokenizer.from_dir(engine.tokenizer_dir), config)
+    wait_until_populated()  # the KV pool faulted in first: its thread would take a core from the forwards
     vocab = executor.vocab_size
     ttft_s: list[float] = []
     itl_s: list[float] = []

@@ -18,7 +18,7 @@ import torch
 from kilnlm.runtime.errors import KilnError
 from kilnlm.runtime import memory as memory_module
 from kilnlm.runtime.memory import (HUGE_PAGE_BYTES, advise_huge_pages, find_malloc_library, preload_malloc, running_forward,
-                                   zeroed_memory)
+                                   wait_until_populated, zeroed_memory)
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -100,8 +100,7 @@ def test_engine_weights_are_moved_to_64_byte_boundaries(tiny_engine_dir):
 
 
 def wait_for_populating_threads() -> None:
-    for thread in populating_threads():
-        thread.join()
+    assert wait_until_populated(timeout_s=60), "a pool still faults in after 60 s"
 
 
 def smaps_bytes_in(begin: int, end: int, field: str) -> int:
@@ -185,6 +184,20 @@ def test_population_waits_for_forwards_only_so_long(monkeypatch):
             time.sleep(0.02)
         assert not populating_threads(), "the populating thread still waits after its budget"
         assert smaps_bytes_in(memory.data_ptr(), memory.data_ptr() + nbytes, "Rss:") >= nbytes
+
+
+@pytest.mark.skipif(not populate_supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE) to fault memory in ahead")
+def test_wait_until_populated_returns_once_the_pool_is_faulted_in():
+    """While a forward holds the populating thread back the wait times out (False); once the forward ends it
+    returns True with every page resident."""
+    nbytes = 8 * HUGE_PAGE_BYTES
+    memory = zeroed_memory(nbytes)
+    with running_forward():
+        assert not wait_until_populated(timeout_s=0.1)
+    assert wait_until_populated(timeout_s=60)
+    assert memory_module._GATE.populating == 0
+    assert smaps_bytes_in(memory.data_ptr(), memory.data_ptr() + nbytes, "Rss:") >= nbytes
+    assert wait_until_populated(timeout_s=0)  # nothing left to wait for
 
 
 def test_zeroed_memory_keeps_what_is_written_while_it_is_faulted_in():
