@@ -225,9 +225,8 @@ def measure_read_bandwidth_gbs(num_bytes: int = 1 << 30, num_passes: int = 7) ->
 def warm_up(executor, prompt: list[int]) -> None:
     """A 4-token request on a new executor (its first forwards), then the wait for its KV pool to be faulted
     in (:func:`kilnlm.runtime.memory.wait_until_populated`): the scenarios measure an engine in its steady
-    state, the cold start measures the start. Beside the populating thread a forward loses one of a 2-vCPU
-    machine's cores: on an AMD EPYC Zen 5 SmolLM2 bf16 decoded 77-80 tok/s in the 2-3 s a 755 MB pool took,
-    128-129 after it."""
+    state, the cold start measures the start (beside the populating thread a forward loses one of a 2-vCPU
+    machine's cores: docs/performance.md, "Reproducing")."""
     from kilnlm.runtime.memory import wait_until_populated
     from kilnlm.runtime.request import SamplingParams
 
