@@ -11,7 +11,8 @@ when asked: :func:`advise_huge_pages` marks a range ``MADV_HUGEPAGE`` (future fa
 kernel without them, THP disabled, or no free huge pages leaves the memory as it was, which is never an
 error. :func:`zeroed_memory` gives a large zero-filled buffer (the KV pool) at once: fresh pages, advised
 before their first touch and faulted in by a background thread, off the engine's start-up path. That thread
-stands aside while forwards run (:func:`running_forward`), for at most :data:`POPULATE_MAX_DEFER_S` in all.
+stands aside while forwards run (:func:`running_forward`), for at most :data:`POPULATE_MAX_DEFER_S` in all;
+:func:`wait_until_populated` blocks until every such pool is faulted in (benchmarks, before they measure).
 
 :func:`preload_malloc` picks the C allocator of the processes that serve an engine (tritonserver and its
 Python backend stubs, the benchmark's engine processes): TCMalloc, else jemalloc, through ``LD_PRELOAD`` when
