@@ -106,8 +106,10 @@ constexpr int64_t kGemvBlockRows = 16;     // weight rows per block: 16 accumula
 constexpr int64_t kGemvPrefetchBlocks = 2;  // how many blocks ahead the first token group prefetches
 
 // Lane t * NR + r of the result = dot(x_t, w_{r0 + r}) for NT tokens x NR rows (NT * NR == 16); x: NT rows
-// of k bf16 bits (in the loader's column order), x_stride apart; k a multiple of L::kCols. pf_row (or -1): the first of NR rows of a later
-// block, touched one cache line per row per 64 bytes so that DRAM streams ahead of the dot products.
+// of k bf16 bits (in the loader's column order), x_stride apart; k a multiple of L::kCols. The NR rows
+// column chunk by column chunk, so that each x load serves NR rows: the tiles of later token groups read
+// the block from L1/L2. pf_row (or -1): the first of NR rows of a later block, touched one cache line per
+// row per 64 bytes so that DRAM streams ahead of the dot products.
 template <class L, int NT, int NR>
 static inline __m512 gemv_tile(const uint16_t* x, int64_t x_stride, const L& rows, int64_t r0, int64_t k,
                                int64_t pf_row) {
@@ -135,11 +137,41 @@ static inline __m512 gemv_tile(const uint16_t* x, int64_t x_stride, const L& row
   return _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced));
 }
 
+// gemv_tile<L, 1, 16> for a block that one token reads from memory (decode at batch 1): the same 16 sums
+// (each accumulator over its columns in order, bit for bit), but the rows one after another, a single
+// sequential stream per thread that the hardware prefetchers follow and the software prefetch runs
+// KILN_WEIGHT_PREFETCH_BYTES ahead of (isa_variants.h); 16 rows interleaved chunk by chunk are 16 short
+// streams. prefetch_end: where the weights end (nothing past it is prefetched).
+template <class L>
+static inline __m512 gemv_tile_rows_in_order(const uint16_t* x, const L& rows, int64_t r0, int64_t k,
+                                             const char* prefetch_end) {
+  constexpr int V = static_cast<int>(L::kCols / 32);  // bf16 vectors per load
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += L::kCols) {
+      if ((i / L::kCols * L::kChunkBytes) % 64 == 0) {
+        const char* ahead = static_cast<const char*>(rows.address(r0 + r, i)) + KILN_WEIGHT_PREFETCH_BYTES;
+        if (ahead < prefetch_end) _mm_prefetch(ahead, KILN_WEIGHT_PREFETCH);
+      }
+      __m512bh wv[V];
+      rows.load(r0 + r, i, wv);
+      for (int v = 0; v < V; ++v) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + i + 32 * v), wv[v]);
+    }
+  }
+  alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
+  reduce16(acc, reduced);
+  const __m512i natural = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced));
+}
+
 // For rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens: y[t, r] by
 // `epilogue` from dot(x_t, row r as loaded).
 template <class L>
 static void gemv_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const L& rows, int64_t num_rows_total,
                       int64_t k, int64_t r0, int64_t r1, const GemvEpilogue& epilogue) {
+  const char* const prefetch_end = static_cast<const char*>(rows.address(num_rows_total, 0));
   for (int64_t r = r0; r < r1; r += kGemvBlockRows) {
     const int64_t ahead = r + kGemvPrefetchBlocks * kGemvBlockRows;
     const int64_t pf = ahead + kGemvBlockRows <= num_rows_total ? ahead : -1;
@@ -152,7 +184,10 @@ static void gemv_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, c
       for (int64_t sub = 0; sub < kGemvBlockRows; sub += 8)
         epilogue.store16<8>(t, r + sub, gemv_tile<L, 2, 8>(x + t * x_stride, x_stride, rows, r + sub, k,
                                                            t == 0 && pf >= 0 ? pf + sub : -1));
-    if (t < num_tokens) epilogue.store16<16>(t, r, gemv_tile<L, 1, 16>(x + t * x_stride, x_stride, rows, r, k, t == 0 ? pf : -1));
+    if (num_tokens == 1)
+      epilogue.store16<16>(0, r, gemv_tile_rows_in_order(x, rows, r, k, prefetch_end));
+    else if (t < num_tokens)
+      epilogue.store16<16>(t, r, gemv_tile<L, 1, 16>(x + t * x_stride, x_stride, rows, r, k, -1));
   }
 }
 

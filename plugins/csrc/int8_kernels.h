@@ -74,7 +74,8 @@ static inline void gemv_f32_block(const int8_t* w, int64_t in, const float* x, i
   int64_t c = 0;
   for (; c + 32 <= in; c += 32) {
     if ((c & 63) == 0) {
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), KILN_WEIGHT_PREFETCH);
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * in + c) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
     }
     __m512 xv[NT][2];
     for (int t = 0; t < NT; ++t) {
@@ -108,7 +109,8 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
   int64_t c = 0;
   for (; c + 32 <= in; c += 32) {
     if ((c & 63) == 0) {
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), KILN_WEIGHT_PREFETCH);
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * in + c) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
     }
     __m512i xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = _mm512_loadu_si512(x + t * x_stride + c);
@@ -122,8 +124,11 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
       y[t * y_stride + r] = _mm512_reduce_add_epi32(acc[r][t]) + dot_i32_tail(w + r * in, x + t * x_stride, c, in);
 }
 
+// One token reads its rows one after another (one sequential stream, prefetched
+// KILN_WEIGHT_PREFETCH_BYTES ahead: isa_variants.h); more share each weight load between tokens. A row's
+// sums do not depend on NR.
 template <int NT>
-struct RowsPerBlock { static constexpr int value = NT == 4 ? 2 : 4; };
+struct RowsPerBlock { static constexpr int value = NT == 4 ? 2 : NT == 2 ? 4 : 1; };
 
 #elif KILN_ISA == KILN_ISA_AVX2  // ------------------------------------------------------------ AVX2 + FMA
 
