@@ -1,5 +1,7 @@
 """Microbenchmarks of kilnlm's C++ CPU kernels, printed against what limits them.
 
+Every cold-weight sweep reads weights packed on transparent huge pages, as an engine's sit (on_huge_pages).
+
 - gemm (the bf16 linear layers and LM head, ``--only gemm``): a cold-weight pass over SmolLM2's 30 layers
   and LM head at T = 1 / 4 / 16 / 32 / 64 / 128 tokens, kilnlm::gemm against F.linear (oneDNN), with GB/s of weights.
 - fp8_linear on SmolLM2-135M's projection shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
@@ -96,6 +98,25 @@ def time_call_min(fn: Callable[[], object], min_time_s: float) -> float:
     return best
 
 
+def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` packed into one buffer on transparent huge pages, each on a 64-byte boundary, as
+    an engine's weights sit (the loader's ``realign_constants``, kilnlm.runtime.memory): a cold sweep over
+    4 KiB pages would also time TLB misses and hardware prefetchers stopping at every page boundary, which
+    an engine's decode step does not pay."""
+    from kilnlm.runtime.memory import HUGE_PAGE_BYTES, advise_huge_pages
+
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    buffer = torch.empty(sum(sizes) + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    offset = -buffer.data_ptr() % HUGE_PAGE_BYTES
+    advise_huge_pages(buffer.data_ptr() + offset, buffer.data_ptr() + buffer.numel())
+    copies = []
+    for t, size in zip(tensors, sizes):
+        copy = buffer[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        copies.append(copy.copy_(t))
+        offset += size
+    return copies
+
+
 INT4_GROUP_SIZE = 64  # AWQ's usual 128 does not divide SmolLM2's hidden size 576
 
 
@@ -147,18 +168,21 @@ def bench_quantized_decode_sweep(dtype: torch.dtype, min_time_s: float, num_laye
     decode step of an engine reads them."""
     gen = torch.Generator().manual_seed(4)
     layers = [{name: quantized_layer(o, i, gen) for name, (o, i) in SMOLLM2_LINEARS.items()} for _ in range(num_layers)]
-    bf16 = [[torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in SMOLLM2_LINEARS.values()]
-            for _ in range(num_layers)]
+    bf16 = on_huge_pages([torch.randn(o, i, generator=gen).to(torch.bfloat16) for _ in range(num_layers)
+                          for o, i in SMOLLM2_LINEARS.values()])
     xs = {i: torch.randn(1, i, generator=gen).to(dtype) for _, i in SMOLLM2_LINEARS.values()}
     xs_bf16 = {i: t.to(torch.bfloat16) for i, t in xs.items()}
-    num_bf16_bytes = 2 * sum(w.numel() for layer in bf16 for w in layer)
-    t_bf16 = time_call_min(lambda: [F.linear(xs_bf16[w.shape[1]], w) for layer in bf16 for w in layer], min_time_s)
+    num_bf16_bytes = 2 * sum(w.numel() for w in bf16)
+    t_bf16 = time_call_min(lambda: [F.linear(xs_bf16[w.shape[1]], w) for w in bf16], min_time_s)
     print(f"\nquantized generation phase, cold weights: {num_layers} layers x (qkv, o, gate_up, down) at T=1, x {dtype}")
     print(f"{'bf16 F.linear':>14}: {t_bf16 * 1e3:7.2f} ms per step, {num_bf16_bytes / t_bf16 / 1e9:6.1f} GB/s")
     for fmt, op_name in QUANT_OPS.items():
         op = getattr(torch.ops.kilnlm, op_name)
         calls = [(xs[args[0].shape[1] * (2 if fmt.startswith("int4") else 1)], args)
                  for layer in layers for formats in layer.values() for args in [formats[fmt][0]]]
+        is_array = lambda a: isinstance(a, torch.Tensor) and a.dim() > 0  # weights, scales, zero points
+        moved = iter(on_huge_pages([a for _, args in calls for a in args if is_array(a)]))
+        calls = [(x, tuple(next(moved) if is_array(a) else a for a in args)) for x, args in calls]
         num_bytes = sum(formats[fmt][1] for layer in layers for formats in layer.values())
         t = time_call_min(lambda: [op(x, *args) for x, args in calls], min_time_s)
         print(f"{fmt:>14}: {t * 1e3:7.2f} ms per step, {num_bytes / t / 1e9:6.1f} GB/s, {t_bf16 / t:5.2f}x bf16")
@@ -172,18 +196,18 @@ def bench_fp8_decode_sweep(min_time_s: float, num_layers: int = 30) -> None:
               for _ in range(num_layers)]
     num_weights = sum(o * i for o, i in SMOLLM2_LINEARS.values()) * num_layers
     scale = torch.tensor(0.01)
-    fp8 = [{n: (w * 30).clamp(-448, 448).to(torch.float8_e4m3fn) for n, w in layer.items()} for layer in layers]
-    bf16 = [{n: w.to(torch.bfloat16) for n, w in layer.items()} for layer in layers]
+    fp8 = on_huge_pages([(w * 30).clamp(-448, 448).to(torch.float8_e4m3fn) for layer in layers for w in layer.values()])
+    bf16 = on_huge_pages([w.to(torch.bfloat16) for layer in layers for w in layer.values()])
+    layers = on_huge_pages([w for layer in layers for w in layer.values()])
     x = {i: torch.randn(1, i, generator=gen) for _, i in SMOLLM2_LINEARS.values()}
     x_bf16 = {i: t.to(torch.bfloat16) for i, t in x.items()}
 
     def sweep_fp8():
-        for layer in fp8:
-            for w in layer.values():
-                torch.ops.kilnlm.fp8_linear(x[w.shape[1]], w, scale, scale, None)
+        for w in fp8:
+            torch.ops.kilnlm.fp8_linear(x[w.shape[1]], w, scale, scale, None)
 
     def sweep(weights, xs):
-        return lambda: [F.linear(xs[w.shape[1]], w) for layer in weights for w in layer.values()]
+        return lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
 
     print(f"\nfp8_linear generation phase, cold weights: {num_layers} layers x (qkv, o, gate_up, down) at T=1")
     for label, fn, bytes_per_weight in (("fp8 (kilnlm)", sweep_fp8, 1), ("bf16 F.linear", sweep(bf16, x_bf16), 2),
@@ -208,13 +232,14 @@ def bench_fp8_rowwise(dtype: torch.dtype, min_time_s: float, num_layers: int = 3
             gbs = w.numel() / 1e9
             print(f"{name:>8} {num_tokens:>4} | {t_fp8 * 1e6:8.1f} {gbs / t_fp8:6.1f} | {t_row * 1e6:10.1f} "
                   f"{gbs / t_row:6.1f} | {t_row / t_fp8:5.3f}")
-    layers = [[((torch.randn(o, i, generator=gen) * 30).clamp(-448, 448).to(torch.float8_e4m3fn),
-                torch.rand(o, generator=gen) * 0.01 + 1e-3) for o, i in SMOLLM2_LINEARS.values()]
-              for _ in range(num_layers)]
+    shapes = list(SMOLLM2_LINEARS.values()) * num_layers
+    weights = on_huge_pages([(torch.randn(o, i, generator=gen) * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+                             for o, i in shapes])
+    layers = list(zip(weights, on_huge_pages([torch.rand(o, generator=gen) * 0.01 + 1e-3 for o, _ in shapes])))
     xs = {i: torch.randn(1, i, generator=gen).to(dtype) for _, i in SMOLLM2_LINEARS.values()}
-    num_bytes = sum(w.numel() for layer in layers for w, _ in layer)
-    fp8 = lambda: [torch.ops.kilnlm.fp8_linear(xs[w.shape[1]], w, w_scale, x_scale, None) for l in layers for w, _ in l]
-    rowwise = lambda: [torch.ops.kilnlm.fp8_rowwise_linear(xs[w.shape[1]], w, s, None) for l in layers for w, s in l]
+    num_bytes = sum(w.numel() for w in weights)
+    fp8 = lambda: [torch.ops.kilnlm.fp8_linear(xs[w.shape[1]], w, w_scale, x_scale, None) for w, _ in layers]
+    rowwise = lambda: [torch.ops.kilnlm.fp8_rowwise_linear(xs[w.shape[1]], w, s, None) for w, s in layers]
     print(f"cold weights: {num_layers} layers x (qkv, o, gate_up, down) at T=1 ({num_bytes / 1e6:.0f} MB), alternating")
     times = {"fp8": [], "rowwise": []}
     for _ in range(3):  # alternate, so that both see the same machine load
@@ -236,6 +261,7 @@ def bench_gemm_sweep(min_time_s: float, dtype: torch.dtype, num_layers: int = 30
     weights = [(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for _ in range(num_layers)
                for o, i in SMOLLM2_LINEARS.values()]
     weights.append((torch.randn(49152, 576, generator=gen) * 0.05).to(dtype))
+    weights = on_huge_pages(weights)
     num_bytes = sum(w.numel() * w.element_size() for w in weights)
     print(f"\ngemm ({dtype}), cold weights: {num_layers} layers x (qkv, o, gate_up, down) + LM head, "
           f"{num_bytes / 1e6:.0f} MB per pass")
