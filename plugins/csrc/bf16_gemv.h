@@ -102,8 +102,14 @@ struct GemvEpilogue {
   }
 };
 
-constexpr int64_t kGemvBlockRows = 16;     // weight rows per block: 16 accumulators for 1x16, 2x8, 4x4
+constexpr int64_t kGemvBlockRows = 16;      // weight rows per block: 16 accumulators for 1x16, 2x8, 4x4
 constexpr int64_t kGemvPrefetchBlocks = 2;  // how many blocks ahead the first token group prefetches
+// Calls of up to this many tokens (batch-1 decode, a speculative step's verification) read each block's
+// rows in order in their first token group (gemv_tile_rows_in_order); more tokens make the block's compute
+// outweigh its bytes, and x's loads per row with them. AMD EPYC Zen 5 (2 vCPUs), SmolLM2's 269 MB of bf16
+// weights cold on huge pages, alternating builds, three rounds: T = 2 7.5-7.7 against 9.6-10.3 ms, T = 4
+// 5.7-9.8 against 10.2-11.2, T = 5 6.6-10.4 against 10.3-11.6, T = 8 8.2-12.5 against 11.1-12.4.
+constexpr int64_t kGemvInOrderMaxTokens = 8;
 
 // Lane t * NR + r of the result = dot(x_t, w_{r0 + r}) for NT tokens x NR rows (NT * NR == 16); x: NT rows
 // of k bf16 bits (in the loader's column order), x_stride apart; k a multiple of L::kCols. The NR rows
@@ -137,19 +143,21 @@ static inline __m512 gemv_tile(const uint16_t* x, int64_t x_stride, const L& row
   return _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced));
 }
 
-// gemv_tile<L, 1, 16> for a block that one token reads from memory (decode at batch 1): the same 16 sums
+// gemv_tile for a block that the first group of a call with few tokens reads from memory: the same sums
 // (each accumulator over its columns in order, bit for bit), but the rows one after another, a single
 // sequential stream per thread that the hardware prefetchers follow and the software prefetch runs
-// KILN_WEIGHT_PREFETCH_BYTES ahead of (isa_variants.h); 16 rows interleaved chunk by chunk are 16 short
-// streams. prefetch_end: where the weights end (nothing past it is prefetched).
-template <class L>
-static inline __m512 gemv_tile_rows_in_order(const uint16_t* x, const L& rows, int64_t r0, int64_t k,
-                                             const char* prefetch_end) {
+// KILN_WEIGHT_PREFETCH_BYTES ahead of (isa_variants.h), where NR rows interleaved chunk by chunk are NR
+// short streams. x is loaded again for every row (from L1). prefetch_end: where the weights end (nothing
+// past it is prefetched).
+template <class L, int NT, int NR>
+static inline __m512 gemv_tile_rows_in_order(const uint16_t* x, int64_t x_stride, const L& rows, int64_t r0,
+                                             int64_t k, const char* prefetch_end) {
+  static_assert(NT * NR == 16, "reduce16 sums exactly 16 accumulators");
   constexpr int V = static_cast<int>(L::kCols / 32);  // bf16 vectors per load
-  __m512 acc[16];
+  __m512 acc[NT][NR];
 #pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r) {
-    acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) acc[t][r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += L::kCols) {
       if ((i / L::kCols * L::kChunkBytes) % 64 == 0) {
         const char* ahead = static_cast<const char*>(rows.address(r0 + r, i)) + KILN_WEIGHT_PREFETCH_BYTES;
@@ -157,37 +165,43 @@ static inline __m512 gemv_tile_rows_in_order(const uint16_t* x, const L& rows, i
       }
       __m512bh wv[V];
       rows.load(r0 + r, i, wv);
-      for (int v = 0; v < V; ++v) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + i + 32 * v), wv[v]);
+      for (int v = 0; v < V; ++v)
+        for (int t = 0; t < NT; ++t)
+          acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)_mm512_loadu_si512(x + t * x_stride + i + 32 * v), wv[v]);
     }
   }
   alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
-  reduce16(acc, reduced);
+  reduce16(&acc[0][0], reduced);
   const __m512i natural = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced));
 }
 
 // For rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens: y[t, r] by
-// `epilogue` from dot(x_t, row r as loaded).
+// `epilogue` from dot(x_t, row r as loaded). Each block's first token group reads it from memory, the
+// later ones from L1/L2.
 template <class L>
 static void gemv_rows(const uint16_t* x, int64_t num_tokens, int64_t x_stride, const L& rows, int64_t num_rows_total,
                       int64_t k, int64_t r0, int64_t r1, const GemvEpilogue& epilogue) {
   const char* const prefetch_end = static_cast<const char*>(rows.address(num_rows_total, 0));
+  const bool in_order = num_tokens <= kGemvInOrderMaxTokens;
   for (int64_t r = r0; r < r1; r += kGemvBlockRows) {
     const int64_t ahead = r + kGemvPrefetchBlocks * kGemvBlockRows;
     const int64_t pf = ahead + kGemvBlockRows <= num_rows_total ? ahead : -1;
     int64_t t = 0;
     for (; t + 4 <= num_tokens; t += 4)
       for (int64_t sub = 0; sub < kGemvBlockRows; sub += 4)
-        epilogue.store16<4>(t, r + sub, gemv_tile<L, 4, 4>(x + t * x_stride, x_stride, rows, r + sub, k,
-                                                           t == 0 && pf >= 0 ? pf + sub : -1));
+        epilogue.store16<4>(t, r + sub, in_order && t == 0
+            ? gemv_tile_rows_in_order<L, 4, 4>(x, x_stride, rows, r + sub, k, prefetch_end)
+            : gemv_tile<L, 4, 4>(x + t * x_stride, x_stride, rows, r + sub, k, t == 0 && pf >= 0 ? pf + sub : -1));
     for (; t + 2 <= num_tokens; t += 2)
       for (int64_t sub = 0; sub < kGemvBlockRows; sub += 8)
-        epilogue.store16<8>(t, r + sub, gemv_tile<L, 2, 8>(x + t * x_stride, x_stride, rows, r + sub, k,
-                                                           t == 0 && pf >= 0 ? pf + sub : -1));
-    if (num_tokens == 1)
-      epilogue.store16<16>(0, r, gemv_tile_rows_in_order(x, rows, r, k, prefetch_end));
-    else if (t < num_tokens)
-      epilogue.store16<16>(t, r, gemv_tile<L, 1, 16>(x + t * x_stride, x_stride, rows, r, k, -1));
+        epilogue.store16<8>(t, r + sub, in_order && t == 0
+            ? gemv_tile_rows_in_order<L, 2, 8>(x, x_stride, rows, r + sub, k, prefetch_end)
+            : gemv_tile<L, 2, 8>(x + t * x_stride, x_stride, rows, r + sub, k, t == 0 && pf >= 0 ? pf + sub : -1));
+    if (t < num_tokens)
+      epilogue.store16<16>(t, r, t == 0
+            ? gemv_tile_rows_in_order<L, 1, 16>(x, x_stride, rows, r, k, prefetch_end)
+            : gemv_tile<L, 1, 16>(x + t * x_stride, x_stride, rows, r, k, -1));
   }
 }
 

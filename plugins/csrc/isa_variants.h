@@ -47,13 +47,14 @@
 #endif
 
 // How far ahead, in bytes, of the weight they read the GEMVs that read their rows one after another
-// prefetch (bf16_gemv.h's one-token tile, the AVX-512 W8A8 GEMV of int8_kernels.h): their weights stream
-// as one sequential run per thread, which the hardware prefetchers follow, and the software prefetch runs
-// this far ahead of it. On an AMD EPYC Zen 5 (2 vCPUs), the bf16 one-token tile's rows in order against
-// 16 rows interleaved chunk by chunk (prefetched two 16-row blocks ahead): `bench_plugins.py --only gemm`
-// T = 1 (269 MB cold, on huge pages) 6.8-8.1 against 9.5 ms, SmolLM2 bf16's batch-1 decode step 6.3-7.9
-// against 8.0-11.1 ms (alternating builds). In a standalone sweep of the same bytes in order, 8 KB ahead
-// read as fast as a plain read, 2 KB 16% and no prefetch 30% slower.
+// prefetch (bf16_gemv.h's first token group up to kGemvInOrderMaxTokens, the AVX-512 W8A8 / W8A16 GEMVs
+// of int8_kernels.h for one token): their weights stream as one sequential run per thread, which the
+// hardware prefetchers follow, and the software prefetch runs this far ahead of it. On an AMD EPYC Zen 5
+// (2 vCPUs), the bf16 one-token tile's rows in order against 16 rows interleaved chunk by chunk (prefetched
+// two 16-row blocks ahead): `bench_plugins.py --only gemm` T = 1 (269 MB cold, on huge pages) 6.8-8.1
+// against 9.5 ms, SmolLM2 bf16's batch-1 decode step 6.3-7.9 against 8.0-11.1 ms (alternating builds). In
+// a standalone sweep of the same bytes in order, 8 KB ahead read as fast as a plain read, 2 KB 16% and no
+// prefetch 30% slower.
 #ifndef KILN_WEIGHT_PREFETCH_BYTES
 #define KILN_WEIGHT_PREFETCH_BYTES 8192
 #endif
