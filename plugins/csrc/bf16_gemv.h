@@ -111,6 +111,14 @@ constexpr int64_t kGemvPrefetchBlocks = 2;  // how many blocks ahead the first t
 // 5.7-9.8 against 10.2-11.2, T = 5 6.6-10.4 against 10.3-11.6, T = 8 8.2-12.5 against 11.1-12.4.
 constexpr int64_t kGemvInOrderMaxTokens = 8;
 
+// Lane n = the total of accumulator acc[n]'s 16 lanes (reduce16, then its order undone).
+static inline __m512 reduce16_by_lane(const __m512* acc) {
+  alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
+  reduce16(acc, reduced);
+  const __m512i natural = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced));
+}
+
 // Lane t * NR + r of the result = dot(x_t, w_{r0 + r}) for NT tokens x NR rows (NT * NR == 16); x: NT rows
 // of k bf16 bits (in the loader's column order), x_stride apart; k a multiple of L::kCols. The NR rows
 // column chunk by column chunk, so that each x load serves NR rows: the tiles of later token groups read
@@ -137,10 +145,7 @@ static inline __m512 gemv_tile(const uint16_t* x, int64_t x_stride, const L& row
         for (int t = 0; t < NT; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv[t][v], wv[v]);
     }
   }
-  alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
-  reduce16(&acc[0][0], reduced);
-  const __m512i natural = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced));
+  return reduce16_by_lane(&acc[0][0]);
 }
 
 // gemv_tile for a block that the first group of a call with few tokens reads from memory: the same sums
@@ -170,10 +175,7 @@ static inline __m512 gemv_tile_rows_in_order(const uint16_t* x, int64_t x_stride
           acc[t][r] = _mm512_dpbf16_ps(acc[t][r], (__m512bh)_mm512_loadu_si512(x + t * x_stride + i + 32 * v), wv[v]);
     }
   }
-  alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
-  reduce16(&acc[0][0], reduced);
-  const __m512i natural = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced));
+  return reduce16_by_lane(&acc[0][0]);
 }
 
 // For rows [r0, r1) (r1 - r0 a multiple of kGemvBlockRows) and every token t < num_tokens: y[t, r] by

@@ -1,6 +1,6 @@
 // Generation-phase GEMV of kilnlm::int4_linear for bfloat16 x on CPUs with AVX512-BF16, included by
 // int4_kernels.h in its KILN_ISA_AVX512_BF16 copy (isa_variants.h) after fp8_bf16_gemm.h (reduce16) and
-// bf16_gemv.h (GemvEpilogue, kGemvBlockRows).
+// bf16_gemv.h (GemvEpilogue, kGemvBlockRows, reduce16_by_lane).
 //
 // Decode reads each packed weight once, so the kernel must unpack faster than DRAM delivers: four
 // instructions per 32 weights here (one shift, one VPTERNLOG, one VDPBF16PS, plus a share of the load), no
@@ -189,10 +189,7 @@ static inline void int4_gemv_tile(const Int4GemvArgs& a, int64_t t0, int64_t r0,
     }
   }
   if constexpr (NT * NR == 16) {
-    alignas(64) float reduced[16];  // reduce16: reduced[4 * (n % 4) + n / 4] = total of accumulator n
-    reduce16(&acc[0][0], reduced);
-    const __m512i natural = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_storeu_ps(sums, _mm512_permutexvar_ps(natural, _mm512_load_ps(reduced)));
+    _mm512_storeu_ps(sums, reduce16_by_lane(&acc[0][0]));
   } else {
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < NR; ++r) sums[t * NR + r] = _mm512_reduce_add_ps(acc[t][r]);
