@@ -52,7 +52,7 @@
 // hardware prefetchers follow, and the software prefetch runs this far ahead of it. On an AMD EPYC Zen 5
 // (2 vCPUs), the bf16 one-token tile's rows in order against 16 rows interleaved chunk by chunk (prefetched
 // two 16-row blocks ahead): `bench_plugins.py --only gemm` T = 1 (269 MB cold, on huge pages) 6.8-8.1
-// against 9.5 ms, SmolLM2 bf16's batch-1 decode step 6.3-7.9 against 8.0-11.1 ms (alternating builds). In
+// against 9.5 ms, SmolLM2 bf16's batch-1 decode step 6.3-8.2 against 8.0-11.1 ms (alternating builds). In
 // a standalone sweep of the same bytes in order, 8 KB ahead read as fast as a plain read, 2 KB 16% and no
 // prefetch 30% slower.
 #ifndef KILN_WEIGHT_PREFETCH_BYTES
