@@ -160,9 +160,10 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* x, int6
   int64_t i = 0;
   for (; i + kBlock <= in; i += kBlock) {
     if ((i & 63) == 0) {
-      // Software prefetch of the next NR rows (contiguous after these): the generation phase streams
-      // weights from DRAM and the hardware prefetcher alone leaves bandwidth unused.
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + i), KILN_WEIGHT_PREFETCH);
+      // Software prefetch KILN_WEIGHT_PREFETCH_BYTES ahead in this thread's rows: the generation phase
+      // streams weights from DRAM and the hardware prefetcher alone leaves bandwidth unused.
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * in + i) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
     }
     for (int r = 0; r < NR; ++r) {
       __m256 v[4];

@@ -151,7 +151,7 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
       const int64_t c = c0 + 32 * b;
       if ((c & 127) == 0) {
         for (int r = 0; r < NR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + c / 2), KILN_WEIGHT_PREFETCH);
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * row_bytes + c / 2) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
       }
       for (int r = 0; r < NR; ++r) {
         const __m256 scale = _mm256_set1_ps(scales[r * num_groups + g]);
@@ -230,9 +230,9 @@ static inline void gemv_chunk_block(const uint8_t* w, int64_t in, const float* s
       for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
     for (int64_t j = j0; j < j0 + span; ++j) {
       if ((j & 1) == 0) {
-        // the rows 4*NR ahead (this thread's next blocks), one 64-byte line per two chunks
+        // one 64-byte line per two chunks, KILN_WEIGHT_PREFETCH_BYTES ahead in this thread's rows
         for (int r = 0; r < NR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * row_bytes + j * 32), KILN_WEIGHT_PREFETCH);
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * row_bytes + j * 32) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
       }
       const float* xj = x + j * kChunkCols;
       for (int r = 0; r < NR; ++r) {
@@ -397,10 +397,10 @@ static inline void gemv_int16_row(const uint8_t* row, int64_t in, const Scale* s
       tail[t] -= offset_scale * x_sum[t * num_groups + g];
     }
   }
-  // the row 8 rows ahead (this thread's next rows); every chunk (group-64 rows: every two) prefetches, as
-  // the parity test that would halve them cost more than the duplicate hints (measured: ~7% on a
-  // cache-resident 3072x576 weight)
-  const int64_t prefetch_ahead = 8 * (in / 2);
+  // KILN_WEIGHT_PREFETCH_BYTES ahead in this thread's rows; every chunk (group-64 rows: every two)
+  // prefetches, as the parity test that would halve them cost more than the duplicate hints (measured: ~7%
+  // on a cache-resident 3072x576 weight)
+  const int64_t prefetch_ahead = KILN_WEIGHT_PREFETCH_BYTES;
   const auto scale_group = [&](const __m256i* acc, int64_t group) {
     for (int t = 0; t < NT; ++t)
       total[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_broadcast_ss(group_scale + t * num_groups + group),

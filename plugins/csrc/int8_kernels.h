@@ -185,7 +185,8 @@ static inline void gemv_f32_block(const int8_t* w, int64_t in, const float* x, i
   int64_t c = 0;
   for (; c + 16 <= in; c += 16) {
     if ((c & 63) == 0) {
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), KILN_WEIGHT_PREFETCH);
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * in + c) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
     }
     for (int r = 0; r < NR; ++r) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * in + c));
@@ -210,8 +211,9 @@ static inline void gemm_i32_block(const int8_t* w, int64_t in, const int16_t* x,
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
   int64_t c = 0;
   for (; c + 16 <= in; c += 16) {
-    if ((c & 63) == 0) {  // the rows 4*NR ahead, as the W8A16 GEMV above
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c), KILN_WEIGHT_PREFETCH);
+    if ((c & 63) == 0) {  // as the W8A16 GEMV above
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * in + c) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
     }
     for (int r = 0; r < NR; ++r) {
       const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * in + c)));
@@ -249,7 +251,8 @@ static inline void gemv_int16_block(const int8_t* w, int64_t in, const int16_t* 
     for (int t = 0; t < NT; ++t) total[r][t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t c0 = b * kInt16BlockCols;
-    for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4 * NR) * in + c0), KILN_WEIGHT_PREFETCH);
+    for (int r = 0; r < NR; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * in + c0) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
     __m256i acc[NR][NT];
     for (int r = 0; r < NR; ++r)
       for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();

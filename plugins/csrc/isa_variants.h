@@ -48,8 +48,14 @@
 
 // How far ahead, in bytes, of the weight they read the GEMVs that read their rows one after another
 // prefetch (bf16_gemv.h's first token group up to kGemvInOrderMaxTokens, the AVX-512 W8A8 / W8A16 GEMVs
-// of int8_kernels.h for one token): their weights stream as one sequential run per thread, which the
-// hardware prefetchers follow, and the software prefetch runs this far ahead of it. On an AMD EPYC Zen 5
+// of int8_kernels.h for one token, and every AVX2 GEMV: gemm_kernels.h, fp8_kernels.h, int8_kernels.h,
+// int4_kernels.h): their weights stream as one sequential run per thread, which the hardware prefetchers
+// follow, and the software prefetch runs this far ahead of it. The AVX2 GEMVs had prefetched the rows
+// 4 * NR ahead (int4's int16 GEMV 8 rows): 2.3-12.3 KB on SmolLM2's rows. On an AMD EPYC Zen 3 (2 vCPUs,
+// alternating builds, a busy host), SmolLM2 bf16's batch-1 decode step in the executor took 17.1-19.1
+// against 18.5-21.3 ms (three pairs of runs, every one shorter); fp8, int8_sq and int4_awq + LM head moved
+// within the host's noise. A standalone sweep of the bf16 engine's 269 MB in the AVX2 GEMV's loop: 15.0
+// against 15.6 ms, a plain read of the same bytes 13.7. On an AMD EPYC Zen 5
 // (2 vCPUs), the bf16 one-token tile's rows in order against 16 rows interleaved chunk by chunk (prefetched
 // two 16-row blocks ahead): `bench_plugins.py --only gemm` T = 1 (269 MB cold, on huge pages) 6.8-8.1
 // against 9.5 ms, SmolLM2 bf16's batch-1 decode step 6.3-8.2 against 8.0-11.1 ms (alternating builds). In
