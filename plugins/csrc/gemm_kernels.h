@@ -49,65 +49,68 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// acc[t * acc_stride + r] = sum_c w[r, c] * x[t, c] for the NR weight rows at w ([NR, k] bfloat16 or
-// float32) and NT tokens of float32 x (rows x_stride apart): each weight vector is used NT times.
-template <int NR, int NT, typename W>
-inline void gemv_block(const W* w, int64_t k, const float* x, int64_t x_stride, float* acc, int64_t acc_stride) {
-  __m256 sum[NR][NT][2];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) sum[r][t][0] = sum[r][t][1] = _mm256_setzero_ps();
+// acc[t * acc_stride] = sum_c w[c] * x[t, c] for the weight row at w ([k] bfloat16 or float32) and NT tokens
+// of float32 x (rows x_stride apart): each weight vector is used NT times.
+template <int NT, typename W>
+inline void gemv_row(const W* w, int64_t k, const float* x, int64_t x_stride, float* acc, int64_t acc_stride) {
+  __m256 sum[NT][2];
+  for (int t = 0; t < NT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_ps();
   int64_t c = 0;
   for (; c + 16 <= k; c += 16) {
-    if ((c & 31) == 0) {
-      // one 64-byte line per 32 columns, KILN_WEIGHT_PREFETCH_BYTES ahead in this thread's rows
-      for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + r * k + c) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m256 w0 = load8(w + r * k + c), w1 = load8(w + r * k + c + 8);
-      for (int t = 0; t < NT; ++t) {
-        sum[r][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), sum[r][t][0]);
-        sum[r][t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * x_stride + c + 8), sum[r][t][1]);
-      }
+    // one 64-byte line per 32 columns, KILN_WEIGHT_PREFETCH_BYTES ahead in this thread's rows
+    if ((c & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + c) + KILN_WEIGHT_PREFETCH_BYTES, KILN_WEIGHT_PREFETCH);
+    const __m256 w0 = load8(w + c), w1 = load8(w + c + 8);
+    for (int t = 0; t < NT; ++t) {
+      sum[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), sum[t][0]);
+      sum[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * x_stride + c + 8), sum[t][1]);
     }
   }
   for (; c + 8 <= k; c += 8) {
-    for (int r = 0; r < NR; ++r) {
-      const __m256 w0 = load8(w + r * k + c);
-      for (int t = 0; t < NT; ++t) sum[r][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), sum[r][t][0]);
-    }
+    const __m256 w0 = load8(w + c);
+    for (int t = 0; t < NT; ++t) sum[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * x_stride + c), sum[t][0]);
   }
-  for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) {
-      float v = hsum8(_mm256_add_ps(sum[r][t][0], sum[r][t][1]));
-      for (int64_t cc = c; cc < k; ++cc) v += to_float(w[r * k + cc]) * x[t * x_stride + cc];
-      acc[t * acc_stride + r] = v;
-    }
+  for (int t = 0; t < NT; ++t) {
+    float v = hsum8(_mm256_add_ps(sum[t][0], sum[t][1]));
+    for (int64_t cc = c; cc < k; ++cc) v += to_float(w[cc]) * x[t * x_stride + cc];
+    acc[t * acc_stride] = v;
   }
 }
 
+// Tokens per pass over the weight rows: each pass reads the rows from memory once, and NT tokens' 2 * NT
+// accumulators, a row's two weight vectors and one x vector fit AVX2's sixteen registers up to 6.
+constexpr int64_t kMaxPassTokens = 6;
+
+// Rows [r0, r1) one at a time for NT tokens: rows interleaved read the memory as several streams, which
+// starved it (a 98304x576 weight at one token: 23 GB/s one row at a time, 18 four rows at a time; SmolLM2's
+// 269 MB cold at two tokens: 19.7-20.5 ms one row at a time, 28.0-28.1 two rows at a time).
 template <int NT, typename W>
 void gemv_rows_nt(const W* w, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t x_stride, float* acc,
                   int64_t acc_stride) {
-  // One row at a time for a single token: on the AVX2 machine measured, a 98304x576 weight streamed at
-  // 23 GB/s this way and 18 GB/s four rows at a time (prefetched ahead either way).
-  constexpr int NR = NT == 1 ? 1 : 4 / NT;
-  int64_t r = r0;
-  for (; r + NR <= r1; r += NR) gemv_block<NR, NT>(w + r * k, k, x, x_stride, acc + r, acc_stride);
-  for (; r < r1; ++r) gemv_block<1, NT>(w + r * k, k, x, x_stride, acc + r, acc_stride);
+  for (int64_t r = r0; r < r1; ++r) gemv_row<NT>(w + r * k, k, x, x_stride, acc + r, acc_stride);
 }
 
 // acc[t, r] (row stride n) for weight rows [r0, r1) of w [n, k] (bfloat16 or float32) and every token of
-// float32 x [T, k].
+// float32 x [T, k], in the fewest passes of at most kMaxPassTokens tokens, the tokens spread evenly over
+// them (8 tokens: 4 + 4, 16: 6 + 5 + 5): a speculative step's 1 + 4 tokens read the weights once (in
+// passes of 4 and 1 they read them twice). Each (token, row) has its own accumulators, summed in the same
+// order whatever the pass, so the grouping never changes a result.
 template <typename W>
 void gemv_rows(const W* w, int64_t n, int64_t k, int64_t r0, int64_t r1, const float* x, int64_t num_tokens, float* acc) {
-  int64_t t = 0;
-  for (; t + 4 <= num_tokens; t += 4) gemv_rows_nt<4>(w, k, r0, r1, x + t * k, k, acc + t * n, n);
-  if (num_tokens - t >= 2) {
-    gemv_rows_nt<2>(w, k, r0, r1, x + t * k, k, acc + t * n, n);
-    t += 2;
+  const int64_t num_passes = (num_tokens + kMaxPassTokens - 1) / kMaxPassTokens;
+  for (int64_t pass = 0, t = 0; pass < num_passes; ++pass) {
+    const int64_t passes_left = num_passes - pass, pass_tokens = (num_tokens - t + passes_left - 1) / passes_left;
+    const float* xt = x + t * k;
+    float* acc_t = acc + t * n;
+    t += pass_tokens;
+    switch (pass_tokens) {
+      case 1: gemv_rows_nt<1>(w, k, r0, r1, xt, k, acc_t, n); break;
+      case 2: gemv_rows_nt<2>(w, k, r0, r1, xt, k, acc_t, n); break;
+      case 3: gemv_rows_nt<3>(w, k, r0, r1, xt, k, acc_t, n); break;
+      case 4: gemv_rows_nt<4>(w, k, r0, r1, xt, k, acc_t, n); break;
+      case 5: gemv_rows_nt<5>(w, k, r0, r1, xt, k, acc_t, n); break;
+      default: gemv_rows_nt<6>(w, k, r0, r1, xt, k, acc_t, n); break;
+    }
   }
-  if (t < num_tokens) gemv_rows_nt<1>(w, k, r0, r1, x + t * k, k, acc + t * n, n);
 }
 
 // dst[i] = float(src[i]) for i < count.
