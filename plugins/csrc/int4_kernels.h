@@ -1,9 +1,10 @@
 // Packed INT4 weight kernels of kilnlm::int4_linear, compiled per ISA by isa_variants.h (see there for
 // the rules a kernel header follows): the float32 GEMV and tile dequantization as portable scalar,
 // AVX2+FMA and AVX-512 versions, the fastest the CPU has chosen at run time; AVX2's block floating point
-// int16 GEMV (gemv_int16_rows, int16_quantize.h); and the AVX512-BF16 GEMV (int4_bf16_gemv.h) with the
-// context phase's bfloat16 tiles (bf16_tile.h, fp8_bf16_gemm.h; straight from the nibbles in chunk64 order
-// where the shapes allow, dequant_rows_bf16 below).
+// int16 GEMV (gemv_int16_rows, int16_quantize.h; its AVX512-VNNI copy fuses each multiply and add); and
+// the AVX512-BF16 GEMV (int4_bf16_gemv.h) with the context phase's bfloat16 tiles (bf16_tile.h,
+// fp8_bf16_gemm.h; straight from the nibbles in chunk64 order where the shapes allow, dequant_rows_bf16
+// below).
 
 // The zero point of element i of a [rows, num_groups] table (0 without one).
 static inline int zero_at(const int8_t* zeros, int64_t i) { return zeros != nullptr ? zeros[i] : 0; }
@@ -16,6 +17,18 @@ static inline __m512 scaled_table(float scale, int zero) {
   const __m512 base = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   return _mm512_mul_ps(_mm512_sub_ps(base, _mm512_set1_ps(static_cast<float>(zero))), _mm512_set1_ps(scale));
 }
+#endif
+
+#if KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512_VNNI
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The columns of one chunk of the AVX2 chunk kernel and of the int16 GEMV: 32 bytes of packed weights.
+constexpr int64_t kChunkCols = 64;
 #endif
 
 #if KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
@@ -124,13 +137,6 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int
 
 #elif KILN_ISA == KILN_ISA_AVX2  // ------------------------------------------------------------ AVX2 + FMA
 
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // NR rows x NT tokens micro-kernel. Nibbles are decoded to q - zero with one PSHUFB table lookup (the
 // group's table: [0..7, -8..-1] - zero, in [-15, 15]), widened to int32, converted and multiplied by the
 // group scale (w = (q - zero) * scale exactly as the reference), then FMA'd.
@@ -204,8 +210,6 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int
 // Each 32-column half of a chunk lies in one group (group_size % 32 == 0): the lanes sum (q - zero) * x
 // exactly in integers-then-float32 over a group (one chunk when group_size % 64 != 0) and the group's scale
 // multiplies the partial sums once.
-constexpr int64_t kChunkCols = 64;
-
 static inline bool chunk_kernel_applies(int64_t in, int64_t group_size) {
   return group_size % 32 == 0 && in % kChunkCols == 0;
 }
@@ -299,203 +303,6 @@ static void gemv_chunk_rows(const uint8_t* w, int64_t in, const float* scales, c
   else gemv_chunk_rows_zp<false>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride, y, y_stride);
 }
 
-// bfloat16 x (the engine's activations): the same chunks read as sixteen 16-bit words, word i holding
-// columns 4i .. 4i+3, column 4i + k in bits [4k, 4k + 4). XOR 0x8888 turns every two's-complement nibble q
-// into u = q + 8 in [0, 15]; one AND (k = 0), a logical shift and an AND (k = 1, 2) or one shift (k = 3)
-// give u of one nibble position in sixteen 16-bit lanes, and VPMADDWD multiplies them with int16 x: 64
-// weights cost seven decode instructions (three of them shifts) and four multiplies. The offset comes off
-// once per row and group with the zero point: sum (q - zero) x = sum u x - (zero + 8) sum x.
-//
-// x is block floating point: per token and group, x16 = round(x * 2^-e) with the power of two chosen so
-// that max |x| of the group maps into [2^14, 2^15): 15 significant bits for the group's largest values
-// (bfloat16 x has 8), an absolute error of at most 2^-16 max |x| per column. Products and sums are exact in
-// int32 within a group (u x16 sums at most 15 * 32767 * 8 per lane per chunk, groups of at most
-// kMaxInt16GroupCols columns); the group's scale times 2^e then multiplies the group's sums once, and
-// (zero + 8) * scale * (2^e * sum of x16) comes off each group, eight groups per vector.
-//   x16      [T, in] int16, row-major with `x_stride`, in chunk16 order: x16_c[64 j + 16 k + i] = x16[64 j + 4 i + k]
-//   x_scale  [T, num_groups] float32 2^e;   x_sum [T, num_groups] float32 2^e * sum of the group's x16
-//
-// Rows are computed one at a time, each group's chunks decoded once and multiplied with every token. Four
-// rows interleaved (the float32 kernel's layout, and this one's before) kept more vectors live than AVX2's
-// sixteen registers and spilled them: one row at a time is ~9% faster on a cache-resident 3072x576 weight
-// and ~14% on SmolLM2's int4 weights streamed from memory by two threads (3.8 against 4.4 ms).
-constexpr int64_t kMaxInt16GroupCols = 32768;
-
-// A group scale from float32 or from float16 bits (F16C): one, or eight consecutive groups'.
-static inline float scale_at(const float* s, int64_t i) { return s[i]; }
-static inline float scale_at(const uint16_t* s, int64_t i) { return _cvtsh_ss(s[i]); }
-static inline __m256 load8_scales(const float* s) { return _mm256_loadu_ps(s); }
-static inline __m256 load8_scales(const uint16_t* s) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-}
-
-static inline bool int16_kernel_applies(int64_t in, int64_t group_size) {
-  return group_size % kChunkCols == 0 && group_size <= kMaxInt16GroupCols && in % kChunkCols == 0;
-}
-
-// One 64-column chunk (32 bytes of w) against NT tokens' x16 chunks (x_stride apart): acc[t] = (kFirst ? 0 :
-// acc[t]) + the eight int32 lane sums of u * x16.
-template <int NT, bool kFirst>
-static inline void int16_chunk(const uint8_t* w, const int16_t* x, int64_t x_stride, __m256i* acc) {
-  const __m256i flip = _mm256_set1_epi16(static_cast<int16_t>(0x8888)), low4 = _mm256_set1_epi16(0x000F);
-  const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip);
-  const __m256i u0 = _mm256_and_si256(u, low4);
-  const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4);
-  const __m256i u2 = _mm256_and_si256(_mm256_srli_epi16(u, 8), low4);
-  const __m256i u3 = _mm256_srli_epi16(u, 12);
-  for (int t = 0; t < NT; ++t) {
-    const __m256i* xt = reinterpret_cast<const __m256i*>(x + t * x_stride);
-    const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(u0, _mm256_loadu_si256(xt)),
-                                         _mm256_madd_epi16(u1, _mm256_loadu_si256(xt + 1)));
-    const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(u2, _mm256_loadu_si256(xt + 2)),
-                                         _mm256_madd_epi16(u3, _mm256_loadu_si256(xt + 3)));
-    acc[t] = kFirst ? _mm256_add_epi32(p01, p23) : _mm256_add_epi32(acc[t], _mm256_add_epi32(p01, p23));
-  }
-}
-
-// One row's y[t] for NT tokens. kSpan: the chunks per group when known at compile time (1: group 64, 2:
-// group 128), else 0; a run-time count of one chunk cost ~15% on SmolLM2's group-64 layers.
-// group_scale: [NT, num_groups] scratch.
-//
-// At ~25 GB/s (two threads) this loop is as much bound by its instruction count as by the memory: ~30 per
-// 64 weights at group size 64, of which the per-group scaling and loop were a third. So each group's scale
-// and the token's x_scale are multiplied once per row (group_scale; exact, x_scale being a power of two,
-// and the same single rounding of sum * x_scale * scale + total as before), and group-64 rows go two groups
-// per iteration, with one prefetch for the two chunks' 64 bytes. The zero points' offsets are summed in
-// the same pass over the row's scales.
-template <int NT, bool kZeroPoint, int kSpan, typename Scale>
-static inline void gemv_int16_row(const uint8_t* row, int64_t in, const Scale* scales, const int8_t* zeros,
-                                  int64_t group_size, const int16_t* x, int64_t x_stride, const float* x_scale,
-                                  const float* x_sum, float* group_scale, float* y, int64_t y_stride) {
-  const int64_t num_groups = in / group_size, span = kSpan != 0 ? kSpan : group_size / kChunkCols;
-  // group_scale[t, g] = scale[g] * x_scale[t, g], and total[t] starts from the offsets' share,
-  // -sum_g (zero[g] + 8) * scale[g] * x_sum[t, g] (eight groups per vector, the rest in tail[t])
-  const __m256 eight = _mm256_set1_ps(8.f);
-  __m256 total[NT];
-  float tail[NT];
-  for (int t = 0; t < NT; ++t) {
-    total[t] = _mm256_setzero_ps();
-    tail[t] = 0.f;
-  }
-  int64_t g = 0;
-  for (; g + 8 <= num_groups; g += 8) {
-    const __m256 scale = load8_scales(scales + g);
-    __m256 offset = eight;
-    if (kZeroPoint)
-      offset = _mm256_add_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g)))));
-    const __m256 offset_scale = _mm256_mul_ps(offset, scale);
-    for (int t = 0; t < NT; ++t) {
-      _mm256_storeu_ps(group_scale + t * num_groups + g, _mm256_mul_ps(scale, _mm256_loadu_ps(x_scale + t * num_groups + g)));
-      total[t] = _mm256_fnmadd_ps(offset_scale, _mm256_loadu_ps(x_sum + t * num_groups + g), total[t]);
-    }
-  }
-  for (; g < num_groups; ++g) {
-    const float scale = scale_at(scales, g), offset_scale = (static_cast<float>(kZeroPoint ? zeros[g] : 0) + 8.f) * scale;
-    for (int t = 0; t < NT; ++t) {
-      group_scale[t * num_groups + g] = scale * x_scale[t * num_groups + g];
-      tail[t] -= offset_scale * x_sum[t * num_groups + g];
-    }
-  }
-  // KILN_WEIGHT_PREFETCH_BYTES ahead in this thread's rows; every chunk (group-64 rows: every two)
-  // prefetches, as the parity test that would halve them cost more than the duplicate hints (measured: ~7%
-  // on a cache-resident 3072x576 weight)
-  const int64_t prefetch_ahead = KILN_WEIGHT_PREFETCH_BYTES;
-  const auto scale_group = [&](const __m256i* acc, int64_t group) {
-    for (int t = 0; t < NT; ++t)
-      total[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_broadcast_ss(group_scale + t * num_groups + group),
-                                 total[t]);
-  };
-  g = 0;
-  if (kSpan == 1) {  // a 64-byte line holds two groups' chunks
-    for (; g + 2 <= num_groups; g += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + g * 32), KILN_WEIGHT_PREFETCH);
-      __m256i acc0[NT], acc1[NT];
-      int16_chunk<NT, true>(row + g * 32, x + g * kChunkCols, x_stride, acc0);
-      int16_chunk<NT, true>(row + (g + 1) * 32, x + (g + 1) * kChunkCols, x_stride, acc1);
-      scale_group(acc0, g);
-      scale_group(acc1, g + 1);
-    }
-  }
-  for (; g < num_groups; ++g) {
-    __m256i acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_si256();
-    for (int64_t j = g * span; j < (g + 1) * span; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + j * 32), KILN_WEIGHT_PREFETCH);
-      int16_chunk<NT, false>(row + j * 32, x + j * kChunkCols, x_stride, acc);
-    }
-    scale_group(acc, g);
-  }
-  for (int t = 0; t < NT; ++t) y[t * y_stride] = hsum8(total[t]) + tail[t];
-}
-
-// Weight rows as the int16 GEMV reads them. Scale: float, or uint16_t float16 bits (read natively).
-template <typename Scale>
-struct Int4Weight {
-  const uint8_t* w;      // [out, in / 2] packed int4
-  const Scale* scales;   // [out, num_groups]
-  const int8_t* zeros;   // [out, num_groups] zero points, or null
-  int64_t in, group_size;
-};
-
-// Block floating point int16 activations of num_tokens tokens (int16_quantize.h, nibble_chunks order).
-struct Int16Tokens {
-  const int16_t* x16;    // [T, in], rows `stride` apart
-  int64_t stride;
-  const float* x_scale;  // [T, num_groups] 2^e
-  const float* x_sum;    // [T, num_groups] 2^e * sum of the group's x16
-  int64_t num_tokens;
-};
-
-// Rows [row_begin, row_end) for NT tokens (x: tokens' first token). Not inlined into its caller: compiled
-// together, the three token counts' loops made GCC keep the one-token loop's scale pointer on the stack, a
-// store-to-load chain per group (3072x576 through the op, one thread: 116.8 us against 106.2 once this was
-// its own function). The views are unpacked into locals first.
-template <int NT, bool kZeroPoint, int kSpan, typename Scale>
-__attribute__((noinline)) static void gemv_int16_rows_nt(const Int4Weight<Scale> weight, int64_t row_begin,
-                                                         int64_t row_end, const Int16Tokens x, float* group_scale,
-                                                         float* y, int64_t y_stride) {
-  const uint8_t* w = weight.w;
-  const Scale* scales = weight.scales;
-  const int8_t* zeros = weight.zeros;
-  const int64_t in = weight.in, group_size = weight.group_size;
-  const int16_t* x16 = x.x16;
-  const int64_t x_stride = x.stride;
-  const float *x_scale = x.x_scale, *x_sum = x.x_sum;
-  const int64_t row_bytes = in / 2, num_groups = in / group_size;
-  for (int64_t r = row_begin; r < row_end; ++r)
-    gemv_int16_row<NT, kZeroPoint, kSpan, Scale>(w + r * row_bytes, in, scales + r * num_groups,
-                                   kZeroPoint ? zeros + r * num_groups : nullptr, group_size, x16, x_stride, x_scale,
-                                   x_sum, group_scale, y + r, y_stride);
-}
-
-template <bool kZeroPoint, typename Scale>
-static void gemv_int16_rows_zp(const Int4Weight<Scale>& weight, int64_t row_begin, int64_t row_end,
-                               const Int16Tokens& x, float* group_scale, float* y, int64_t y_stride) {
-  const int64_t num_groups = weight.in / weight.group_size, group_size = weight.group_size;
-  int64_t t = 0;
-  const auto run = [&](auto nt) {
-    constexpr int NT = decltype(nt)::value;
-    const auto rows = group_size == kChunkCols       ? gemv_int16_rows_nt<NT, kZeroPoint, 1, Scale>
-                      : group_size == 2 * kChunkCols ? gemv_int16_rows_nt<NT, kZeroPoint, 2, Scale>
-                                                     : gemv_int16_rows_nt<NT, kZeroPoint, 0, Scale>;
-    const Int16Tokens tokens{x.x16 + t * x.stride, x.stride, x.x_scale + t * num_groups, x.x_sum + t * num_groups, NT};
-    rows(weight, row_begin, row_end, tokens, group_scale, y + t * y_stride, y_stride);
-    t += NT;
-  };
-  while (t + 4 <= x.num_tokens) run(std::integral_constant<int, 4>{});
-  if (x.num_tokens - t >= 2) run(std::integral_constant<int, 2>{});
-  if (t < x.num_tokens) run(std::integral_constant<int, 1>{});
-}
-
-// y[t, r] for rows [row_begin, row_end) and every token of x (int16_kernel_applies); y's rows y_stride
-// apart. group_scale: the calling thread's scratch of 4 * num_groups floats.
-template <typename Scale>
-static void gemv_int16_rows(const Int4Weight<Scale>& weight, int64_t row_begin, int64_t row_end, const Int16Tokens& x,
-                            float* group_scale, float* y, int64_t y_stride) {
-  if (weight.zeros != nullptr) gemv_int16_rows_zp<true, Scale>(weight, row_begin, row_end, x, group_scale, y, y_stride);
-  else gemv_int16_rows_zp<false, Scale>(weight, row_begin, row_end, x, group_scale, y, y_stride);
-}
 
 #endif
 
@@ -576,6 +383,202 @@ static void dequant_rows(const uint8_t* w, int64_t in, const float* scales, cons
 }
 
 #endif  // KILN_ISA == KILN_ISA_GENERIC || KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512
+
+#if KILN_ISA == KILN_ISA_AVX2 || KILN_ISA == KILN_ISA_AVX512_VNNI  // ---------------- int16 GEMV (bfloat16 x)
+
+// bfloat16 x (the engine's activations): the same chunks read as sixteen 16-bit words, word i holding
+// columns 4i .. 4i+3, column 4i + k in bits [4k, 4k + 4). XOR 0x8888 turns every two's-complement nibble q
+// into u = q + 8 in [0, 15]; one AND (k = 0), a logical shift and an AND (k = 1, 2) or one shift (k = 3)
+// give u of one nibble position in sixteen 16-bit lanes, and VPMADDWD multiplies them with int16 x: 64
+// weights cost seven decode instructions (three of them shifts) and four multiplies. The offset comes off
+// once per row and group with the zero point: sum (q - zero) x = sum u x - (zero + 8) sum x.
+//
+// x is block floating point: per token and group, x16 = round(x * 2^-e) with the power of two chosen so
+// that max |x| of the group maps into [2^14, 2^15): 15 significant bits for the group's largest values
+// (bfloat16 x has 8), an absolute error of at most 2^-16 max |x| per column. Products and sums are exact in
+// int32 within a group (u x16 sums at most 15 * 32767 * 8 per lane per chunk, groups of at most
+// kMaxInt16GroupCols columns); the group's scale times 2^e then multiplies the group's sums once, and
+// (zero + 8) * scale * (2^e * sum of x16) comes off each group, eight groups per vector.
+//   x16      [T, in] int16, row-major with `x_stride`, in chunk16 order: x16_c[64 j + 16 k + i] = x16[64 j + 4 i + k]
+//   x_scale  [T, num_groups] float32 2^e;   x_sum [T, num_groups] float32 2^e * sum of the group's x16
+//
+// Rows are computed one at a time, each group's chunks decoded once and multiplied with every token. Four
+// rows interleaved (the float32 kernel's layout, and this one's before) kept more vectors live than AVX2's
+// sixteen registers and spilled them: one row at a time is ~9% faster on a cache-resident 3072x576 weight
+// and ~14% on SmolLM2's int4 weights streamed from memory by two threads (3.8 against 4.4 ms).
+constexpr int64_t kMaxInt16GroupCols = 32768;
+
+// A group scale from float32 or from float16 bits (F16C): one, or eight consecutive groups'.
+static inline float scale_at(const float* s, int64_t i) { return s[i]; }
+static inline float scale_at(const uint16_t* s, int64_t i) { return _cvtsh_ss(s[i]); }
+static inline __m256 load8_scales(const float* s) { return _mm256_loadu_ps(s); }
+static inline __m256 load8_scales(const uint16_t* s) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+}
+
+static inline bool int16_kernel_applies(int64_t in, int64_t group_size) {
+  return group_size % kChunkCols == 0 && group_size <= kMaxInt16GroupCols && in % kChunkCols == 0;
+}
+
+// One 64-column chunk (32 bytes of w) against NT tokens' x16 chunks (x_stride apart): acc[t] = (kFirst ? 0 :
+// acc[t]) + the eight int32 lane sums of u * x16.
+template <int NT, bool kFirst>
+static inline void int16_chunk(const uint8_t* w, const int16_t* x, int64_t x_stride, __m256i* acc) {
+  const __m256i flip = _mm256_set1_epi16(static_cast<int16_t>(0x8888)), low4 = _mm256_set1_epi16(0x000F);
+  const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip);
+  const __m256i u0 = _mm256_and_si256(u, low4);
+  const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4);
+  const __m256i u2 = _mm256_and_si256(_mm256_srli_epi16(u, 8), low4);
+  const __m256i u3 = _mm256_srli_epi16(u, 12);
+  for (int t = 0; t < NT; ++t) {
+    const __m256i* xt = reinterpret_cast<const __m256i*>(x + t * x_stride);
+#if KILN_ISA == KILN_ISA_AVX512_VNNI
+    // VPDPWSSD: VPMADDWD and the add in one instruction, two chains per token; the same int32 sums
+    const __m256i a = kFirst ? _mm256_madd_epi16(u0, _mm256_loadu_si256(xt))
+                             : _mm256_dpwssd_epi32(acc[t], u0, _mm256_loadu_si256(xt));
+    const __m256i b = _mm256_madd_epi16(u2, _mm256_loadu_si256(xt + 2));
+    acc[t] = _mm256_add_epi32(_mm256_dpwssd_epi32(a, u1, _mm256_loadu_si256(xt + 1)),
+                              _mm256_dpwssd_epi32(b, u3, _mm256_loadu_si256(xt + 3)));
+#else
+    const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(u0, _mm256_loadu_si256(xt)),
+                                         _mm256_madd_epi16(u1, _mm256_loadu_si256(xt + 1)));
+    const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(u2, _mm256_loadu_si256(xt + 2)),
+                                         _mm256_madd_epi16(u3, _mm256_loadu_si256(xt + 3)));
+    acc[t] = kFirst ? _mm256_add_epi32(p01, p23) : _mm256_add_epi32(acc[t], _mm256_add_epi32(p01, p23));
+#endif
+  }
+}
+
+// One row's y[t] for NT tokens. kSpan: the chunks per group when known at compile time (1: group 64, 2:
+// group 128), else 0; a run-time count of one chunk cost ~15% on SmolLM2's group-64 layers.
+// group_scale: [NT, num_groups] scratch.
+//
+// At ~25 GB/s (two threads) this loop is as much bound by its instruction count as by the memory: ~30 per
+// 64 weights at group size 64, of which the per-group scaling and loop were a third. So each group's scale
+// and the token's x_scale are multiplied once per row (group_scale; exact, x_scale being a power of two,
+// and the same single rounding of sum * x_scale * scale + total as before), and group-64 rows go two groups
+// per iteration, with one prefetch for the two chunks' 64 bytes. The zero points' offsets are summed in
+// the same pass over the row's scales.
+template <int NT, bool kZeroPoint, int kSpan, typename Scale>
+static inline void gemv_int16_row(const uint8_t* row, int64_t in, const Scale* scales, const int8_t* zeros,
+                                  int64_t group_size, const int16_t* x, int64_t x_stride, const float* x_scale,
+                                  const float* x_sum, float* group_scale, float* y, int64_t y_stride) {
+  const int64_t num_groups = in / group_size, span = kSpan != 0 ? kSpan : group_size / kChunkCols;
+  // group_scale[t, g] = scale[g] * x_scale[t, g], and total[t] starts from the offsets' share,
+  // -sum_g (zero[g] + 8) * scale[g] * x_sum[t, g] (eight groups per vector, the rest in tail[t])
+  const __m256 eight = _mm256_set1_ps(8.f);
+  __m256 total[NT];
+  float tail[NT];
+  for (int t = 0; t < NT; ++t) {
+    total[t] = _mm256_setzero_ps();
+    tail[t] = 0.f;
+  }
+  int64_t g = 0;
+  for (; g + 8 <= num_groups; g += 8) {
+    const __m256 scale = load8_scales(scales + g);
+    __m256 offset = eight;
+    if (kZeroPoint)
+      offset = _mm256_add_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g)))));
+    const __m256 offset_scale = _mm256_mul_ps(offset, scale);
+    for (int t = 0; t < NT; ++t) {
+      _mm256_storeu_ps(group_scale + t * num_groups + g, _mm256_mul_ps(scale, _mm256_loadu_ps(x_scale + t * num_groups + g)));
+      total[t] = _mm256_fnmadd_ps(offset_scale, _mm256_loadu_ps(x_sum + t * num_groups + g), total[t]);
+    }
+  }
+  for (; g < num_groups; ++g) {
+    const float scale = scale_at(scales, g), offset_scale = (static_cast<float>(kZeroPoint ? zeros[g] : 0) + 8.f) * scale;
+    for (int t = 0; t < NT; ++t) {
+      group_scale[t * num_groups + g] = scale * x_scale[t * num_groups + g];
+      tail[t] -= offset_scale * x_sum[t * num_groups + g];
+    }
+  }
+  // KILN_WEIGHT_PREFETCH_BYTES ahead in this thread's rows; every chunk (group-64 rows: every two)
+  // prefetches, as the parity test that would halve them cost more than the duplicate hints (measured: ~7%
+  // on a cache-resident 3072x576 weight)
+  const int64_t prefetch_ahead = KILN_WEIGHT_PREFETCH_BYTES;
+  const auto scale_group = [&](const __m256i* acc, int64_t group) {
+    for (int t = 0; t < NT; ++t)
+      total[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), _mm256_broadcast_ss(group_scale + t * num_groups + group),
+                                 total[t]);
+  };
+  g = 0;
+  if (kSpan == 1) {  // a 64-byte line holds two groups' chunks
+    for (; g + 2 <= num_groups; g += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + g * 32), KILN_WEIGHT_PREFETCH);
+      __m256i acc0[NT], acc1[NT];
+      int16_chunk<NT, true>(row + g * 32, x + g * kChunkCols, x_stride, acc0);
+      int16_chunk<NT, true>(row + (g + 1) * 32, x + (g + 1) * kChunkCols, x_stride, acc1);
+      scale_group(acc0, g);
+      scale_group(acc1, g + 1);
+    }
+  }
+  for (; g < num_groups; ++g) {
+    __m256i acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_si256();
+    for (int64_t j = g * span; j < (g + 1) * span; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_ahead + j * 32), KILN_WEIGHT_PREFETCH);
+      int16_chunk<NT, false>(row + j * 32, x + j * kChunkCols, x_stride, acc);
+    }
+    scale_group(acc, g);
+  }
+  for (int t = 0; t < NT; ++t) y[t * y_stride] = hsum8(total[t]) + tail[t];
+}
+
+// The weight and activation views it reads, Int4Weight and Int16Tokens, are int4_linear.cpp's: one pair of
+// types for both ISA copies.
+
+// Rows [row_begin, row_end) for NT tokens (x: tokens' first token). Not inlined into its caller: compiled
+// together, the three token counts' loops made GCC keep the one-token loop's scale pointer on the stack, a
+// store-to-load chain per group (3072x576 through the op, one thread: 116.8 us against 106.2 once this was
+// its own function). The views are unpacked into locals first.
+template <int NT, bool kZeroPoint, int kSpan, typename Scale>
+__attribute__((noinline)) static void gemv_int16_rows_nt(const Int4Weight<Scale> weight, int64_t row_begin,
+                                                         int64_t row_end, const Int16Tokens x, float* group_scale,
+                                                         float* y, int64_t y_stride) {
+  const uint8_t* w = weight.w;
+  const Scale* scales = weight.scales;
+  const int8_t* zeros = weight.zeros;
+  const int64_t in = weight.in, group_size = weight.group_size;
+  const int16_t* x16 = x.x16;
+  const int64_t x_stride = x.stride;
+  const float *x_scale = x.x_scale, *x_sum = x.x_sum;
+  const int64_t row_bytes = in / 2, num_groups = in / group_size;
+  for (int64_t r = row_begin; r < row_end; ++r)
+    gemv_int16_row<NT, kZeroPoint, kSpan, Scale>(w + r * row_bytes, in, scales + r * num_groups,
+                                   kZeroPoint ? zeros + r * num_groups : nullptr, group_size, x16, x_stride, x_scale,
+                                   x_sum, group_scale, y + r, y_stride);
+}
+
+template <bool kZeroPoint, typename Scale>
+static void gemv_int16_rows_zp(const Int4Weight<Scale>& weight, int64_t row_begin, int64_t row_end,
+                               const Int16Tokens& x, float* group_scale, float* y, int64_t y_stride) {
+  const int64_t num_groups = weight.in / weight.group_size, group_size = weight.group_size;
+  int64_t t = 0;
+  const auto run = [&](auto nt) {
+    constexpr int NT = decltype(nt)::value;
+    const auto rows = group_size == kChunkCols       ? gemv_int16_rows_nt<NT, kZeroPoint, 1, Scale>
+                      : group_size == 2 * kChunkCols ? gemv_int16_rows_nt<NT, kZeroPoint, 2, Scale>
+                                                     : gemv_int16_rows_nt<NT, kZeroPoint, 0, Scale>;
+    const Int16Tokens tokens{x.x16 + t * x.stride, x.stride, x.x_scale + t * num_groups, x.x_sum + t * num_groups, NT};
+    rows(weight, row_begin, row_end, tokens, group_scale, y + t * y_stride, y_stride);
+    t += NT;
+  };
+  while (t + 4 <= x.num_tokens) run(std::integral_constant<int, 4>{});
+  if (x.num_tokens - t >= 2) run(std::integral_constant<int, 2>{});
+  if (t < x.num_tokens) run(std::integral_constant<int, 1>{});
+}
+
+// y[t, r] for rows [row_begin, row_end) and every token of x (int16_kernel_applies); y's rows y_stride
+// apart. group_scale: the calling thread's scratch of 4 * num_groups floats.
+template <typename Scale>
+static void gemv_int16_rows(const Int4Weight<Scale>& weight, int64_t row_begin, int64_t row_end, const Int16Tokens& x,
+                            float* group_scale, float* y, int64_t y_stride) {
+  if (weight.zeros != nullptr) gemv_int16_rows_zp<true, Scale>(weight, row_begin, row_end, x, group_scale, y, y_stride);
+  else gemv_int16_rows_zp<false, Scale>(weight, row_begin, row_end, x, group_scale, y, y_stride);
+}
+
+#endif
 
 #if KILN_ISA == KILN_ISA_AVX2
 #include "int16_quantize.h"

@@ -45,6 +45,26 @@
 #include "row_blocks.h"
 
 namespace kiln_int4 {
+
+// Weight rows as the int16 GEMV (int4_kernels.h, gemv_int16_rows) reads them. Scale: float, or uint16_t
+// float16 bits (read natively).
+template <typename Scale>
+struct Int4Weight {
+  const uint8_t* w;      // [out, in / 2] packed int4
+  const Scale* scales;   // [out, num_groups]
+  const int8_t* zeros;   // [out, num_groups] zero points, or null
+  int64_t in, group_size;
+};
+
+// Block floating point int16 activations of num_tokens tokens (int16_quantize.h, nibble_chunks order).
+struct Int16Tokens {
+  const int16_t* x16;    // [T, in], rows `stride` apart
+  int64_t stride;
+  const float* x_scale;  // [T, num_groups] 2^e
+  const float* x_sum;    // [T, num_groups] 2^e * sum of the group's x16
+  int64_t num_tokens;
+};
+
 #define KILN_ISA_KERNELS "int4_kernels.h"
 #include "isa_variants.h"
 #undef KILN_ISA_KERNELS
@@ -304,10 +324,11 @@ struct Int4Format {
     }
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       const bool bf16_gemv = bf16_context_gemm() && group_size % 32 == 0;  // int4_bf16_gemv.h, its own buffers
-      // AVX2's int16 GEMV (block floating point x, VPMADDWD) also on AVX512-BF16 CPUs for up to
-      // kMaxInt16TokensBf16Gemm tokens: there the bf16 GEMV below is bound by its instructions (an Intel
-      // Xeon, 30 cold SmolLM2 gate_up + down pairs: 49 against 66 us per pair at one token, 86 against 92
-      // at two, 176 against 165 at four).
+      // AVX2's int16 GEMV (block floating point x, VPMADDWD; VPDPWSSD in its AVX512-VNNI copy) also on
+      // AVX512-BF16 CPUs for up to kMaxInt16TokensBf16Gemm tokens: there the bf16 GEMV below is bound by
+      // its instructions (an Intel Xeon, VPMADDWD, 30 cold SmolLM2 gate_up + down pairs: 49 against 66 us
+      // per pair at one token, 86 against 92 at two, 176 against 165 at four; an AMD Zen 4, the VNNI copy,
+      // SmolLM2's 30 int4 layers cold: 4.9 ms at three tokens against the bf16 GEMV's 5.3-5.8 at four).
       // With KILNLM_BATCH_INVARIANT (cpu_features.h) the bf16 GEMV serves every token count alone: one
       // GEMV, one order. Of the two it costs the context phase less (SmolLM2 on an AMD Zen 4: a 512-token
       // prompt 1.6-1.8x the tiles' time against 3.1x with the int16 GEMV, batch-1 decode 1.07-1.18x
@@ -329,7 +350,8 @@ struct Int4Format {
   }
 
 #if defined(__x86_64__)
-  // AVX2's int16 GEMV; returns false, having written nothing, for an x holding inf / NaN.
+  // AVX2's int16 GEMV (its AVX512-VNNI copy where the CPU has it); returns false, having written nothing, for
+  // an x holding inf / NaN.
   bool run_int16_gemv(at::BFloat16* out) const {
     const int64_t num_tokens = shape.num_tokens, in = shape.in, out_features = shape.out_features;
     const int64_t group_size = problem.group_size;
@@ -340,13 +362,15 @@ struct Int4Format {
                               xq.x_sum.data()))
       return false;
     // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
-    const avx2::Int16Tokens tokens{xq.x16.data(), in, xq.x_scale.data(), xq.x_sum.data(), num_tokens};
+    const Int16Tokens tokens{xq.x16.data(), in, xq.x_scale.data(), xq.x_sum.data(), num_tokens};
+    const bool vnni = kiln::cpu_has_avx512_vnni();  // the same int32 sums, VPDPWSSD for VPMADDWD + add
     kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
       float* group_scale = kiln::thread_scratch<3>(4 * (in / group_size));  // this thread's
       const auto gemv = [&](const auto* scales) {  // float32 or float16 bits, read as they are
-        const avx2::Int4Weight<std::remove_cv_t<std::remove_pointer_t<decltype(scales)>>> weight{
+        const Int4Weight<std::remove_cv_t<std::remove_pointer_t<decltype(scales)>>> weight{
             problem.w, scales, problem.zeros, in, group_size};
-        avx2::gemv_int16_rows(weight, r0, r1, tokens, group_scale, acc, out_features);
+        if (vnni) avx512vnni::gemv_int16_rows(weight, r0, r1, tokens, group_scale, acc, out_features);
+        else avx2::gemv_int16_rows(weight, r0, r1, tokens, group_scale, acc, out_features);
       };
       if (half_scales) gemv(problem.scales_f16);
       else gemv(problem.scales);

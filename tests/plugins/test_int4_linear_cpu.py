@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from kilnlm.plugins.reference import int4_linear_reference, pack_int4, unpack_int4
+from factories import cpu_has
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -258,3 +259,43 @@ def test_capped_isa_paths_match_reference(isa):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
 
+
+
+INT16_COPIES_SCRIPT = r"""
+import sys, torch
+from kilnlm.plugins import load_cpu_kernels, pack_int4
+load_cpu_kernels()
+gen = torch.Generator().manual_seed(3)
+outputs = []
+for out_features, in_features, group_size in ((96, 576, 64), (40, 1536, 128), (24, 384, 192)):
+    q = torch.randint(-8, 8, (out_features, in_features), generator=gen)
+    s = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02 + 1e-3
+    pqs, bias = torch.rand(in_features, generator=gen) + 0.5, torch.randn(out_features, generator=gen)
+    zeros = torch.randint(-8, 8, (out_features, in_features // group_size), generator=gen, dtype=torch.int8)
+    for num_tokens in (1, 2, 3):
+        x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(torch.bfloat16)
+        for z, scales in ((None, s), (zeros, s), (zeros, s.half())):
+            outputs.append(torch.ops.kilnlm.int4_linear(x, pack_int4(q), scales, pqs, bias, group_size, z))
+torch.save(outputs, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not cpu_has("avx512_bf16", "avx512_vnni"),
+                    reason="the int16 GEMV's AVX512-VNNI copy serves bfloat16 x on CPUs with AVX512-BF16 and VNNI")
+def test_int16_gemv_vnni_copy_sums_as_the_avx2_copy(tmp_path):
+    """The int16 GEMV's AVX512-VNNI copy (VPDPWSSD) makes the same int32 sums as its AVX2 copy (VPMADDWD and
+    VPADDD; KILNLM_CPU_ISA=avx2), so their outputs are bitwise equal: 1-3 tokens (where it serves bfloat16
+    x), group sizes 64 / 128 / 192, with and without zero points, float32 and float16 scales."""
+    results = {}
+    for name, cap in (("vnni", None), ("avx2", "avx2")):
+        env = {k: v for k, v in os.environ.items() if k != "KILNLM_CPU_ISA"}
+        if cap:
+            env["KILNLM_CPU_ISA"] = cap
+        path = tmp_path / f"{name}.pt"
+        result = subprocess.run([sys.executable, "-c", INT16_COPIES_SCRIPT, str(path)], env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        results[name] = torch.load(path)
+    assert len(results["vnni"]) == 27
+    for vnni, avx2 in zip(results["vnni"], results["avx2"]):
+        assert torch.equal(vnni, avx2)
