@@ -303,7 +303,6 @@ static void gemv_chunk_rows(const uint8_t* w, int64_t in, const float* scales, c
   else gemv_chunk_rows_zp<false>(w, in, scales, zeros, group_size, row_begin, row_end, x, num_tokens, x_stride, y, y_stride);
 }
 
-
 #endif
 
 #if KILN_ISA == KILN_ISA_GENERIC  // ---------------------------------------------------------------- portable scalar
