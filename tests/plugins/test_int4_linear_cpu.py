@@ -260,7 +260,6 @@ def test_capped_isa_paths_match_reference(isa):
     assert result.stdout.strip().endswith("ok")
 
 
-
 INT16_COPIES_SCRIPT = r"""
 import sys, torch
 from kilnlm.plugins import load_cpu_kernels, pack_int4
