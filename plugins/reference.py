@@ -18,24 +18,100 @@ from kilnlm.plugins.collectives import require_tensor_parallel_group
 FP8_E4M3_MAX = 448.0
 
 
-def apply_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding, rotate-half (GPT-NeoX) layout exactly as Hugging Face Llama.
-
-    x: ``[T, num_heads, head_dim]`` any float dtype, CPU; positions: ``[T]`` int; inv_freq:
-    ``[head_dim // 2]`` float32. Returns ``[T, num_heads, head_dim]`` float32.
-
-    ``freqs = positions * inv_freq`` (float32), ``emb = cat(freqs, freqs)``; ``out = x * cos(emb) +
-    rotate_half(x) * sin(emb)`` with ``rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])``
-    (Su et al., RoFormer, 2021; Hugging Face ``apply_rotary_pos_emb``).
-    """
-    x = x.float()
+def rope_tables_reference(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos / sin tables: ``freqs = positions * inv_freq`` in float32, returned as ``(cos(freqs),
+    sin(freqs))``, each ``[T, head_dim // 2] float32`` (positions ``[T]`` int, inv_freq ``[head_dim // 2]``)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-    cos = emb.cos()[:, None, :]  # [T, 1, d]
-    sin = emb.sin()[:, None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding from the tables of :func:`rope_tables_reference`, rotate-half (GPT-NeoX)
+    layout exactly as Hugging Face Llama: ``out = x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`` with
+    ``rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])`` (Su et al., RoFormer, 2021; Hugging Face
+    ``apply_rotary_pos_emb``). x ``[T, num_heads, head_dim]`` any float dtype; cos, sin ``[T, head_dim // 2]``
+    float32. Returns ``[T, num_heads, head_dim]`` float32."""
+    x = x.float()
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, d]
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x ``[T, num_heads, head_dim]`` (any float dtype) at ``positions`` ``[T]``
+    with ``inv_freq`` ``[head_dim // 2]`` float32: :func:`rotate_reference` with the tables of
+    :func:`rope_tables_reference`. Returns ``[T, num_heads, head_dim]`` float32."""
+    return rotate_reference(x, *rope_tables_reference(positions, inv_freq))
+
+
+def paged_kv_write_reference(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             slot_mapping: torch.Tensor, layer_pool: torch.Tensor,
+                             kv_scale: torch.Tensor | None = None) -> None:
+    """The KV-write half of ``kilnlm::paged_attention`` (the TensorRT target's ``paged_kv_write`` plugin):
+    rotate k with the RoPE tables and write it and v into one layer's pool at ``slot_mapping``.
+
+    k, v ``[T, num_kv_heads, head_dim]`` float32 / bfloat16 (before RoPE); cos, sin ``[T, head_dim // 2]``
+    float32 (:func:`rope_tables_reference`); slot_mapping ``[T]`` int64 (``slot = block * tokens_per_block +
+    offset``); layer_pool ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` (K, V), **mutated in
+    place**: in the activation dtype, or float8_e4m3fn / int8 with ``kv_scale [2] float32`` (stored as
+    :func:`quantize_kv_reference`)."""
+    k_rot = rotate_reference(k, cos, sin)  # [T, Hkv, D] f32
+    slots = slot_mapping.to(torch.int64)
+    tokens_per_block = layer_pool.shape[2]
+    blocks, offsets = slots // tokens_per_block, slots % tokens_per_block
+    if kv_scale is None:
+        layer_pool[0, blocks, offsets] = k_rot.to(layer_pool.dtype)
+        layer_pool[1, blocks, offsets] = v.to(layer_pool.dtype)
+    else:
+        layer_pool[0, blocks, offsets] = quantize_kv_reference(k_rot, kv_scale[0].float(), layer_pool.dtype)
+        layer_pool[1, blocks, offsets] = quantize_kv_reference(v, kv_scale[1].float(), layer_pool.dtype)
+
+
+def paged_attention_core_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_pool: torch.Tensor,
+                                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_kv: torch.Tensor,
+                                   scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention half of ``kilnlm::paged_attention`` (the TensorRT target's ``paged_attention_core``
+    plugin): causal GQA attention of the rotated queries over one layer's pool, after the KV write.
+
+    q ``[T, num_heads, head_dim]`` float32 / bfloat16 (before RoPE); cos, sin ``[T, head_dim // 2]`` float32;
+    layer_pool ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` (read only; 8-bit pools with
+    ``kv_scale [2] float32``, read back as ``stored.float() * scale``); block_tables ``[B, max_blocks]``
+    int32; cu_seqlens_q ``[B+1]`` int32; seq_lens_kv ``[B]`` int32; ``scale`` the softmax scale. Returns
+    ``[T, num_heads, head_dim]`` in q's dtype.
+
+    Sequence b's new query rows are ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (n_b of them); query row i sits
+    at KV position ``seq_lens_kv[b] - n_b + i`` and attends to KV positions ``0..that`` (causal). KV
+    position p of sequence b lives in physical block ``block_tables[b, p // tokens_per_block]`` at offset
+    ``p % tokens_per_block``."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // layer_pool.shape[3]
+    tokens_per_block = layer_pool.shape[2]
+    k_read_scale, v_read_scale = (1.0, 1.0) if kv_scale is None else (kv_scale[0].float(), kv_scale[1].float())
+    q_rot = rotate_reference(q, cos, sin)  # [T, H, D] f32
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    num_seqs = seq_lens_kv.shape[0]
+    for b in range(num_seqs):
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        num_new = end - start
+        if num_new == 0:
+            continue
+        kv_len = int(seq_lens_kv[b])
+        pos = torch.arange(kv_len)
+        phys = block_tables[b].to(torch.int64)[pos // tokens_per_block]
+        keys = layer_pool[0, phys, pos % tokens_per_block].float() * k_read_scale  # [L, Hkv, D]
+        values = layer_pool[1, phys, pos % tokens_per_block].float() * v_read_scale
+        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        qs = q_rot[start:end]  # [n, H, D]
+        scores = torch.einsum("nhd,lhd->hnl", qs, keys) * scale  # [H, n, L]
+        q_pos = kv_len - num_new + torch.arange(num_new)
+        mask = pos[None, :] > q_pos[:, None]  # [n, L] True = masked out
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hnl,lhd->nhd", probs, values)
+    return out.to(q.dtype)
 
 
 def paged_attention_reference(
@@ -53,67 +129,25 @@ def paged_attention_reference(
     scale: float,
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference of ``kilnlm::paged_attention`` (see :mod:`kilnlm.plugins.schema` for the contract).
+    """Reference of ``kilnlm::paged_attention`` (see :mod:`kilnlm.plugins.schema` for the contract): the KV
+    write (:func:`paged_kv_write_reference`) then the attention (:func:`paged_attention_core_reference`)
+    over layer ``layer_idx`` of the pool, with the RoPE tables of :func:`rope_tables_reference`.
 
     q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (before RoPE), float32 or
     bfloat16; kv_cache: ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``, same
     dtype, **mutated in place** (RoPE'd k and v written at ``slot_mapping`` of layer ``layer_idx``);
     positions ``[T]`` int64; inv_freq ``[head_dim // 2]`` float32; cu_seqlens_q ``[B+1]`` int32;
     seq_lens_kv ``[B]`` int32; block_tables ``[B, max_blocks]`` int32; slot_mapping ``[T]`` int64.
-    Returns ``[T, num_heads, head_dim]`` in q's dtype.
-
-    Sequence b's new query rows are ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (n_b of them); query row i sits
-    at KV position ``seq_lens_kv[b] - n_b + i`` and attends to KV positions ``0..that`` (causal). KV
-    position p of sequence b lives in physical block ``block_tables[b, p // tokens_per_block]`` at offset
-    ``p % tokens_per_block``. The attention reads K/V back from the pool (after the write), so the new
-    tokens' keys are seen in the pool's dtype, as the kernels see them.
+    Returns ``[T, num_heads, head_dim]`` in q's dtype. The attention reads K/V back from the pool (after
+    the write), so the new tokens' keys are seen in the pool's dtype, as the kernels see them.
 
     8-bit pool: kv_cache float8_e4m3fn or int8 with ``kv_scale [2] float32`` (k_scale, v_scale); K/V are
     written as :func:`quantize_kv_reference` and read back as ``stored.float() * scale``.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    tokens_per_block = kv_cache.shape[3]
-
-    q_rot = apply_rope_reference(q, positions, inv_freq)  # [T, H, D] f32
-    k_rot = apply_rope_reference(k, positions, inv_freq)  # [T, Hkv, D] f32
-
-    # Write the new K/V into the pool in place: slot = block * tokens_per_block + offset.
+    cos, sin = rope_tables_reference(positions, inv_freq)
     layer = kv_cache[layer_idx]  # [2, num_blocks, tpb, Hkv, D], a view
-    slots = slot_mapping.to(torch.int64)
-    blocks, offsets = slots // tokens_per_block, slots % tokens_per_block
-    if kv_scale is None:
-        layer[0, blocks, offsets] = k_rot.to(kv_cache.dtype)
-        layer[1, blocks, offsets] = v.to(kv_cache.dtype)
-        k_read_scale = v_read_scale = 1.0
-    else:
-        k_read_scale, v_read_scale = kv_scale[0].float(), kv_scale[1].float()
-        layer[0, blocks, offsets] = quantize_kv_reference(k_rot, k_read_scale, kv_cache.dtype)
-        layer[1, blocks, offsets] = quantize_kv_reference(v, v_read_scale, kv_cache.dtype)
-
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
-    num_seqs = seq_lens_kv.shape[0]
-    for b in range(num_seqs):
-        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        num_new = end - start
-        if num_new == 0:
-            continue
-        kv_len = int(seq_lens_kv[b])
-        pos = torch.arange(kv_len)
-        phys = block_tables[b].to(torch.int64)[pos // tokens_per_block]
-        keys = layer[0, phys, pos % tokens_per_block].float() * k_read_scale  # [L, Hkv, D]
-        values = layer[1, phys, pos % tokens_per_block].float() * v_read_scale
-        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]
-        values = values.repeat_interleave(group, dim=1)
-        qs = q_rot[start:end]  # [n, H, D]
-        scores = torch.einsum("nhd,lhd->hnl", qs, keys) * scale  # [H, n, L]
-        q_pos = kv_len - num_new + torch.arange(num_new)
-        mask = pos[None, :] > q_pos[:, None]  # [n, L] True = masked out
-        scores = scores.masked_fill(mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.einsum("hnl,lhd->nhd", probs, values)
-    return out.to(q.dtype)
+    paged_kv_write_reference(k, v, cos, sin, slot_mapping, layer, kv_scale)
+    return paged_attention_core_reference(q, cos, sin, layer, block_tables, cu_seqlens_q, seq_lens_kv, scale, kv_scale)
 
 
 # The largest code magnitude of each 8-bit KV-cache dtype: a scale of amax / KV_CACHE_QMAX[dtype] stores

@@ -135,6 +135,13 @@ PLUGIN_ACCEPTED_VERSIONS: dict[str, tuple[int, ...]] = {
     "all_gather": (1,),
 }
 
+# The TensorRT target's plugins (kilnlm.plugins.tensorrt_plugins), one kernel each: paged_attention lowered
+# into its KV write and its attention (kilnlm.builder.targets.tensorrt_lowering). A plan records them.
+TENSORRT_PLUGIN_VERSIONS: dict[str, int] = {
+    "paged_kv_write": 1,
+    "paged_attention_core": 1,
+}
+
 _LIB = torch.library.Library("kilnlm", "DEF")
 _LIB.define(
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer_idx, Tensor positions, "

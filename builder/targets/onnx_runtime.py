@@ -1,7 +1,9 @@
 """Run an exported ``model.onnx`` with ONNX Runtime on CPU: the proof that the export is the network.
 
 ONNX Runtime runs every standard node; the ``kilnlm.paged_attention`` plugin nodes run kilnlm's CPU
-attention kernel (``torch.ops.kilnlm.paged_attention``) as an onnxruntime-extensions Python custom op. The
+attention kernel (``torch.ops.kilnlm.paged_attention``) as an onnxruntime-extensions Python custom op, and the
+TensorRT lowering's ``paged_kv_write`` / ``paged_attention_core`` nodes
+(:mod:`kilnlm.builder.targets.tensorrt_lowering`) run their plain-torch references. The
 engine ABI stays the runtime's: :meth:`OnnxRuntimeModel.forward` takes :class:`~kilnlm.runtime.abi.EngineInputs`
 and the one paged pool, feeds each layer's slice as ``past_key_value_{l}`` and copies ``present_key_value_{l}``
 back into it.
@@ -20,6 +22,7 @@ import torch
 
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.targets.onnx_export import PLUGIN_DOMAIN, past_key_value_name, present_key_value_name
+from kilnlm.plugins.reference import paged_attention_core_reference, paged_kv_write_reference
 from kilnlm.runtime.abi import EngineInputs
 
 _registered = False
@@ -50,6 +53,32 @@ def _register_attention_op() -> str:
                 _op_errors.append(exc)
                 out = torch.full(q.shape, float("nan"))
             return out.numpy(), pool[0].numpy()
+
+        # The TensorRT lowering's two plugin nodes (kilnlm.builder.targets.tensorrt_lowering), as their references.
+        @onnx_op(op_type="paged_kv_write", inputs=[f32, f32, f32, f32, i64, f32], outputs=[f32],
+                 attrs={"plugin_namespace": PyCustomOpDef.dt_string, "plugin_version": PyCustomOpDef.dt_string})
+        def paged_kv_write(k, v, cos, sin, slot_mapping, past_key_value, **attrs):
+            pool = torch.from_numpy(past_key_value.copy())
+            try:
+                paged_kv_write_reference(torch.from_numpy(k), torch.from_numpy(v), torch.from_numpy(cos),
+                                         torch.from_numpy(sin), torch.from_numpy(slot_mapping), pool)
+            except Exception as exc:  # see paged_attention
+                _op_errors.append(exc)
+            return pool.numpy()
+
+        @onnx_op(op_type="paged_attention_core", inputs=[f32, f32, f32, f32, i32, i32, i32], outputs=[f32],
+                 attrs={"scale": PyCustomOpDef.dt_float, "plugin_namespace": PyCustomOpDef.dt_string,
+                        "plugin_version": PyCustomOpDef.dt_string})
+        def paged_attention_core(q, cos, sin, key_value, block_tables, cu_seqlens_q, seq_lens_kv, **attrs):
+            try:
+                out = paged_attention_core_reference(
+                    torch.from_numpy(q), torch.from_numpy(cos), torch.from_numpy(sin), torch.from_numpy(key_value),
+                    torch.from_numpy(block_tables), torch.from_numpy(cu_seqlens_q), torch.from_numpy(seq_lens_kv),
+                    float(attrs["scale"]))
+            except Exception as exc:  # see paged_attention
+                _op_errors.append(exc)
+                out = torch.full(q.shape, float("nan"))
+            return out.numpy()
 
         _registered = True
     return get_library_path()

@@ -104,6 +104,44 @@ def test_onnx_runtime_matches_the_cpu_engine_on_a_packed_mixed_batch(onnx_export
         torch.testing.assert_close(kv_onnx, kv_engine, atol=1e-4, rtol=0)
 
 
+def test_tensorrt_lowering_is_the_same_network(onnx_export, tiny_engine_dir, tmp_path):
+    """The TensorRT target's lowering (each attention node -> RoPE tables in standard ONNX, a paged_kv_write
+    node whose output is the layer's present_key_value and a paged_attention_core node reading it) checks,
+    and ONNX Runtime running it (the two nodes as their references) gives the CPU engine's logits and pools
+    within 1e-4 over the same two packed steps as the export itself."""
+    from kilnlm.builder.targets.tensorrt_lowering import lower_onnx_file
+    from kilnlm.plugins.schema import TENSORRT_PLUGIN_VERSIONS
+
+    lowered = lower_onnx_file(onnx_export("fp32") / "model.onnx", tmp_path / "model.trt.onnx")
+    graph = onnx.load(str(lowered), load_external_data=False).graph
+    engine = Engine.load(tiny_engine_dir, trusted_keys=None)
+    num_layers = engine.manifest.model.num_layers
+    ops = Counter((node.domain, node.op_type) for node in graph.node)
+    assert ops[(PLUGIN_DOMAIN, "paged_attention")] == 0
+    assert ops[(PLUGIN_DOMAIN, "paged_kv_write")] == ops[(PLUGIN_DOMAIN, "paged_attention_core")] == num_layers
+    assert ops[("", "Cos")] == ops[("", "Sin")] == 1  # one RoPE table for the whole network
+    writes = [node for node in graph.node if node.op_type == "paged_kv_write"]
+    for layer, node in enumerate(writes):
+        assert node.input[5] == f"past_key_value_{layer}" and node.output[0] == f"present_key_value_{layer}"
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["plugin_version"] == str(TENSORRT_PLUGIN_VERSIONS["paged_kv_write"]).encode()
+    readers = {name for node in graph.node if node.op_type == "paged_attention_core" for name in node.input}
+    assert {f"present_key_value_{layer}" for layer in range(num_layers)} <= readers  # the write orders the read
+    assert [value.name for value in graph.output] == ["logits", *(f"present_key_value_{l}" for l in range(num_layers))]
+
+    ort_model = OnnxRuntimeModel(lowered)
+    build = engine.manifest.build
+    tpb, max_blocks = build.tokens_per_block, build.max_blocks_per_seq
+    steps = [make_engine_inputs([(list(range(100, 137)), 0), (list(range(300, 305)), 0)], tpb, max_blocks),
+             make_engine_inputs([([7], 37), ([9], 5), (list(range(500, 540)), 0)], tpb, max_blocks)]
+    kv_engine = engine.allocate_kv_cache(3 * max_blocks)
+    kv_onnx = kv_engine.clone()
+    for inputs in steps:
+        expected = engine.forward(inputs, kv_engine)
+        torch.testing.assert_close(ort_model.forward(inputs, kv_onnx), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(kv_onnx, kv_engine, atol=1e-4, rtol=0)
+
+
 # qformat -> (op type, element type of its first input or zero point) every linear of the format exports as
 QDQ_OF_FORMAT = {
     "fp8": [("QuantizeLinear", onnx.TensorProto.FLOAT8E4M3FN), ("DequantizeLinear", onnx.TensorProto.FLOAT8E4M3FN)],
