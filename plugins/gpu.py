@@ -340,6 +340,49 @@ def _paged_attention_kernel(
         tl.store(out_ptr + out_offs, out, mask=q_mask)
 
 
+# TensorRT's ahead-of-time plugin ABI (tensorrt.plugin.aot_impl): one kernel per plugin, its parameters the
+# plugin's input pointers in order, then int32 scalars, then the output pointers; every tensor contiguous.
+# These wrappers give the two kernels above that ABI, strides derived from the constexpr shape, and the K and
+# V halves of a layer's pool [2, num_blocks, TOKENS_PER_BLOCK, heads, HEAD_DIM] found from num_blocks.
+
+@_jit
+def _trt_paged_kv_write_kernel(
+    k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, past_ptr, kv_scale_ptr, num_blocks, present_ptr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr, KV_FORMAT: tl.constexpr,
+):
+    """``paged_kv_write``'s kernel: :func:`_rope_kv_write_kernel` into ``present`` (which aliases ``past``,
+    the layer's pool, so ``past_ptr`` itself is never read), one program per new token."""
+    ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    BLOCK: tl.constexpr = TOKENS_PER_BLOCK * ROW
+    v_cache_ptr = present_ptr + num_blocks.to(tl.int64) * BLOCK
+    _rope_kv_write_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, present_ptr, v_cache_ptr, kv_scale_ptr,
+                          ROW, HEAD_DIM, 1, ROW, HEAD_DIM, 1, BLOCK, ROW, HEAD_DIM, 1,
+                          NUM_KV_HEADS, HEAD_DIM, HEADS_PAD, DIM_PAD, TOKENS_PER_BLOCK, KV_FORMAT)
+
+
+@_jit
+def _trt_paged_attention_kernel(
+    q_ptr, cos_ptr, sin_ptr, kv_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_kv_ptr, kv_scale_ptr,
+    num_blocks, num_seqs, out_ptr,
+    NUM_HEADS: tl.constexpr, MAX_BLOCKS_PER_SEQ: tl.constexpr, SOFTMAX_SCALE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    """``paged_attention_core``'s kernel: :func:`_paged_attention_kernel` over the pool after the write, the
+    softmax scale baked in (TensorRT passes integer scalars only)."""
+    ROW: tl.constexpr = (NUM_HEADS // GROUP) * HEAD_DIM
+    BLOCK: tl.constexpr = TOKENS_PER_BLOCK * ROW
+    v_cache_ptr = kv_ptr + num_blocks.to(tl.int64) * BLOCK
+    _paged_attention_kernel(q_ptr, cos_ptr, sin_ptr, kv_ptr, v_cache_ptr, kv_scale_ptr, block_tables_ptr,
+                            cu_seqlens_q_ptr, seq_lens_kv_ptr, out_ptr, num_seqs, SOFTMAX_SCALE,
+                            NUM_HEADS * HEAD_DIM, HEAD_DIM, 1, BLOCK, ROW, HEAD_DIM, 1, MAX_BLOCKS_PER_SEQ,
+                            NUM_HEADS * HEAD_DIM, HEAD_DIM, 1,
+                            GROUP, HEAD_DIM, DIM_PAD, TOKENS_PER_BLOCK, BLOCK_M, BLOCK_N, KV_FORMAT, DOT_DTYPE,
+                            OUT_BF16)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Launch configuration: every constexpr and launch option decided here, for the JIT and the AOT paths alike
 # ---------------------------------------------------------------------------------------------------------
@@ -634,5 +677,122 @@ def compile_for(arch: int, shape: AttentionShape = DEFAULT_AOT_SHAPE) -> dict[st
     return compiled
 
 
-__all__ = ["AttentionShape", "DEFAULT_AOT_SHAPE", "KV_FORMATS", "attention_block_m", "attention_dot_dtype",
-           "compile_for", "paged_attention_triton", "register_cuda_kernels"]
+# ---------------------------------------------------------------------------------------------------------
+# The TensorRT plugins' kernels (kilnlm.plugins.tensorrt_plugins): what each compiles and how it is launched
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorRTKernel:
+    """One TensorRT plugin's kernel, as :func:`tensorrt_kernels` describes it: the Triton function, its
+    ``ASTSource`` signature, its constexprs, ``specialized`` (parameters fixed at compile time: the absent
+    ``kv_scale_ptr`` of a 16-bit pool, None), the compile options, and ``block_m`` (attention's query-tile
+    rows; 0 for the KV write). ``grid(num_tokens, num_seqs)`` gives the launch grid from ints or from
+    TensorRT's symbolic shape expressions alike (only ``+`` and ``//``)."""
+
+    name: str
+    kernel: object
+    signature: dict
+    constexprs: dict
+    specialized: dict
+    options: dict
+    num_kv_heads: int
+    block_m: int = 0
+    group: int = 1
+
+    def grid(self, num_tokens, num_seqs) -> tuple:
+        if not self.block_m:
+            return num_tokens, 1
+        return num_tokens // (self.block_m // self.group) + num_seqs, self.num_kv_heads
+
+    def compile(self, arch: int) -> dict:
+        """``triton.compile`` for ``GPUTarget("cuda", arch, 32)``: ``{"name", "ptx", "cubin", "num_warps",
+        "shared_bytes", "global_scratch_bytes"}``. The PTX entry takes the parameters of :attr:`signature`
+        that are not constexprs, in order, then Triton's two scratch pointers (global and profile scratch,
+        never dereferenced when ``global_scratch_bytes`` is 0). Raises RuntimeError under
+        ``TRITON_INTERPRET=1``."""
+        if not hasattr(self.kernel, "arg_names"):
+            raise RuntimeError("TensorRTKernel.compile: TRITON_INTERPRET=1 made the kernels interpreted; unset it")
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(self.kernel.arg_names)
+                 if self.signature[arg].startswith("*")}
+        source = ASTSource(fn=self.kernel, signature=self.signature, constexprs={**self.specialized, **self.constexprs},
+                           attrs=attrs)
+        binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(self.options))
+        return {"name": binary.metadata.name, "ptx": binary.asm["ptx"], "cubin": binary.asm["cubin"],
+                "num_warps": binary.metadata.num_warps, "shared_bytes": binary.metadata.shared,
+                "global_scratch_bytes": getattr(binary.metadata, "global_scratch_size", 0)}
+
+
+def tensorrt_kernels(shape: AttentionShape, softmax_scale: float, max_blocks_per_seq: int,
+                     interpreted: bool = False) -> dict[str, TensorRTKernel]:
+    """The kernels of the ``paged_kv_write`` and ``paged_attention_core`` TensorRT plugins for an engine of
+    ``shape``, ``softmax_scale`` and ``max_blocks_per_seq`` (block_tables' fixed width), keyed by plugin
+    name (``interpreted``: for a launch under ``TRITON_INTERPRET=1``, see :func:`attention_dot_dtype`).
+    Attention always takes the 64-row query tile (:func:`attention_block_m` for context chunks): a
+    plan's kernel is fixed at build time, and that tile serves generation batches too (at more idle rows).
+    Raises ImportError without Triton."""
+    _require_triton()
+    act = KV_FORMATS_BY_NAME[shape.act_dtype]
+    eight_bit = shape.kv_format in ("fp8", "int8")
+    scale = {"kv_scale_ptr": "*fp32"} if eight_bit else {}
+    no_scale = {} if eight_bit else {"kv_scale_ptr": None}
+    write = TensorRTKernel(
+        "paged_kv_write", _trt_paged_kv_write_kernel,
+        {"k_ptr": _POINTER_TYPES[act], "v_ptr": _POINTER_TYPES[act], "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+         "slot_mapping_ptr": "*i64", "past_ptr": _POINTER_TYPES[_WRITE_VIEW[shape.kv_format]], **scale,
+         "num_blocks": "i32", "present_ptr": _POINTER_TYPES[_WRITE_VIEW[shape.kv_format]],
+         **{name: "constexpr" for name in (*no_scale, *_write_constexprs(shape))}},
+        _write_constexprs(shape), no_scale, _WRITE_OPTIONS, shape.num_kv_heads)
+    block_m = attention_block_m(shape, 1 << 20)
+    dot_dtype = attention_dot_dtype(shape, interpreted)
+    consts = {"NUM_HEADS": shape.num_heads, "MAX_BLOCKS_PER_SEQ": max_blocks_per_seq,
+              "SOFTMAX_SCALE": float(softmax_scale), **_attention_constexprs(shape, block_m, dot_dtype)}
+    attention = TensorRTKernel(
+        "paged_attention_core", _trt_paged_attention_kernel,
+        {"q_ptr": _POINTER_TYPES[act], "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+         "kv_ptr": _POINTER_TYPES[_READ_VIEW[shape.kv_format]], "block_tables_ptr": "*i32",
+         "cu_seqlens_q_ptr": "*i32", "seq_lens_kv_ptr": "*i32", **scale, "num_blocks": "i32", "num_seqs": "i32",
+         "out_ptr": "*i16" if shape.act_dtype == "bfloat16" else "*fp32",
+         **{name: "constexpr" for name in (*no_scale, *consts)}},
+        consts, no_scale, _ATTENTION_OPTIONS, shape.num_kv_heads, block_m, shape.group)
+    return {"paged_kv_write": write, "paged_attention_core": attention}
+
+
+def paged_attention_tensorrt_abi(q, k, v, kv_cache, layer_idx, positions, inv_freq, cu_seqlens_q, seq_lens_kv,
+                                 block_tables, slot_mapping, scale, kv_scale=None) -> torch.Tensor:
+    """``kilnlm::paged_attention`` run as a TensorRT plan runs its lowering: the RoPE tables with torch (the
+    lowered graph's ``Cos`` / ``Sin``), then the two kernels of :func:`tensorrt_kernels` launched with
+    TensorRT's argument order, contiguous tensors and their grids (the same arguments and result as
+    :func:`paged_attention_triton`, whose checks it shares). For the tests, under ``TRITON_INTERPRET=1`` or
+    on a GPU; TensorRT itself launches the compiled kernels inside a plan."""
+    _require_triton()
+    kv_format = _check_inputs(q, k, v, kv_cache, layer_idx, inv_freq, cu_seqlens_q, seq_lens_kv, block_tables,
+                              slot_mapping, positions, kv_scale)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    shape = AttentionShape(num_heads=num_heads, num_kv_heads=k.shape[1], head_dim=head_dim,
+                           tokens_per_block=kv_cache.shape[3], act_dtype=KV_FORMATS[q.dtype], kv_format=kv_format)
+    kernels = tensorrt_kernels(shape, scale, block_tables.shape[1], interpreted=not q.is_cuda)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    q, k, v, block_tables = q.contiguous(), k.contiguous(), v.contiguous(), block_tables.contiguous()
+    layer = kv_cache[layer_idx]  # contiguous: the pool is
+    num_blocks, num_seqs = layer.shape[1], seq_lens_kv.shape[0]
+    write, attention = kernels["paged_kv_write"], kernels["paged_attention_core"]
+    pool_write, pool_read = layer.view(_WRITE_VIEW[kv_format]), layer.view(_READ_VIEW[kv_format])
+    out_view = out.view(torch.int16) if q.dtype == torch.bfloat16 else out
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        write.kernel[write.grid(num_tokens, num_seqs)](
+            k, v, cos, sin, slot_mapping.contiguous(), pool_write, kv_scale, num_blocks, pool_write,
+            **write.constexprs, **write.options)
+        attention.kernel[attention.grid(num_tokens, num_seqs)](
+            q, cos, sin, pool_read, block_tables, cu_seqlens_q.contiguous(), seq_lens_kv.contiguous(), kv_scale,
+            num_blocks, num_seqs, out_view, **attention.constexprs, **attention.options)
+    return out
+
+
+__all__ = ["AttentionShape", "DEFAULT_AOT_SHAPE", "KV_FORMATS", "TensorRTKernel", "attention_block_m",
+           "attention_dot_dtype", "compile_for", "paged_attention_tensorrt_abi", "paged_attention_triton",
+           "register_cuda_kernels", "tensorrt_kernels"]

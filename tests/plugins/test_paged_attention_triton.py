@@ -77,13 +77,19 @@ CASES = {
     **{f"sweep-{kv}-scale{scale}-{act}": dict(kind="sweep", kv=kv, scale=scale, act=act)
        for kv in ("fp8", "int8") for scale in (1.0, 0.37) for act in ("float32", "bfloat16")},
 }
+# The TensorRT plugins' kernels (paged_kv_write, paged_attention_core), launched with TensorRT's AOT ABI as a
+# plan launches them (paged_attention_tensorrt_abi): every pool format, both activation dtypes, GQA 3, a
+# head_dim that is not a power of two, fused-QKV slices (made contiguous, as TensorRT hands them over).
+TENSORRT_ABI_CASES = ("mixed-float32-pool-float32", "mixed-bfloat16-pool-bfloat16", "mixed-float32-pool-fp8",
+                      "mixed-bfloat16-pool-int8", "decode-gqa3-bfloat16", "head-dim-40-fp8", "strided-qkv-bfloat16")
+CASES.update({f"tensorrt-abi-{name}": {**CASES[name], "abi": "tensorrt"} for name in TENSORRT_ABI_CASES})
 
 INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from conftest import _make_packed_batch
-from kilnlm.plugins.gpu import paged_attention_triton
+from kilnlm.plugins.gpu import paged_attention_tensorrt_abi, paged_attention_triton
 from kilnlm.plugins.reference import KV_CACHE_QMAX, paged_attention_reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -142,7 +148,8 @@ results = {}
 for name, spec in json.loads(sys.argv[3]).items():
     b, kv_scale = batch(spec) if spec["kind"] == "batch" else sweep(spec)
     pool_kernel, pool_ref = b.kv_cache.clone(), b.kv_cache.clone()
-    out = paged_attention_triton(*b.args(pool_kernel), kv_scale)
+    kernel = paged_attention_tensorrt_abi if spec.get("abi") == "tensorrt" else paged_attention_triton
+    out = kernel(*b.args(pool_kernel), kv_scale)
     expected = paged_attention_reference(*b.args(pool_ref), kv_scale)
     results[name] = dict(out=out, expected=expected, pool_kernel=pool_kernel, pool_ref=pool_ref,
                          pool_before=b.kv_cache)
@@ -243,6 +250,33 @@ def test_compiles_ahead_of_time_for_each_arch(arch):
     # Bfloat16 activations use tensor-core dots: mma.sync (sm_80 / sm_89), wgmma (sm_90) for the prefill tile.
     prefill_ptx = compiled["paged_attention_prefill"]["ptx"]
     assert ("wgmma.mma_async" if arch == 90 else "mma.sync.aligned") in prefill_ptx
+
+
+@pytest.mark.parametrize("arch", [80, 89, 90])
+def test_tensorrt_plugin_kernels_compile_with_tensorrts_parameter_order(arch):
+    """The TensorRT plugins' kernels compile for each arch, and each PTX entry takes exactly the plugin's
+    input pointers, its int32 scalars and its output pointers (TensorRT's AOT launch order), then Triton's two
+    scratch pointers, with no global scratch to allocate (TensorRT would not)."""
+    import dataclasses
+    import re
+
+    from kilnlm.plugins.gpu import DEFAULT_AOT_SHAPE, tensorrt_kernels
+
+    # plugin -> (inputs, int32 scalars, outputs) for a 16-bit pool; an 8-bit pool adds the kv_scale input.
+    abi = {"paged_kv_write": (6, 1, 1), "paged_attention_core": (7, 2, 1)}
+    for kv_format in ("bfloat16", "fp8", "int8"):
+        kernels = tensorrt_kernels(dataclasses.replace(DEFAULT_AOT_SHAPE, kv_format=kv_format), 0.125, 64)
+        assert set(kernels) == set(abi)
+        for name, kernel in kernels.items():
+            compiled = kernel.compile(arch)
+            assert f".target sm_{arch}" in compiled["ptx"] and compiled["cubin"][:4] == b"\x7fELF", (name, kv_format)
+            entry = re.search(r"\.entry\s+(\w+)\s*\((.*?)\)", compiled["ptx"], re.S)
+            assert entry.group(1) == compiled["name"]
+            inputs, scalars, outputs = abi[name]
+            inputs += kv_format in ("fp8", "int8")
+            assert entry.group(2).count(".param") == inputs + scalars + outputs + 2, (name, kv_format)
+            assert entry.group(2).count(".param .u32") == scalars, (name, kv_format)
+            assert compiled["global_scratch_bytes"] == 0 and compiled["num_warps"] == 4
 
 
 def test_float32_activations_compile_with_ieee_dots():
