@@ -684,8 +684,7 @@ def compile_for(arch: int, shape: AttentionShape = DEFAULT_AOT_SHAPE) -> dict[st
 @dataclass(frozen=True)
 class TensorRTKernel:
     """One TensorRT plugin's kernel, as :func:`tensorrt_kernels` describes it: the Triton function, its
-    ``ASTSource`` signature, its constexprs, ``specialized`` (parameters fixed at compile time: the absent
-    ``kv_scale_ptr`` of a 16-bit pool, None), the compile options, and ``block_m`` (attention's query-tile
+    ``ASTSource`` signature and constexprs, the compile options, and ``block_m`` (attention's query-tile
     rows; 0 for the KV write). ``grid(num_tokens, num_seqs)`` gives the launch grid from ints or from
     TensorRT's symbolic shape expressions alike (only ``+`` and ``//``)."""
 
@@ -693,7 +692,6 @@ class TensorRTKernel:
     kernel: object
     signature: dict
     constexprs: dict
-    specialized: dict
     options: dict
     num_kv_heads: int
     block_m: int = 0
@@ -717,8 +715,7 @@ class TensorRTKernel:
 
         attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(self.kernel.arg_names)
                  if self.signature[arg].startswith("*")}
-        source = ASTSource(fn=self.kernel, signature=self.signature, constexprs={**self.specialized, **self.constexprs},
-                           attrs=attrs)
+        source = ASTSource(fn=self.kernel, signature=self.signature, constexprs=self.constexprs, attrs=attrs)
         binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(self.options))
         return {"name": binary.metadata.name, "ptx": binary.asm["ptx"], "cubin": binary.asm["cubin"],
                 "num_warps": binary.metadata.num_warps, "shared_bytes": binary.metadata.shared,
@@ -735,16 +732,13 @@ def tensorrt_kernels(shape: AttentionShape, softmax_scale: float, max_blocks_per
     Raises ImportError without Triton."""
     _require_triton()
     act = KV_FORMATS_BY_NAME[shape.act_dtype]
-    eight_bit = shape.kv_format in ("fp8", "int8")
-    scale = {"kv_scale_ptr": "*fp32"} if eight_bit else {}
-    no_scale = {} if eight_bit else {"kv_scale_ptr": None}
     write = TensorRTKernel(
         "paged_kv_write", _trt_paged_kv_write_kernel,
         {"k_ptr": _POINTER_TYPES[act], "v_ptr": _POINTER_TYPES[act], "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-         "slot_mapping_ptr": "*i64", "past_ptr": _POINTER_TYPES[_WRITE_VIEW[shape.kv_format]], **scale,
+         "slot_mapping_ptr": "*i64", "past_ptr": _POINTER_TYPES[_WRITE_VIEW[shape.kv_format]], "kv_scale_ptr": "*fp32",
          "num_blocks": "i32", "present_ptr": _POINTER_TYPES[_WRITE_VIEW[shape.kv_format]],
-         **{name: "constexpr" for name in (*no_scale, *_write_constexprs(shape))}},
-        _write_constexprs(shape), no_scale, _WRITE_OPTIONS, shape.num_kv_heads)
+         **{name: "constexpr" for name in _write_constexprs(shape)}},
+        _write_constexprs(shape), _WRITE_OPTIONS, shape.num_kv_heads)
     block_m = attention_block_m(shape, 1 << 20)
     dot_dtype = attention_dot_dtype(shape, interpreted)
     consts = {"NUM_HEADS": shape.num_heads, "MAX_BLOCKS_PER_SEQ": max_blocks_per_seq,
@@ -753,10 +747,11 @@ def tensorrt_kernels(shape: AttentionShape, softmax_scale: float, max_blocks_per
         "paged_attention_core", _trt_paged_attention_kernel,
         {"q_ptr": _POINTER_TYPES[act], "cos_ptr": "*fp32", "sin_ptr": "*fp32",
          "kv_ptr": _POINTER_TYPES[_READ_VIEW[shape.kv_format]], "block_tables_ptr": "*i32",
-         "cu_seqlens_q_ptr": "*i32", "seq_lens_kv_ptr": "*i32", **scale, "num_blocks": "i32", "num_seqs": "i32",
+         "cu_seqlens_q_ptr": "*i32", "seq_lens_kv_ptr": "*i32", "kv_scale_ptr": "*fp32", "num_blocks": "i32",
+         "num_seqs": "i32",
          "out_ptr": "*i16" if shape.act_dtype == "bfloat16" else "*fp32",
-         **{name: "constexpr" for name in (*no_scale, *consts)}},
-        consts, no_scale, _ATTENTION_OPTIONS, shape.num_kv_heads, block_m, shape.group)
+         **{name: "constexpr" for name in consts}},
+        consts, _ATTENTION_OPTIONS, shape.num_kv_heads, block_m, shape.group)
     return {"paged_kv_write": write, "paged_attention_core": attention}
 
 
@@ -765,7 +760,8 @@ def paged_attention_tensorrt_abi(q, k, v, kv_cache, layer_idx, positions, inv_fr
     """``kilnlm::paged_attention`` run as a TensorRT plan runs its lowering: the RoPE tables with torch (the
     lowered graph's ``Cos`` / ``Sin``), then the two kernels of :func:`tensorrt_kernels` launched with
     TensorRT's argument order, contiguous tensors and their grids (the same arguments and result as
-    :func:`paged_attention_triton`, whose checks it shares). For the tests, under ``TRITON_INTERPRET=1`` or
+    :func:`paged_attention_triton`, whose checks it shares; a 16-bit pool gets the lowering's unit
+    ``kv_scale``, which its kernels never read). For the tests, under ``TRITON_INTERPRET=1`` or
     on a GPU; TensorRT itself launches the compiled kernels inside a plan."""
     _require_triton()
     kv_format = _check_inputs(q, k, v, kv_cache, layer_idx, inv_freq, cu_seqlens_q, seq_lens_kv, block_tables,
@@ -780,6 +776,8 @@ def paged_attention_tensorrt_abi(q, k, v, kv_cache, layer_idx, positions, inv_fr
     q, k, v, block_tables = q.contiguous(), k.contiguous(), v.contiguous(), block_tables.contiguous()
     layer = kv_cache[layer_idx]  # contiguous: the pool is
     num_blocks, num_seqs = layer.shape[1], seq_lens_kv.shape[0]
+    if kv_scale is None:
+        kv_scale = torch.ones(2, dtype=torch.float32, device=q.device)
     write, attention = kernels["paged_kv_write"], kernels["paged_attention_core"]
     pool_write, pool_read = layer.view(_WRITE_VIEW[kv_format]), layer.view(_READ_VIEW[kv_format])
     out_view = out.view(torch.int16) if q.dtype == torch.bfloat16 else out

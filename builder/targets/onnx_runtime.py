@@ -55,9 +55,9 @@ def _register_attention_op() -> str:
             return out.numpy(), pool[0].numpy()
 
         # The TensorRT lowering's two plugin nodes (kilnlm.builder.targets.tensorrt_lowering), as their references.
-        @onnx_op(op_type="paged_kv_write", inputs=[f32, f32, f32, f32, i64, f32], outputs=[f32],
+        @onnx_op(op_type="paged_kv_write", inputs=[f32, f32, f32, f32, i64, f32, f32], outputs=[f32],
                  attrs={"plugin_namespace": PyCustomOpDef.dt_string, "plugin_version": PyCustomOpDef.dt_string})
-        def paged_kv_write(k, v, cos, sin, slot_mapping, past_key_value, **attrs):
+        def paged_kv_write(k, v, cos, sin, slot_mapping, past_key_value, kv_scale, **attrs):  # float32 pool: no scale
             pool = torch.from_numpy(past_key_value.copy())
             try:
                 paged_kv_write_reference(torch.from_numpy(k), torch.from_numpy(v), torch.from_numpy(cos),
@@ -66,10 +66,10 @@ def _register_attention_op() -> str:
                 _op_errors.append(exc)
             return pool.numpy()
 
-        @onnx_op(op_type="paged_attention_core", inputs=[f32, f32, f32, f32, i32, i32, i32], outputs=[f32],
+        @onnx_op(op_type="paged_attention_core", inputs=[f32, f32, f32, f32, i32, i32, i32, f32], outputs=[f32],
                  attrs={"scale": PyCustomOpDef.dt_float, "plugin_namespace": PyCustomOpDef.dt_string,
                         "plugin_version": PyCustomOpDef.dt_string})
-        def paged_attention_core(q, cos, sin, key_value, block_tables, cu_seqlens_q, seq_lens_kv, **attrs):
+        def paged_attention_core(q, cos, sin, key_value, block_tables, cu_seqlens_q, seq_lens_kv, kv_scale, **attrs):
             try:
                 out = paged_attention_core_reference(
                     torch.from_numpy(q), torch.from_numpy(cos), torch.from_numpy(sin), torch.from_numpy(key_value),

@@ -6,9 +6,12 @@ the pool before any query reads it). So before TensorRT parses the export, each 
 as standard ONNX for the RoPE tables and two plugin nodes, one kernel each::
 
     positions, inv_freq --Cast, Unsqueeze, Mul--> freqs [T, D/2] --Cos / Sin--> cos, sin  (once per network)
-    paged_kv_write(k, v, cos, sin, slot_mapping, past_key_value_l[, kv_scale]) -> present_key_value_l
-    paged_attention_core(q, cos, sin, present_key_value_l, block_tables, cu_seqlens_q, seq_lens_kv[, kv_scale])
+    paged_kv_write(k, v, cos, sin, slot_mapping, past_key_value_l, kv_scale) -> present_key_value_l
+    paged_attention_core(q, cos, sin, present_key_value_l, block_tables, cu_seqlens_q, seq_lens_kv, kv_scale)
         -> output                                             (attribute: scale, the softmax scale)
+
+``kv_scale`` is always an input (a TensorRT plugin has a fixed input list): an 8-bit pool's layer scales, or
+one shared constant ``[1, 1]`` that a 16-bit pool's kernels never read.
 
 ``present_key_value_l`` aliases ``past_key_value_l`` (the plugin writes the pool in place; TensorRT's
 aliased plugin I/O), and the attention node reads it, which orders the two kernels. The numerics are those
@@ -39,10 +42,10 @@ def register_lowered_schemas() -> None:
 
     ``paged_kv_write``: k, v ``[T, num_kv_heads, head_dim]`` T; cos, sin ``[T, head_dim // 2]`` float32;
     slot_mapping ``[T]`` int64; past_key_value ``[2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``
-    TKV; kv_scale ``[2]`` float32 (optional) -> present_key_value (past_key_value's type and shape, aliasing it).
+    TKV; kv_scale ``[2]`` float32 (read for 8-bit pools only) -> present_key_value (past_key_value's type and shape, aliasing it).
     ``paged_attention_core``: q ``[T, num_heads, head_dim]`` T; cos, sin; key_value (the pool after the
     write) TKV; block_tables ``[B, max_blocks_per_seq]``, cu_seqlens_q ``[B+1]``, seq_lens_kv ``[B]`` int32;
-    kv_scale (optional) -> output (q's type and shape). Attribute ``scale`` (float, the softmax scale); both
+    kv_scale -> output (q's type and shape). Attribute ``scale`` (float, the softmax scale); both
     take ``plugin_namespace`` and ``plugin_version`` (TensorRT's plugin lookup keys)."""
     import onnx
     from onnx.defs import OpSchema
@@ -53,14 +56,13 @@ def register_lowered_schemas() -> None:
     except onnx.defs.SchemaError:
         pass
     param, attr = OpSchema.FormalParameter, OpSchema.Attribute
-    optional = OpSchema.FormalParameterOption.Optional
     types = [("T", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)"], "activations"),
              ("TKV", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)", "tensor(float8e4m3fn)", "tensor(int8)"],
               "the KV pool")]
     lookup = [attr("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace", required=False),
               attr("plugin_version", OpSchema.AttrType.STRING, "the plugin's version", required=False)]
     tables = [param("cos", "tensor(float)"), param("sin", "tensor(float)")]
-    scale = param("kv_scale", "tensor(float)", param_option=optional)
+    scale = param("kv_scale", "tensor(float)")
 
     def like_input(index: int):
         def infer(ctx) -> None:
@@ -99,6 +101,7 @@ def lower_attention(model) -> int:
     if not attention:
         raise BuildError("the model has no kilnlm.paged_attention node: is it a kilnlm --target onnx export?")
     tables: dict[tuple[int, int], tuple] = {}  # (id(positions), id(inv_freq)) -> (cos, sin)
+    unit_scale = None  # the [1, 1] kv_scale of 16-bit pools, made once
     lookup = {"plugin_namespace": PLUGIN_DOMAIN}
     for node in attention:
         if len(node.inputs) not in (10, 11):
@@ -117,6 +120,12 @@ def lower_attention(model) -> int:
             new_nodes += [axes, as_float, column, freqs, cos, sin]
             tables[key] = (cos.outputs[0], sin.outputs[0])
         cos, sin = tables[key]
+        if not kv_scale:
+            if unit_scale is None:
+                unit_scale = ir.node("Constant", [], attributes={"value": ir.tensor([1.0, 1.0], dtype=ir.DataType.FLOAT)})
+                unit_scale.outputs[0].name = "unit_kv_scale"
+                new_nodes.append(unit_scale)
+            kv_scale = [unit_scale.outputs[0]]
         write = ir.node("paged_kv_write", [k, v, cos, sin, slot_mapping, past, *kv_scale], domain=PLUGIN_DOMAIN,
                         attributes={**lookup, "plugin_version": str(TENSORRT_PLUGIN_VERSIONS["paged_kv_write"])},
                         name=f"{node.name}/paged_kv_write")

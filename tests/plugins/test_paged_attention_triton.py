@@ -262,8 +262,7 @@ def test_tensorrt_plugin_kernels_compile_with_tensorrts_parameter_order(arch):
 
     from kilnlm.plugins.gpu import DEFAULT_AOT_SHAPE, tensorrt_kernels
 
-    # plugin -> (inputs, int32 scalars, outputs) for a 16-bit pool; an 8-bit pool adds the kv_scale input.
-    abi = {"paged_kv_write": (6, 1, 1), "paged_attention_core": (7, 2, 1)}
+    abi = {"paged_kv_write": (7, 1, 1), "paged_attention_core": (8, 2, 1)}  # (inputs, int32 scalars, outputs)
     for kv_format in ("bfloat16", "fp8", "int8"):
         kernels = tensorrt_kernels(dataclasses.replace(DEFAULT_AOT_SHAPE, kv_format=kv_format), 0.125, 64)
         assert set(kernels) == set(abi)
@@ -273,7 +272,6 @@ def test_tensorrt_plugin_kernels_compile_with_tensorrts_parameter_order(arch):
             entry = re.search(r"\.entry\s+(\w+)\s*\((.*?)\)", compiled["ptx"], re.S)
             assert entry.group(1) == compiled["name"]
             inputs, scalars, outputs = abi[name]
-            inputs += kv_format in ("fp8", "int8")
             assert entry.group(2).count(".param") == inputs + scalars + outputs + 2, (name, kv_format)
             assert entry.group(2).count(".param .u32") == scalars, (name, kv_format)
             assert compiled["global_scratch_bytes"] == 0 and compiled["num_warps"] == 4
