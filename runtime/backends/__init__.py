@@ -18,9 +18,13 @@ and a loaded backend offers the engine ABI of :mod:`kilnlm.runtime.abi`::
     allocate_kv_cache(num_blocks)         the pool, on the engine's device
     forward(inputs, kv_cache) -> logits   one packed step; writes the new K/V into kv_cache in place
 
-| target | module | engine file                           |
-|--------|--------|---------------------------------------|
-| cpu    | cpu.py | ``model.pt2`` (AOTInductor package)   |
+| target   | module        | engine file                                              |
+|----------|---------------|----------------------------------------------------------|
+| cpu      | cpu.py        | ``model.pt2`` (AOTInductor package)                      |
+| tensorrt | tensorrt.py   | ``rank0.engine`` (a serialized TensorRT plan; one GPU)   |
+
+Importing this package imports no target's native runtime: the ``tensorrt`` backend imports ``tensorrt``
+(and with it CUDA) only in ``verify`` / ``load``.
 
 An engine built with ``--tp-size N`` runs its target's backend once per rank, rank 0 wrapped by
 :class:`~kilnlm.runtime.backends.tensor_parallel.TensorParallelBackend` (:mod:`.tensor_parallel`), which
@@ -36,6 +40,7 @@ import torch
 
 from kilnlm.runtime.abi import EngineInputs
 from kilnlm.runtime.backends.cpu import CpuBackend
+from kilnlm.runtime.backends.tensorrt import TensorRTBackend
 from kilnlm.runtime.errors import EngineError
 from kilnlm.runtime.manifest import Manifest
 
@@ -68,8 +73,8 @@ class EngineBackend(Protocol):
         the sampler reads the logits with numpy: a device backend copies in and out itself."""
 
 
-# build.target -> backend class. Issue 25 adds "tensorrt".
-ENGINE_BACKENDS: dict[str, type[EngineBackend]] = {CpuBackend.target: CpuBackend}
+# build.target -> backend class
+ENGINE_BACKENDS: dict[str, type[EngineBackend]] = {backend.target: backend for backend in (CpuBackend, TensorRTBackend)}
 
 
 def engine_backend(manifest: Manifest, where: Path) -> type[EngineBackend]:

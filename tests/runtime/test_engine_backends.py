@@ -53,8 +53,11 @@ def write_engine(engine_dir, target: str):
     return write_manifest(engine_dir, make_manifest(build_config(target=target)))
 
 
-def test_cpu_is_registered():
+def test_cpu_and_tensorrt_are_registered():
+    from kilnlm.runtime.backends.tensorrt import TensorRTBackend
+
     assert backends.ENGINE_BACKENDS["cpu"] is CpuBackend and CpuBackend.target == "cpu"
+    assert backends.ENGINE_BACKENDS["tensorrt"] is TensorRTBackend and TensorRTBackend.target == "tensorrt"
 
 
 def test_the_manifest_target_selects_the_backend(tmp_path, monkeypatch):
@@ -78,9 +81,9 @@ def test_an_unknown_target_is_refused_before_loading(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CpuBackend, "verify", refuse)
     monkeypatch.setattr(CpuBackend, "load", refuse)
-    write_engine(tmp_path / "engine", "tensorrt")
+    write_engine(tmp_path / "engine", "made-up")
     for load in (verify_engine, Engine.load):
-        with pytest.raises(EngineError, match=r"build.target is 'tensorrt'.*no 'tensorrt' backend.*rebuild the engine for one of cpu"):
+        with pytest.raises(EngineError, match=r"build.target is 'made-up'.*no 'made-up' backend.*rebuild the engine for one of cpu, tensorrt"):
             load(tmp_path / "engine")
 
 
