@@ -8,7 +8,8 @@ leaves a half-written engine behind::
     <output>.tmp-<pid>/  model.pt2, tokenizer/, manifest.json (last)  --os.replace-->  <output>/
 
 (``model.pt2`` for ``--target cpu``, or ``rank0.pt2`` ... ``rank{N-1}.pt2`` with ``--tp-size N``; ``model.onnx``
-and ``model.onnx.data`` for ``--target onnx``.)
+and ``model.onnx.data`` for ``--target onnx``; ``rank0.engine`` for ``--target tensorrt``, or, on a machine
+without TensorRT or a GPU, the onnx export with a warning naming the command that finishes it.)
 """
 
 from __future__ import annotations
@@ -114,6 +115,12 @@ def build_engine(options: BuildOptions | ResolvedBuildOptions, cache_key: CacheK
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("built %s in %.1f s", opts.output, time.perf_counter() - t_start)
+    if opts.deferred is not None:
+        requested, why = opts.deferred
+        from kilnlm.builder.targets.tensorrt_target import finish_command
+
+        log.warning("no %s engine built here (%s): wrote the %s export to %s; finish on a machine that can with: %s",
+                    requested, why, opts.target, opts.output, finish_command(opts.output))
     return manifest
 
 

@@ -44,7 +44,8 @@ from kilnlm.runtime import manifest as manifest_format
 # Build option fields that do not change the engine: where it (or a side output such as an exported
 # checkpoint) is written, whether an existing directory is replaced, the smoke test. (The checkpoint is
 # keyed by its content, apart.)
-EXCLUDED_FIELDS = frozenset({"checkpoint", "output", "overwrite", "smoke_test", "export_checkpoint", "sign_key"})
+EXCLUDED_FIELDS = frozenset({"checkpoint", "output", "overwrite", "smoke_test", "export_checkpoint", "sign_key",
+                             "deferred"})  # deferred: a stand-in build is its stand-in target's build
 # Files in an HF checkpoint directory that no build reads (documentation, other weight formats).
 _IGNORED_SUFFIXES = (".md", ".bin", ".pth", ".pt", ".h5", ".msgpack", ".ckpt", ".onnx", ".gguf", ".lock")
 _IGNORED_NAMES = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")

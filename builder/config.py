@@ -120,6 +120,9 @@ class ResolvedBuildOptions:
     export_checkpoint: Path | None
     sign_key: Path | None
     compile: Any
+    # (the --target asked for, why this machine cannot build it) when `target` is its stand-in
+    # (Target.stand_in: the tensorrt target's ONNX export without TensorRT or a GPU); None otherwise
+    deferred: tuple[str, str] | None = None
 
     @property
     def format(self) -> QuantFormat:
@@ -254,6 +257,11 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
         if getattr(options, name) < 1:
             raise BuildError(f"--{name.replace('_', '-')} is {getattr(options, name)}: it must be at least 1")
     target = get_target(options.target)
+    deferred = None
+    stand_in = target.stand_in()
+    if stand_in is not None:
+        deferred = (target.name, stand_in[1])
+        target = get_target(stand_in[0])
     if options.tp_size > 1 and not target.tensor_parallel:
         raise BuildError(f"--tp-size {options.tp_size}: --target {target.name} builds one-rank engines only; build "
                          f"tensor-parallel engines for --target {' / '.join(t.name for t in TARGETS.values() if t.tensor_parallel)}")
@@ -282,6 +290,7 @@ def resolve(options: BuildOptions) -> ResolvedBuildOptions:
         export_checkpoint=None if options.export_checkpoint is None else Path(options.export_checkpoint),
         sign_key=None if options.sign_key is None else Path(options.sign_key),
         compile=options.compile if options.compile is not None else target.default_compile_options(),
+        deferred=deferred,
     )
 
 

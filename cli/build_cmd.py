@@ -69,8 +69,13 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     default = option_default
     h = _formats_help()
     p = subparsers.add_parser(name, help=help_text, description=help_text)
-    p.add_argument("--checkpoint", required=True, type=Path,
-                   help="Hugging Face model directory (config.json + *.safetensors) or a .gguf file")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="Hugging Face model directory (config.json + *.safetensors) or a .gguf file (required unless "
+                        "--from-onnx)")
+    p.add_argument("--from-onnx", type=Path, default=None, metavar="EXPORT",
+                   help="with --target tensorrt: build the TensorRT plan from an onnx export (an engine directory "
+                        "built with --target onnx, or with --target tensorrt on a machine without TensorRT or a GPU) "
+                        "on this GPU machine; the export's build options and limits apply")
     p.add_argument("--output", required=True, type=Path, help="engine directory to create")
     p.add_argument("--qformat", choices=tuple(FORMATS), default=default("qformat"),
                    help=f"weight format (TensorRT-LLM's names): {h['qformat']}; quantization through NVIDIA ModelOpt "
@@ -177,8 +182,32 @@ def run(args: argparse.Namespace) -> int:
         from kilnlm.builder.errors import BuildError
 
         raise BuildError("--name tags an engine in a cache: add --cache URL (or drop --name)")
+    if args.from_onnx is not None:
+        return _finish_from_onnx(args)
+    if args.checkpoint is None:
+        from kilnlm.builder.errors import BuildError
+
+        raise BuildError("--checkpoint is required (or --from-onnx EXPORT --target tensorrt to finish an export)")
     manifest = _build(args, build_options(args))
     if not args.quiet:
         size_bytes = sum(f["size"] for f in manifest.files.values())
         print(f"engine written to {args.output} ({size_bytes / 1e6:.1f} MB, qformat {manifest.build.qformat})")
+    return 0
+
+
+def _finish_from_onnx(args: argparse.Namespace) -> int:
+    """``--from-onnx EXPORT --target tensorrt``: the plan from an onnx export
+    (:func:`kilnlm.builder.targets.tensorrt_target.build_plan_from_export`)."""
+    from kilnlm.builder.errors import BuildError
+    from kilnlm.builder.targets.tensorrt_target import TensorRTTarget, build_plan_from_export
+
+    if args.target != TensorRTTarget.name:
+        raise BuildError(f"--from-onnx builds a TensorRT plan: add --target {TensorRTTarget.name}")
+    if args.checkpoint is not None or args.cache:
+        raise BuildError("--from-onnx takes the export's checkpoint and options: drop --checkpoint and --cache")
+    manifest = build_plan_from_export(args.from_onnx, args.output, overwrite=args.overwrite)
+    if not args.quiet:
+        size_bytes = sum(f["size"] for f in manifest.files.values())
+        print(f"engine written to {args.output} ({size_bytes / 1e6:.1f} MB, target tensorrt, "
+              f"TensorRT {manifest.toolchain['tensorrt']}, sm {manifest.toolchain['cuda_compute_capability']})")
     return 0

@@ -5,7 +5,9 @@ the files of an engine directory; the manifest records its name (``build.target`
 (``engine_file``) and its toolchain, and the runtime picks the backend of the same name to load it.
 ``cpu`` (AOTInductor, :mod:`kilnlm.builder.targets.cpu`) compiles engines kilnlm's runtime serves; ``onnx``
 (:mod:`kilnlm.builder.targets.onnx_target`) writes the network as an ONNX model with kilnlm's plugin nodes,
-the input of a TensorRT plan, which kilnlm's runtime does not serve.
+the input of a TensorRT plan, which kilnlm's runtime does not serve; ``tensorrt``
+(:mod:`kilnlm.builder.targets.tensorrt_target`) builds that plan where TensorRT and a GPU are, and the
+runtime's ``tensorrt`` backend serves it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.targets.cpu import CpuTarget
 from kilnlm.builder.targets.onnx_target import OnnxTarget
+from kilnlm.builder.targets.tensorrt_target import TensorRTTarget
 from kilnlm.runtime.manifest import BuildConfig, ModelConfig
 
 
@@ -36,6 +39,11 @@ class Target(Protocol):
     served: bool
     tensor_parallel: bool
 
+    def stand_in(self) -> tuple[str, str] | None:
+        """Where this machine cannot compile the target: ``(the target to build instead, why)``, which
+        :func:`kilnlm.builder.config.resolve` then builds (the tensorrt target's ONNX export without TensorRT
+        or a GPU); None where it can."""
+
     def default_compile_options(self) -> Any:
         """The compile options used when :attr:`BuildOptions.compile` is None (a frozen dataclass: the
         cache key digests its fields)."""
@@ -52,7 +60,7 @@ class Target(Protocol):
 
 
 # --target name -> its implementation, in the order the CLI lists them.
-TARGETS: dict[str, Target] = {target.name: target for target in (CpuTarget(), OnnxTarget())}
+TARGETS: dict[str, Target] = {target.name: target for target in (CpuTarget(), OnnxTarget(), TensorRTTarget())}
 
 
 def get_target(name: str) -> Target:

@@ -171,6 +171,9 @@ class CpuTarget:
     served = True
     tensor_parallel = True
 
+    def stand_in(self) -> None:
+        return None
+
     def default_compile_options(self) -> CompileOptions:
         return CompileOptions()
 

@@ -58,6 +58,9 @@ class OnnxTarget:
     served = False
     tensor_parallel = False
 
+    def stand_in(self) -> None:
+        return None
+
     def default_compile_options(self) -> None:
         return None
 
