@@ -12,7 +12,8 @@ Checks, for each (activations, pool) in float32 / bfloat16 x (16/32-bit, fp8, in
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64, 32-token blocks): 8 context chunks of
 200-500 new tokens (half of them after cached KV) and 32 generation tokens after ~1,000 cached ones, blocks
 scattered over the pool, layer 1 of 2. The op runs through ``torch.ops.kilnlm.paged_attention`` (the CUDA
-registration); the reference runs on CPU copies.
+registration), and again as the TensorRT plugins' two kernels with TensorRT's launch ABI
+(``paged_attention_tensorrt_abi``, the ``trt-abi`` cases); the reference runs on CPU copies.
 
 - Output: max |out - ref| within atol / rtol 2e-5 (float32 activations: float32 arithmetic in another order,
   approximate exp2 / division) or 1e-2 (bfloat16: the kernels' tensor-core dots round the rotated q and the
@@ -147,12 +148,12 @@ def main() -> int:
             return (pool_a.view(torch.uint8).int() - pool_b.view(torch.uint8).int()).abs()
         return (pool_a.int() - pool_b.int()).abs()
 
-    def check(name, act, batch_args, kv_scale, exact):
+    def check(name, act, batch_args, kv_scale, exact, kernel=None):
         record = {"case": name, "num_tokens": int(batch_args[0].shape[0]), "num_seqs": int(batch_args[8].shape[0])}
         try:
             dev_args, dev_scale = to_device(batch_args, kv_scale)
             t0 = time.perf_counter()
-            out = op(*dev_args, dev_scale)
+            out = (kernel or op)(*dev_args, dev_scale)
             if device == "cuda":
                 torch.cuda.synchronize()
             record["first_call_s"] = round(time.perf_counter() - t0, 3)  # includes Triton's JIT compile
@@ -192,6 +193,10 @@ def main() -> int:
     for name, act, kv in FORMATS:
         batch_args, kv_scale = make_batch(seqs, act, kv)
         check(f"packed {name}", act, batch_args, kv_scale, exact=False)
+    # The TensorRT plugins' kernels (paged_kv_write, paged_attention_core) launched as a plan launches them.
+    for name, act, kv in FORMATS:
+        batch_args, kv_scale = make_batch(seqs, act, kv)
+        check(f"trt-abi {name}", act, batch_args, kv_scale, exact=False, kernel=gpu.paged_attention_tensorrt_abi)
 
     # Position-0 sweeps: every stored code, ties, saturation; bit-exact pool and output. Float32 activations
     # (float32 dots) and bfloat16 ones (the values rounded to bfloat16; float16 dots and decoders).
