@@ -106,14 +106,18 @@ def build_plan(onnx_path: Path, build: BuildConfig, model: ModelConfig, plan_pat
     try:
         logger = trt.Logger(trt.Logger.WARNING)
         builder = trt.Builder(logger)
-        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+        # TensorRT 10's flag; later releases may make strong typing the default and drop the name
+        strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+        network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(lowered)):
             errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
             raise BuildError(f"TensorRT {trt.__version__}'s ONNX parser refused the model ({len(errors)} errors): "
                              f"{errors[0] if errors else 'no error recorded'}")
         config = builder.create_builder_config()
-        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+        aliased_io = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)  # a preview since 10.3
+        if aliased_io is not None:
+            config.set_preview_feature(aliased_io, True)
         profile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in optimization_profile(build, model).items():
             profile.set_shape(name, lo, opt, hi)
