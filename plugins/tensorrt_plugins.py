@@ -17,16 +17,22 @@ without Python or Triton at inference::
 
 The head counts, head_dim, tokens_per_block and block_tables' width are static dimensions of the engine and
 become the kernels' constexprs; T, B and num_blocks are dynamic. ONNX's plugin lookup attributes
-(``plugin_namespace``, ``plugin_version``) are not fields of these plugins.
+(``plugin_namespace``, ``plugin_version`` = :data:`TENSORRT_LOOKUP_VERSION`, ``aot``) are not fields of these
+plugins.
 
 Written against TensorRT's documented API and the Python sources of its ``tensorrt.plugin`` module; no
 machine here has TensorRT, so this module has not run (docs/targets.md says what was verified where).
 Importing it needs nothing; :func:`register_tensorrt_plugins` imports tensorrt and Triton.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: tensorrt.plugin reads the decorated functions' annotations
+# as objects (inspect.signature), and string annotations would fail its validation.
 import threading
+
+# The version tensorrt.plugin gives every plugin it registers (its creators report "1" whatever the definition):
+# the ``plugin_version`` an ONNX node must carry for TensorRT's parser to find the plugin. Changes to kilnlm's
+# kernels are versioned by kilnlm.plugins.schema.TENSORRT_PLUGIN_VERSIONS, which the manifest records.
+TENSORRT_LOOKUP_VERSION = "1"
 
 _LOCK = threading.Lock()
 _REGISTERED: list[int] = []  # the arch the plugins were registered for (TensorRT keeps one registration)
@@ -122,4 +128,4 @@ def register_tensorrt_plugins(arch: int) -> None:
         _REGISTERED.append(arch)
 
 
-__all__ = ["register_tensorrt_plugins"]
+__all__ = ["TENSORRT_LOOKUP_VERSION", "register_tensorrt_plugins"]

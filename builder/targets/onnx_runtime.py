@@ -56,7 +56,8 @@ def _register_attention_op() -> str:
 
         # The TensorRT lowering's two plugin nodes (kilnlm.builder.targets.tensorrt_lowering), as their references.
         @onnx_op(op_type="paged_kv_write", inputs=[f32, f32, f32, f32, i64, f32, f32], outputs=[f32],
-                 attrs={"plugin_namespace": PyCustomOpDef.dt_string, "plugin_version": PyCustomOpDef.dt_string})
+                 attrs={"plugin_namespace": PyCustomOpDef.dt_string, "plugin_version": PyCustomOpDef.dt_string,
+                        "aot": PyCustomOpDef.dt_int64})
         def paged_kv_write(k, v, cos, sin, slot_mapping, past_key_value, kv_scale, **attrs):  # float32 pool: no scale
             pool = torch.from_numpy(past_key_value.copy())
             try:
@@ -68,7 +69,7 @@ def _register_attention_op() -> str:
 
         @onnx_op(op_type="paged_attention_core", inputs=[f32, f32, f32, f32, i32, i32, i32, f32], outputs=[f32],
                  attrs={"scale": PyCustomOpDef.dt_float, "plugin_namespace": PyCustomOpDef.dt_string,
-                        "plugin_version": PyCustomOpDef.dt_string})
+                        "plugin_version": PyCustomOpDef.dt_string, "aot": PyCustomOpDef.dt_int64})
         def paged_attention_core(q, cos, sin, key_value, block_tables, cu_seqlens_q, seq_lens_kv, kv_scale, **attrs):
             try:
                 out = paged_attention_core_reference(

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kilnlm.builder.errors import BuildError
 from kilnlm.builder.targets.onnx_export import PLUGIN_DOMAIN, check_onnx_model
-from kilnlm.plugins.schema import TENSORRT_PLUGIN_VERSIONS
+from kilnlm.plugins.tensorrt_plugins import TENSORRT_LOOKUP_VERSION
 
 LOWERED_SUFFIX = ".trt.onnx"  # <model>.trt.onnx (+ .data): the lowered model, an intermediate of the plan build
 
@@ -46,7 +46,8 @@ def register_lowered_schemas() -> None:
     ``paged_attention_core``: q ``[T, num_heads, head_dim]`` T; cos, sin; key_value (the pool after the
     write) TKV; block_tables ``[B, max_blocks_per_seq]``, cu_seqlens_q ``[B+1]``, seq_lens_kv ``[B]`` int32;
     kv_scale -> output (q's type and shape). Attribute ``scale`` (float, the softmax scale); both
-    take ``plugin_namespace`` and ``plugin_version`` (TensorRT's plugin lookup keys)."""
+    take ``plugin_namespace`` and ``plugin_version`` (TensorRT's plugin lookup keys) and ``aot`` (1: the
+    parser uses the plugin's ``tensorrt.plugin.aot_impl``, the kernels embedded in the plan)."""
     import onnx
     from onnx.defs import OpSchema
 
@@ -60,7 +61,9 @@ def register_lowered_schemas() -> None:
              ("TKV", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)", "tensor(float8e4m3fn)", "tensor(int8)"],
               "the KV pool")]
     lookup = [attr("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace", required=False),
-              attr("plugin_version", OpSchema.AttrType.STRING, "the plugin's version", required=False)]
+              attr("plugin_version", OpSchema.AttrType.STRING, "the plugin's version", required=False),
+              attr("aot", OpSchema.AttrType.INT, "1: TensorRT's ONNX parser takes the AOT implementation",
+                   required=False)]
     tables = [param("cos", "tensor(float)"), param("sin", "tensor(float)")]
     scale = param("kv_scale", "tensor(float)")
 
@@ -102,7 +105,7 @@ def lower_attention(model) -> int:
         raise BuildError("the model has no kilnlm.paged_attention node: is it a kilnlm --target onnx export?")
     tables: dict[tuple[int, int], tuple] = {}  # (id(positions), id(inv_freq)) -> (cos, sin)
     unit_scale = None  # the [1, 1] kv_scale of 16-bit pools, made once
-    lookup = {"plugin_namespace": PLUGIN_DOMAIN}
+    lookup = {"plugin_namespace": PLUGIN_DOMAIN, "plugin_version": TENSORRT_LOOKUP_VERSION, "aot": 1}
     for node in attention:
         if len(node.inputs) not in (10, 11):
             raise BuildError(f"{node.name}: kilnlm.paged_attention with {len(node.inputs)} inputs (10 or 11 expected): "
@@ -127,12 +130,11 @@ def lower_attention(model) -> int:
                 new_nodes.append(unit_scale)
             kv_scale = [unit_scale.outputs[0]]
         write = ir.node("paged_kv_write", [k, v, cos, sin, slot_mapping, past, *kv_scale], domain=PLUGIN_DOMAIN,
-                        attributes={**lookup, "plugin_version": str(TENSORRT_PLUGIN_VERSIONS["paged_kv_write"])},
+                        attributes=lookup,
                         name=f"{node.name}/paged_kv_write")
         core = ir.node("paged_attention_core", [q, cos, sin, write.outputs[0], block_tables, cu_seqlens_q, seq_lens_kv,
                                                 *kv_scale], domain=PLUGIN_DOMAIN,
-                       attributes={"scale": node.attributes["scale"].as_float(), **lookup,
-                                   "plugin_version": str(TENSORRT_PLUGIN_VERSIONS["paged_attention_core"])},
+                       attributes={"scale": node.attributes["scale"].as_float(), **lookup},
                        name=f"{node.name}/paged_attention_core")
         graph.insert_before(node, [*new_nodes, write, core])
         output, present = node.outputs

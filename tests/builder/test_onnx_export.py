@@ -110,7 +110,6 @@ def test_tensorrt_lowering_is_the_same_network(onnx_export, tiny_engine_dir, tmp
     and ONNX Runtime running it (the two nodes as their references) gives the CPU engine's logits and pools
     within 1e-4 over the same two packed steps as the export itself."""
     from kilnlm.builder.targets.tensorrt_lowering import lower_onnx_file
-    from kilnlm.plugins.schema import TENSORRT_PLUGIN_VERSIONS
 
     lowered = lower_onnx_file(onnx_export("fp32") / "model.onnx", tmp_path / "model.trt.onnx")
     graph = onnx.load(str(lowered), load_external_data=False).graph
@@ -123,8 +122,12 @@ def test_tensorrt_lowering_is_the_same_network(onnx_export, tiny_engine_dir, tmp
     writes = [node for node in graph.node if node.op_type == "paged_kv_write"]
     for layer, node in enumerate(writes):
         assert node.input[5] == f"past_key_value_{layer}" and node.output[0] == f"present_key_value_{layer}"
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs["plugin_version"] == str(TENSORRT_PLUGIN_VERSIONS["paged_kv_write"]).encode()
+    for node in graph.node:
+        if node.domain == PLUGIN_DOMAIN:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            # TensorRT's parser looks a tensorrt.plugin definition up by namespace and version "1" (the version
+            # its creators report), and takes the AOT implementation where aot is 1
+            assert (attrs["plugin_namespace"], attrs["plugin_version"], attrs["aot"]) == (b"kilnlm", b"1", 1)
     readers = {name for node in graph.node if node.op_type == "paged_attention_core" for name in node.input}
     assert {f"present_key_value_{layer}" for layer in range(num_layers)} <= readers  # the write orders the read
     assert [value.name for value in graph.output] == ["logits", *(f"present_key_value_{l}" for l in range(num_layers))]
