@@ -87,11 +87,9 @@ def test_the_runtime_refuses_to_serve_an_export(onnx_export):
         Engine.load(onnx_export("fp32"), trusted_keys=None)
 
 
-def test_onnx_runtime_matches_the_cpu_engine_on_a_packed_mixed_batch(onnx_export, tiny_engine_dir):
-    """fp32: ONNX Runtime's logits and KV pools equal the compiled CPU engine's within 1e-4 over two steps,
-    the second packing generation tokens of two sequences with a new context."""
-    engine = Engine.load(tiny_engine_dir, trusted_keys=None)
-    ort_model = OnnxRuntimeModel(onnx_export("fp32") / "model.onnx")
+def assert_matches_the_engine_on_two_packed_steps(ort_model, engine):
+    """ONNX Runtime's logits and KV pools equal the compiled CPU engine's within 1e-4 over two steps: two
+    contexts (37 and 5 tokens), then a generation token of each beside a new 40-token context."""
     build = engine.manifest.build
     tpb, max_blocks = build.tokens_per_block, build.max_blocks_per_seq
     steps = [make_engine_inputs([(list(range(100, 137)), 0), (list(range(300, 305)), 0)], tpb, max_blocks),
@@ -102,6 +100,13 @@ def test_onnx_runtime_matches_the_cpu_engine_on_a_packed_mixed_batch(onnx_export
         expected = engine.forward(inputs, kv_engine)
         torch.testing.assert_close(ort_model.forward(inputs, kv_onnx), expected, atol=1e-4, rtol=0)
         torch.testing.assert_close(kv_onnx, kv_engine, atol=1e-4, rtol=0)
+
+
+def test_onnx_runtime_matches_the_cpu_engine_on_a_packed_mixed_batch(onnx_export, tiny_engine_dir):
+    """fp32: ONNX Runtime's logits and KV pools equal the compiled CPU engine's within 1e-4 over two steps,
+    the second packing generation tokens of two sequences with a new context."""
+    assert_matches_the_engine_on_two_packed_steps(OnnxRuntimeModel(onnx_export("fp32") / "model.onnx"),
+                                                  Engine.load(tiny_engine_dir, trusted_keys=None))
 
 
 def test_tensorrt_lowering_is_the_same_network(onnx_export, tiny_engine_dir, tmp_path):
@@ -132,17 +137,7 @@ def test_tensorrt_lowering_is_the_same_network(onnx_export, tiny_engine_dir, tmp
     assert {f"present_key_value_{layer}" for layer in range(num_layers)} <= readers  # the write orders the read
     assert [value.name for value in graph.output] == ["logits", *(f"present_key_value_{l}" for l in range(num_layers))]
 
-    ort_model = OnnxRuntimeModel(lowered)
-    build = engine.manifest.build
-    tpb, max_blocks = build.tokens_per_block, build.max_blocks_per_seq
-    steps = [make_engine_inputs([(list(range(100, 137)), 0), (list(range(300, 305)), 0)], tpb, max_blocks),
-             make_engine_inputs([([7], 37), ([9], 5), (list(range(500, 540)), 0)], tpb, max_blocks)]
-    kv_engine = engine.allocate_kv_cache(3 * max_blocks)
-    kv_onnx = kv_engine.clone()
-    for inputs in steps:
-        expected = engine.forward(inputs, kv_engine)
-        torch.testing.assert_close(ort_model.forward(inputs, kv_onnx), expected, atol=1e-4, rtol=0)
-        torch.testing.assert_close(kv_onnx, kv_engine, atol=1e-4, rtol=0)
+    assert_matches_the_engine_on_two_packed_steps(OnnxRuntimeModel(lowered), engine)
 
 
 # qformat -> (op type, element type of its first input or zero point) every linear of the format exports as
