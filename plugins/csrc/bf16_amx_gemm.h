@@ -85,8 +85,10 @@ constexpr int64_t kAmxChunkSteps = 6;
 
 // One 32-row block of weights w (rows k apart) against tokens [t_begin, t_end) of packed x (t_begin a
 // multiple of 32, t_end - t_begin <= kAmxChunkTokens): y rows r..r + valid_rows through `epilogue`.
+// next_block: the 32 * k bfloat16 the thread reads after this block, prefetched in memory order, 64 bytes
+// per row of each 32-column step (the whole block over the block's steps), or null.
 inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, int64_t t_begin, int64_t t_end,
-                      int64_t r, int64_t valid_rows, const GemvEpilogue& epilogue) {
+                      int64_t r, int64_t valid_rows, const GemvEpilogue& epilogue, const char* next_block) {
   const int64_t steps = k / 32, stride = k * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t b_begin = t_begin / kAmxTokens, b_end = (t_end + kAmxTokens - 1) / kAmxTokens;
   const int64_t num_chunks = b_end - b_begin > 2 ? (steps + kAmxChunkSteps - 1) / kAmxChunkSteps : 1;
@@ -116,6 +118,9 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
       }
       if (two) {
         for (int64_t i = i0; i < i1; ++i) {
+          if (next_block != nullptr)
+            for (int64_t line = 0; line < kAmxBlockRows; ++line)
+              _mm_prefetch(next_block + (kAmxBlockRows * i + line) * 64, KILN_WEIGHT_PREFETCH);
           _tile_loadd(4, w + 32 * i, stride);
           _tile_loadd(5, w1 + 32 * i, stride);
           _tile_loadd(6, b0 + 256 * i, 64);
@@ -127,6 +132,9 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
         }
       } else {
         for (int64_t i = i0; i < i1; ++i) {
+          if (next_block != nullptr)
+            for (int64_t line = 0; line < kAmxBlockRows; ++line)
+              _mm_prefetch(next_block + (kAmxBlockRows * i + line) * 64, KILN_WEIGHT_PREFETCH);
           _tile_loadd(4, w + 32 * i, stride);
           _tile_loadd(5, w1 + 32 * i, stride);
           _tile_loadd(6, b0 + 256 * i, 64);
@@ -163,15 +171,17 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
   for (int64_t t = 0; t < num_tokens; t += kAmxChunkTokens) {
     const int64_t t_end = t + kAmxChunkTokens < num_tokens ? t + kAmxChunkTokens : num_tokens;
     for (int64_t r = r0; r < whole_end; r += kAmxBlockRows) {
-      // the next block's rows into L2 while this one computes, when it computes long enough (more than one
-      // token pair): a 128-token SmolLM2 prefill 4% faster, 8 x 256 tokens 7%; a decode step was slower
-      if (t_end - t > 2 * kAmxTokens && r + kAmxBlockRows < whole_end) {
-        const char* next = reinterpret_cast<const char*>(w + (r + kAmxBlockRows) * k);
+      const char* next = r + kAmxBlockRows < whole_end ? reinterpret_cast<const char*>(w + (r + kAmxBlockRows) * k)
+                                                       : nullptr;
+      // the next block's rows into L2 while this one computes: all at once ahead of a block with more than one
+      // token pair (a 128-token SmolLM2 prefill 4% faster, 8 x 256 tokens 7%), spread over the steps of a
+      // one-pair block (decode), where a burst ahead of the block made the step slower
+      const bool one_pair = t_end - t <= 2 * kAmxTokens;
+      if (!one_pair && next != nullptr)
         for (int64_t b = 0; b < kAmxBlockRows * k * 2; b += 64) _mm_prefetch(next + b, KILN_WEIGHT_PREFETCH);
-      }
-      amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue);
+      amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue, one_pair ? next : nullptr);
     }
-    if (whole_end < r1) amx_block(tail, k, packed_x, t, t_end, whole_end, r1 - whole_end, epilogue);
+    if (whole_end < r1) amx_block(tail, k, packed_x, t, t_end, whole_end, r1 - whole_end, epilogue, nullptr);
   }
   _tile_release();
 }
