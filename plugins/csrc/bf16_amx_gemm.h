@@ -85,8 +85,8 @@ constexpr int64_t kAmxChunkSteps = 6;
 
 // One 32-row block of weights w (rows k apart) against tokens [t_begin, t_end) of packed x (t_begin a
 // multiple of 32, t_end - t_begin <= kAmxChunkTokens): y rows r..r + valid_rows through `epilogue`.
-// next_block: the 32 * k bfloat16 the thread reads after this block, prefetched in memory order, 64 bytes
-// per row of each 32-column step (the whole block over the block's steps), or null.
+// next_block: the 32 * k bfloat16 the thread reads after this block, or null: prefetched in memory order,
+// 32 cache lines per 32-column step, so the block's k / 32 steps cover its 64 * k bytes.
 inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, int64_t t_begin, int64_t t_end,
                       int64_t r, int64_t valid_rows, const GemvEpilogue& epilogue, const char* next_block) {
   const int64_t steps = k / 32, stride = k * static_cast<int64_t>(sizeof(uint16_t));
