@@ -83,6 +83,14 @@ constexpr int64_t kAmxChunkTokens = 256;
 // between chunks. Summing in k order through float32 C tiles, this changes no bit.
 constexpr int64_t kAmxChunkSteps = 6;
 
+// Step i's share of the next block (amx_block's next_block; nothing where it is null): its 32 cache lines
+// from 64 * 32 * i bytes on.
+inline void amx_prefetch_step(const char* next_block, int64_t i) {
+  if (next_block == nullptr) return;
+  for (int64_t line = 0; line < kAmxBlockRows; ++line)
+    _mm_prefetch(next_block + (kAmxBlockRows * i + line) * 64, KILN_WEIGHT_PREFETCH);
+}
+
 // One 32-row block of weights w (rows k apart) against tokens [t_begin, t_end) of packed x (t_begin a
 // multiple of 32, t_end - t_begin <= kAmxChunkTokens): y rows r..r + valid_rows through `epilogue`.
 // next_block: the 32 * k bfloat16 the thread reads after this block, or null: prefetched in memory order,
@@ -118,9 +126,7 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
       }
       if (two) {
         for (int64_t i = i0; i < i1; ++i) {
-          if (next_block != nullptr)
-            for (int64_t line = 0; line < kAmxBlockRows; ++line)
-              _mm_prefetch(next_block + (kAmxBlockRows * i + line) * 64, KILN_WEIGHT_PREFETCH);
+          amx_prefetch_step(next_block, i);
           _tile_loadd(4, w + 32 * i, stride);
           _tile_loadd(5, w1 + 32 * i, stride);
           _tile_loadd(6, b0 + 256 * i, 64);
@@ -132,9 +138,7 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
         }
       } else {
         for (int64_t i = i0; i < i1; ++i) {
-          if (next_block != nullptr)
-            for (int64_t line = 0; line < kAmxBlockRows; ++line)
-              _mm_prefetch(next_block + (kAmxBlockRows * i + line) * 64, KILN_WEIGHT_PREFETCH);
+          amx_prefetch_step(next_block, i);
           _tile_loadd(4, w + 32 * i, stride);
           _tile_loadd(5, w1 + 32 * i, stride);
           _tile_loadd(6, b0 + 256 * i, 64);
