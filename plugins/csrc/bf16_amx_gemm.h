@@ -93,7 +93,7 @@ inline void amx_prefetch_step(const char* next_block, int64_t i) {
 
 // One 32-row block of weights w (rows k apart) against tokens [t_begin, t_end) of packed x (t_begin a
 // multiple of 32, t_end - t_begin <= kAmxChunkTokens): y rows r..r + valid_rows through `epilogue`.
-// next_block: the 32 * k bfloat16 the thread reads after this block, or null: prefetched in memory order,
+// next_block: the next 32 rows of w (usually the ones the thread reads next), or null: prefetched in memory order,
 // 32 cache lines per 32-column step, so the block's k / 32 steps cover its 64 * k bytes.
 inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, int64_t t_begin, int64_t t_end,
                       int64_t r, int64_t valid_rows, const GemvEpilogue& epilogue, const char* next_block) {
@@ -160,9 +160,10 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
 // y rows [r0, r1) of w [n, k] (r0 a multiple of 32; k a multiple of 32) against every token of packed x
 // (amx_pack_x), through `epilogue`, kAmxChunkTokens tokens at a time. tail_block: 32 * k bfloat16 of
 // scratch for the rows past the last whole block (r1 == n, n % 32 != 0), or null where w's rows are
-// there, zero, up to the next multiple of 32.
-void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t* w, int64_t k, int64_t r0, int64_t r1,
-                   uint16_t* tail_block, const GemvEpilogue& epilogue) {
+// there, zero, up to the next multiple of 32. The next block is prefetched past r1 too, up to n's last
+// whole block: a thread's next chunk of rows (row_blocks.h) usually follows this one.
+void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t* w, int64_t n, int64_t k, int64_t r0,
+                   int64_t r1, uint16_t* tail_block, const GemvEpilogue& epilogue) {
   amx_configure_tiles();  // C tiles 0-3, A (weights) 4-5, B (x) 6-7
   const int64_t whole_end = r0 + (r1 - r0) / kAmxBlockRows * kAmxBlockRows;
   const uint16_t* tail = w + whole_end * k;
@@ -175,8 +176,8 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
   for (int64_t t = 0; t < num_tokens; t += kAmxChunkTokens) {
     const int64_t t_end = t + kAmxChunkTokens < num_tokens ? t + kAmxChunkTokens : num_tokens;
     for (int64_t r = r0; r < whole_end; r += kAmxBlockRows) {
-      const char* next = r + kAmxBlockRows < whole_end ? reinterpret_cast<const char*>(w + (r + kAmxBlockRows) * k)
-                                                       : nullptr;
+      const char* next = r + 2 * kAmxBlockRows <= n ? reinterpret_cast<const char*>(w + (r + kAmxBlockRows) * k)
+                                                    : nullptr;
       // the next block's rows into L2 while this one computes: all at once ahead of a block with more than one
       // token pair (a 128-token SmolLM2 prefill 4% faster, 8 x 256 tokens 7%), spread over the steps of a
       // one-pair block (decode), where a burst ahead of the block made the step slower

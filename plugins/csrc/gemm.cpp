@@ -175,9 +175,9 @@ at::Tensor gemm_widened(const at::Tensor& x_in, const at::Tensor& weight_in, con
   }
   if (num_tokens <= kMaxDirectTokensAvx2 || gemv_every_token_count) {
     float* acc_ptr = kiln::thread_scratch<0>(num_tokens * n);
-    // ~16 KiB of weights per task at least, so that small layers do not pay for threading
-    const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(k * static_cast<int64_t>(sizeof(weight_t)), 1));
-    at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+    // ~16 KiB of weights per chunk at least, so that small layers do not pay for threading
+    const int64_t min_rows = std::max<int64_t>(8, 16384 / std::max<int64_t>(k * static_cast<int64_t>(sizeof(weight_t)), 1));
+    kiln::parallel_row_chunks(n, kiln::chunk_rows(n, 16, min_rows), [&](int64_t r0, int64_t r1) {
       gemv_rows(wp, n, k, r0, r1, xf, num_tokens, acc_ptr);
       store(acc_ptr + r0, n, r0, r1);
     });
@@ -235,7 +235,7 @@ at::Tensor gemm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, const s
     kiln::parallel_row_blocks(n, amxbf16::kAmxBlockRows, [&](int64_t r0, int64_t r1) {
       // 32 rows of bfloat16 for a partial last block
       auto* tail = reinterpret_cast<uint16_t*>(kiln::thread_scratch<1>(amxbf16::kAmxBlockRows * k / 2));
-      amxbf16::amx_gemm_rows(packed, num_tokens, wp, k, r0, r1, tail, epilogue);
+      amxbf16::amx_gemm_rows(packed, num_tokens, wp, n, k, r0, r1, tail, epilogue);
     });
     return y;
   }
@@ -269,7 +269,7 @@ void amx_bf16_pack(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int6
 void amx_bf16_linear(const uint32_t* packed, int64_t num_tokens, const uint16_t* w, int64_t rows, int64_t k,
                      const float* row_scale, const float* bias, void* out, int64_t out_stride, bool out_bf16) {
   const kiln_gemm::amxbf16::GemvEpilogue epilogue(out, out_stride, bias, row_scale, out_bf16);
-  kiln_gemm::amxbf16::amx_gemm_rows(packed, num_tokens, w, k, 0, rows, /*tail_block=*/nullptr, epilogue);
+  kiln_gemm::amxbf16::amx_gemm_rows(packed, num_tokens, w, rows, k, 0, rows, /*tail_block=*/nullptr, epilogue);
 }
 
 }  // namespace kiln

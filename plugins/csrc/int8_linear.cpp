@@ -18,7 +18,7 @@
 //   register-blocked micro-kernel (from 4 tokens AVX512-VNNI VPDPBUSD where the CPU has it,
 //   int8_vnni_gemm.h; else sign extension to int16 + VPMADDWD), over tiles of rows so a tile stays in cache
 //   while every token block passes over it. Bit-exact with the reference on every path.
-// All parallelize over output rows with at::parallel_for. int8_linear's token-count dispatch, thread split
+// All parallelize over chunks of output rows (row_blocks.h). int8_linear's token-count dispatch, thread split
 // and tiling are quant_linear.h's (the driver of every weight-only quantized linear; Int8Format here);
 // int8_sq_linear keeps its own (W8A8: quantized activations, exact int32 sums) and shares its epilogue.
 

@@ -104,13 +104,14 @@ struct Epilogue {
   }
 };
 
-// rows(r0, r1, acc) writes acc[t, r] (row stride out_features, float32 or int32) for rows [r0, r1), which
-// at::parallel_for splits between threads with at least ~16 KiB of weights per task (so that small layers
-// do not pay for threading); each task then stores its rows through the epilogue.
+// rows(r0, r1, acc) writes acc[t, r] (row stride out_features, float32 or int32) for rows [r0, r1): chunks
+// of 16-row multiples with at least ~16 KiB of weights each (so that small layers do not pay for
+// threading), which parallel_row_chunks (row_blocks.h) hands to the threads; each chunk then stores its
+// rows through the epilogue.
 template <typename scalar_t, typename acc_t, typename RowsFn>
 void run_rows(const LinearShape& s, acc_t* acc, const RowsFn& rows, const Epilogue& epilogue, scalar_t* out) {
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(s.row_bytes, 1));
-  at::parallel_for(0, s.out_features, grain, [&](int64_t r0, int64_t r1) {
+  const int64_t min_rows = std::max<int64_t>(8, 16384 / std::max<int64_t>(s.row_bytes, 1));
+  parallel_row_chunks(s.out_features, chunk_rows(s.out_features, 16, min_rows), [&](int64_t r0, int64_t r1) {
     rows(r0, r1, acc);
     epilogue.store(acc + r0, s.out_features, s.num_tokens, r0, r1, out, s.out_features);
   });

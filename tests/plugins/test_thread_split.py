@@ -1,0 +1,65 @@
+"""The linear ops hand their weight rows to the threads in chunks that the layer alone fixes
+(plugins/csrc/row_blocks.h: each thread takes its own share's chunks, then what is left of the others'), so
+a row's bits never depend on the thread count or on which thread ran its chunk. A layer of 1,000 rows has
+many chunks and a partial last 16- or 32-row block; the token counts cover the GEMVs (1, 2, 5) and the
+context tiles (40)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+OUT_FEATURES, IN_FEATURES, GROUP = 1000, 576, 64
+
+
+def linears() -> dict:
+    from kilnlm.plugins.reference import pack_int4
+
+    ops = torch.ops.kilnlm
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen) * 0.05
+    row_scale = w.abs().amax(1) / 448
+    fp8 = (w / row_scale[:, None]).to(torch.float8_e4m3fn)
+    i8 = torch.randint(-127, 128, (OUT_FEATURES, IN_FEATURES), generator=gen, dtype=torch.int8)
+    i8_scale = torch.rand(OUT_FEATURES, generator=gen) * 0.01
+    i4 = pack_int4(torch.randint(-8, 8, (OUT_FEATURES, IN_FEATURES), generator=gen))
+    i4_scale = torch.rand(OUT_FEATURES, IN_FEATURES // GROUP, generator=gen) * 0.02 + 1e-3
+    i4_zero = torch.randint(-8, 8, (OUT_FEATURES, IN_FEATURES // GROUP), generator=gen, dtype=torch.int8)
+    pqs = torch.rand(IN_FEATURES, generator=gen) + 0.5
+    bias = torch.randn(OUT_FEATURES, generator=gen)
+    return {
+        "gemm": lambda x: ops.gemm(x, w.to(x.dtype), bias.to(x.dtype)),
+        "fp8_linear": lambda x: ops.fp8_linear(x, fp8, row_scale, torch.tensor(0.5), bias),
+        "fp8_rowwise_linear": lambda x: ops.fp8_rowwise_linear(x, fp8, row_scale, bias),
+        "int8_linear": lambda x: ops.int8_linear(x, i8, i8_scale, bias),
+        "int8_sq_linear": lambda x: ops.int8_sq_linear(x, i8, i8_scale, torch.tensor(0.05), pqs, bias, True),
+        "int4_linear": lambda x: ops.int4_linear(x, i4, i4_scale, pqs, bias, GROUP),
+        "int4_linear zero points": lambda x: ops.int4_linear(x, i4, i4_scale, None, None, GROUP, i4_zero),
+    }
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_linear_gives_the_same_bits_at_any_thread_count(restore_threads, dtype):
+    gen = torch.Generator().manual_seed(12)
+    failures = []
+    for name, run in linears().items():
+        for num_tokens in (1, 2, 5, 40):
+            x = (torch.randn(num_tokens, IN_FEATURES, generator=gen) * 3.0).to(dtype)
+            results = {}
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                results[threads] = run(x)
+            for threads in (2, 3):
+                differing = (~(results[threads] == results[1]).all(0)).nonzero().flatten().tolist()
+                if differing:
+                    failures.append(f"{name} T={num_tokens} {threads} threads: rows {differing[:8]}")
+    assert not failures, failures
