@@ -16,6 +16,14 @@ def cpu_kernels() -> str:
     return load_cpu_kernels()
 
 
+@pytest.fixture
+def num_threads():
+    """Sets torch's thread count for one test (call it with the count) and restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @dataclass
 class PackedBatch:
     """Arguments of ``kilnlm::paged_attention`` for one packed batch (see kilnlm.runtime.abi)."""

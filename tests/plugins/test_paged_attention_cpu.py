@@ -134,14 +134,6 @@ def test_prefill_then_generation_steps_match_reference(make_packed_batch):
     torch.testing.assert_close(pool_kernel, pool_ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture
-def num_threads():
-    """Sets torch's thread count for one test and restores it."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 # One sequence, at 2 and 4 threads (the thread count changes nothing): below split-KV's first cut at 256
 # KV positions (decode at and across block boundaries, a context chunk after cached KV, a first chunk), and
 # past it, where the parts' softmax states are merged: decode just before and past a cut, a context chunk

@@ -83,17 +83,13 @@ def test_generation_and_context_batches(make_packed_batch, kv_dtype, seqs):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp8", "int8"])
-def test_split_kv_decode(make_packed_batch, kv_dtype):
+def test_split_kv_decode(make_packed_batch, num_threads, kv_dtype):
     """A batch-1 decode step on 2 threads: the 3 KV-head items are split along their KV blocks (split-KV)
     and the parts merged; the 8-bit pools' v_scale applies once, at the merge."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        batch, kv_scale = quantized_batch(make_packed_batch, [(200, 1)], kv_dtype, torch.bfloat16, num_heads=9,
-                                          num_kv_heads=3, num_blocks=160, tokens_per_block=16)
-        out, expected, pool_kernel, pool_ref = run_both(batch, kv_scale)
-    finally:
-        torch.set_num_threads(before)
+    num_threads(2)
+    batch, kv_scale = quantized_batch(make_packed_batch, [(200, 1)], kv_dtype, torch.bfloat16, num_heads=9,
+                                      num_kv_heads=3, num_blocks=160, tokens_per_block=16)
+    out, expected, pool_kernel, pool_ref = run_both(batch, kv_scale)
     assert_pools_match(pool_kernel, pool_ref, kv_dtype)
     torch.testing.assert_close(out, expected, **OUT_TOLERANCE[torch.bfloat16])
 

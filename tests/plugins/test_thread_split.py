@@ -52,15 +52,8 @@ def linears() -> dict:
     return cases
 
 
-@pytest.fixture
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_linear_gives_the_same_bits_at_any_thread_count(restore_threads, dtype):
+def test_every_linear_gives_the_same_bits_at_any_thread_count(num_threads, dtype):
     gen = torch.Generator().manual_seed(12)
     failures = []
     for name, run in linears().items():
@@ -68,7 +61,7 @@ def test_every_linear_gives_the_same_bits_at_any_thread_count(restore_threads, d
             x = (torch.randn(num_tokens, IN_FEATURES, generator=gen) * 3.0).to(dtype)
             results = {}
             for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
+                num_threads(threads)
                 results[threads] = run(x)
             for threads in (2, 3):
                 differing = (~(results[threads] == results[1]).all(0)).nonzero().flatten().tolist()
