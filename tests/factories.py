@@ -161,6 +161,35 @@ def cpu_has(*flags: str) -> bool:
     return set(flags) <= set(reported)
 
 
+def random_linear_ops(out_features: int, in_features: int, group_size: int, gen: torch.Generator) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Random weights of one layer in every kilnlm linear op's format (the ops loaded): ``({name: fn(x) -> y},
+    weight, bias)``, ``weight [out_features, in_features]`` float32 (``gemm`` takes it in x's dtype), ``bias
+    [out_features]`` float32; int4 with ``group_size``, symmetric and with zero points."""
+    from kilnlm.plugins.reference import pack_int4
+
+    ops = torch.ops.kilnlm
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05
+    row_scale = w.abs().amax(1) / 448
+    fp8 = (w / row_scale[:, None]).to(torch.float8_e4m3fn)
+    i8 = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    i8_scale = torch.rand(out_features, generator=gen) * 0.01
+    i4 = pack_int4(torch.randint(-8, 8, (out_features, in_features), generator=gen))
+    i4_scale = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02 + 1e-3
+    i4_zero = torch.randint(-8, 8, (out_features, in_features // group_size), generator=gen, dtype=torch.int8)
+    pqs = torch.rand(in_features, generator=gen) + 0.5
+    bias = torch.randn(out_features, generator=gen)
+    linears = {
+        "gemm": lambda x: ops.gemm(x, w.to(x.dtype), bias.to(x.dtype)),
+        "fp8_linear": lambda x: ops.fp8_linear(x, fp8, row_scale, torch.tensor(0.5), bias),
+        "fp8_rowwise_linear": lambda x: ops.fp8_rowwise_linear(x, fp8, row_scale, bias),
+        "int8_linear": lambda x: ops.int8_linear(x, i8, i8_scale, bias),
+        "int8_sq_linear": lambda x: ops.int8_sq_linear(x, i8, i8_scale, torch.tensor(0.05), pqs, bias, True),
+        "int4_linear": lambda x: ops.int4_linear(x, i4, i4_scale, pqs, bias, group_size),
+        "int4_linear zero points": lambda x: ops.int4_linear(x, i4, i4_scale, None, None, group_size, i4_zero),
+    }
+    return linears, w, bias
+
+
 def random_fp8_weight(out_features: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
     """A random ``[out_features, in_features] float8_e4m3fn`` weight spread over E4M3's whole range,
     subnormals included (one random power-of-two scale per call)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,36 +19,18 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 SCRIPT = r"""
 import torch
+from factories import random_linear_ops
 from kilnlm.plugins import load_cpu_kernels
-from kilnlm.plugins.reference import pack_int4
 load_cpu_kernels()
 ops = torch.ops.kilnlm
+in_features = 256
 gen = torch.Generator().manual_seed(3)
-out_features, in_features, group = 200, 256, 64
-w = torch.randn(out_features, in_features, generator=gen) * 0.05
-row_scale = w.abs().amax(1) / 448
-fp8 = (w / row_scale[:, None]).to(torch.float8_e4m3fn)
-i8 = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-i8_scale = torch.rand(out_features, generator=gen) * 0.01
-i4 = pack_int4(torch.randint(-8, 8, (out_features, in_features), generator=gen))
-i4_scale = torch.rand(out_features, in_features // group, generator=gen) * 0.02 + 1e-3
-i4_zero = torch.randint(-8, 8, (out_features, in_features // group), generator=gen, dtype=torch.int8)
-pqs = torch.rand(in_features, generator=gen) + 0.5
-bias = torch.randn(out_features, generator=gen)
+linears, w, bias = random_linear_ops(200, in_features, 64, gen)
 failures = []
 for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(150, in_features, generator=gen) * 3.0
     x[:, 7] *= 40.0
     x = x.to(dtype)
-    linears = {
-        "gemm": lambda x: ops.gemm(x, w.to(dtype), bias.to(dtype)),
-        "fp8_linear": lambda x: ops.fp8_linear(x, fp8, row_scale, torch.tensor(0.5), bias),
-        "fp8_rowwise_linear": lambda x: ops.fp8_rowwise_linear(x, fp8, row_scale, bias),
-        "int8_linear": lambda x: ops.int8_linear(x, i8, i8_scale, bias),
-        "int8_sq_linear": lambda x: ops.int8_sq_linear(x, i8, i8_scale, torch.tensor(0.05), pqs, bias, True),
-        "int4_linear": lambda x: ops.int4_linear(x, i4, i4_scale, pqs, bias, group),
-        "int4_linear zero points": lambda x: ops.int4_linear(x, i4, i4_scale, None, None, group, i4_zero),
-    }
     for name, run in linears.items():
         alone = torch.cat([run(x[i:i + 1]) for i in range(24)])
         for num_rows in (2, 3, 4, 5, 8, 9, 16, 17, 24, 64, 65, 150):
@@ -68,6 +51,7 @@ print("\n".join(failures) or "ok")
 @pytest.mark.parametrize("isa", ["native", "avx512bf16", "avx512", "avx2", "generic"])
 def test_every_linear_gives_each_row_its_bits_alone_on_every_isa_path(isa):
     env = dict(os.environ, KILNLM_BATCH_INVARIANT="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))  # factories
     env.pop("KILNLM_CPU_ISA", None)
     if isa != "native":
         env["KILNLM_CPU_ISA"] = isa

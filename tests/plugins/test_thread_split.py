@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from factories import cpu_has
+from factories import cpu_has, random_linear_ops
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -25,30 +25,9 @@ def gemm_runs_kilnlm_kernels() -> bool:
 
 
 def linears() -> dict:
-    from kilnlm.plugins.reference import pack_int4
-
-    ops = torch.ops.kilnlm
-    gen = torch.Generator().manual_seed(11)
-    w = torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen) * 0.05
-    row_scale = w.abs().amax(1) / 448
-    fp8 = (w / row_scale[:, None]).to(torch.float8_e4m3fn)
-    i8 = torch.randint(-127, 128, (OUT_FEATURES, IN_FEATURES), generator=gen, dtype=torch.int8)
-    i8_scale = torch.rand(OUT_FEATURES, generator=gen) * 0.01
-    i4 = pack_int4(torch.randint(-8, 8, (OUT_FEATURES, IN_FEATURES), generator=gen))
-    i4_scale = torch.rand(OUT_FEATURES, IN_FEATURES // GROUP, generator=gen) * 0.02 + 1e-3
-    i4_zero = torch.randint(-8, 8, (OUT_FEATURES, IN_FEATURES // GROUP), generator=gen, dtype=torch.int8)
-    pqs = torch.rand(IN_FEATURES, generator=gen) + 0.5
-    bias = torch.randn(OUT_FEATURES, generator=gen)
-    cases = {
-        "fp8_linear": lambda x: ops.fp8_linear(x, fp8, row_scale, torch.tensor(0.5), bias),
-        "fp8_rowwise_linear": lambda x: ops.fp8_rowwise_linear(x, fp8, row_scale, bias),
-        "int8_linear": lambda x: ops.int8_linear(x, i8, i8_scale, bias),
-        "int8_sq_linear": lambda x: ops.int8_sq_linear(x, i8, i8_scale, torch.tensor(0.05), pqs, bias, True),
-        "int4_linear": lambda x: ops.int4_linear(x, i4, i4_scale, pqs, bias, GROUP),
-        "int4_linear zero points": lambda x: ops.int4_linear(x, i4, i4_scale, None, None, GROUP, i4_zero),
-    }
-    if gemm_runs_kilnlm_kernels():
-        cases["gemm"] = lambda x: ops.gemm(x, w.to(x.dtype), bias.to(x.dtype))
+    cases, _, _ = random_linear_ops(OUT_FEATURES, IN_FEATURES, GROUP, torch.Generator().manual_seed(11))
+    if not gemm_runs_kilnlm_kernels():
+        del cases["gemm"]
     return cases
 
 
