@@ -361,9 +361,15 @@ struct Int4Format {
                               group_size, /*nibble_chunks=*/true, xq.row.data(), xq.x16.data(), xq.x_scale.data(),
                               xq.x_sum.data()))
       return false;
-    // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
-    const Int16Tokens tokens{xq.x16.data(), in, xq.x_scale.data(), xq.x_sum.data(), num_tokens};
     const bool vnni = kiln::cpu_has_avx512_vnni();  // the same int32 sums, VPDPWSSD for VPMADDWD + add
+    const int16_t* x16 = xq.x16.data();
+    if (vnni && avx512vnni::int16_pairs_chunks(group_size)) {  // its 512-bit loop's order, 64-byte aligned
+      auto* paired = reinterpret_cast<int16_t*>(kiln::thread_scratch<4>(num_tokens * in / 2));
+      avx512vnni::int16_pair_chunks(x16, num_tokens, in, in, paired);
+      x16 = paired;
+    }
+    // the pointers, not xq: a worker thread naming xq would get its own (empty) thread_local
+    const Int16Tokens tokens{x16, in, xq.x_scale.data(), xq.x_sum.data(), num_tokens};
     kiln::run_gemv(shape, [&](int64_t r0, int64_t r1, float* acc) {
       float* group_scale = kiln::thread_scratch<3>(4 * (in / group_size));  // this thread's
       const auto gemv = [&](const auto* scales) {  // float32 or float16 bits, read as they are
