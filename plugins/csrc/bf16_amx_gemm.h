@@ -83,18 +83,10 @@ constexpr int64_t kAmxChunkTokens = 256;
 // between chunks. Summing in k order through float32 C tiles, this changes no bit.
 constexpr int64_t kAmxChunkSteps = 6;
 
-// Step i's share of the next block (amx_block's next_block; nothing where it is null): its 32 cache lines
-// from 64 * 32 * i bytes on.
-inline void amx_prefetch_step(const char* next_block, int64_t i) {
-  if (next_block == nullptr) return;
-  for (int64_t line = 0; line < kAmxBlockRows; ++line)
-    _mm_prefetch(next_block + (kAmxBlockRows * i + line) * 64, KILN_WEIGHT_PREFETCH);
-}
-
 // One 32-row block of weights w (rows k apart) against tokens [t_begin, t_end) of packed x (t_begin a
 // multiple of 32, t_end - t_begin <= kAmxChunkTokens): y rows r..r + valid_rows through `epilogue`.
-// next_block: the next 32 rows of w (usually the ones the thread reads next), or null: prefetched in memory order,
-// 32 cache lines per 32-column step, so the block's k / 32 steps cover its 64 * k bytes.
+// next_block: the next 32 rows of w (usually the ones the thread reads next), or null; the first token
+// pair's steps prefetch it into L2 and this block's next steps into L1 (amx_tiles.h).
 inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, int64_t t_begin, int64_t t_end,
                       int64_t r, int64_t valid_rows, const GemvEpilogue& epilogue, const char* next_block) {
   const int64_t steps = k / 32, stride = k * static_cast<int64_t>(sizeof(uint16_t));
@@ -108,6 +100,9 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
     const int64_t i1 = i0 + chunk_steps < steps ? i0 + chunk_steps : steps;
     for (int64_t b = b_begin; b < b_end; b += 2) {
       const bool two = b + 1 < b_end;
+      const bool first_pair = b == b_begin;
+      const char* next = first_pair ? next_block : nullptr;
+      const int64_t l1_end = first_pair ? steps - kAmxL1PrefetchSteps : 0;  // steps that pull a later one into L1
       float(*c)[16][16] = c_all[(b - b_begin) / 2];
       const uint32_t* b0 = packed_x + b * steps * 256;
       const uint32_t* b1 = b0 + steps * 256;
@@ -126,7 +121,8 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
       }
       if (two) {
         for (int64_t i = i0; i < i1; ++i) {
-          amx_prefetch_step(next_block, i);
+          amx_prefetch_next_block(next, i);
+          if (i < l1_end) amx_prefetch_rows_l1(w, 2 * k, i + kAmxL1PrefetchSteps);
           _tile_loadd(4, w + 32 * i, stride);
           _tile_loadd(5, w1 + 32 * i, stride);
           _tile_loadd(6, b0 + 256 * i, 64);
@@ -138,7 +134,8 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
         }
       } else {
         for (int64_t i = i0; i < i1; ++i) {
-          amx_prefetch_step(next_block, i);
+          amx_prefetch_next_block(next, i);
+          if (i < l1_end) amx_prefetch_rows_l1(w, 2 * k, i + kAmxL1PrefetchSteps);
           _tile_loadd(4, w + 32 * i, stride);
           _tile_loadd(5, w1 + 32 * i, stride);
           _tile_loadd(6, b0 + 256 * i, 64);
@@ -176,15 +173,12 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
   for (int64_t t = 0; t < num_tokens; t += kAmxChunkTokens) {
     const int64_t t_end = t + kAmxChunkTokens < num_tokens ? t + kAmxChunkTokens : num_tokens;
     for (int64_t r = r0; r < whole_end; r += kAmxBlockRows) {
+      // the next block's rows into L2 while this one computes, spread over its first token pair's steps (with
+      // the L1 prefetch, a burst ahead of a block of several pairs was no faster: 8 x 256-token prefill and
+      // a 64-sequence decode within the host's noise; 3072x576 at 64 tokens 323-446 -> 282-393 us spread)
       const char* next = r + 2 * kAmxBlockRows <= n ? reinterpret_cast<const char*>(w + (r + kAmxBlockRows) * k)
                                                     : nullptr;
-      // the next block's rows into L2 while this one computes: all at once ahead of a block with more than one
-      // token pair (a 128-token SmolLM2 prefill 4% faster, 8 x 256 tokens 7%), spread over the steps of a
-      // one-pair block (decode), where a burst ahead of the block made the step slower
-      const bool one_pair = t_end - t <= 2 * kAmxTokens;
-      if (!one_pair && next != nullptr)
-        for (int64_t b = 0; b < kAmxBlockRows * k * 2; b += 64) _mm_prefetch(next + b, KILN_WEIGHT_PREFETCH);
-      amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue, one_pair ? next : nullptr);
+      amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue, next);
     }
     if (whole_end < r1) amx_block(tail, k, packed_x, t, t_end, whole_end, r1 - whole_end, epilogue, nullptr);
   }
