@@ -40,9 +40,9 @@ inline void transpose16x16(__m512 v[16]) {
 }
 
 // The weight prefetch of the AMX bf16 GEMM (bf16_amx_gemm.h), whose A tiles are 16 rows x 64 bytes of a
-// 32-row weight block (the block's rows one after another in memory, row_bytes apart) and which takes one
-// 64-byte column step of both A tiles at a time. A block's first token pair (the pass that reads its weights from memory; the
-// later pairs find a k chunk of them in L1), at step i:
+// 32-row weight block (kAmxBlockRows; the block's rows one after another in memory, row_bytes apart) and
+// which takes one 64-byte column step of both A tiles at a time. A block's first token pair (the pass that
+// reads its weights from memory; the later pairs find a k chunk of them in L1), at step i:
 //  - the next block's step-i share into L2: its 32 cache lines from 2 KiB * i on, in memory order, so the
 //    block's steps cover the next block's 32 rows (amx_prefetch_next_block);
 //  - this block's 32 rows of step i + kAmxL1PrefetchSteps into L1 (amx_prefetch_rows_l1).

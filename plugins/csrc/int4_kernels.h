@@ -475,7 +475,8 @@ static void int16_pair_chunks(const int16_t* x16, int64_t num_tokens, int64_t in
         _mm512_storeu_si512(d + c * kChunkCols + 32 * k, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
       }
     for (int64_t j = c * kChunkCols; j < num_chunks * kChunkCols; j += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
   }
 }
 
