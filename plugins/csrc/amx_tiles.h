@@ -41,29 +41,47 @@ inline void transpose16x16(__m512 v[16]) {
 
 // The weight prefetch of the AMX bf16 GEMM (bf16_amx_gemm.h), whose A tiles are 16 rows x 64 bytes of a
 // 32-row weight block (kAmxBlockRows; the block's rows one after another in memory, row_bytes apart) and
-// which takes one 64-byte column step of both A tiles at a time. A block's first token pair (the pass that
-// reads its weights from memory; the later pairs find a k chunk of them in L1), at step i:
-//  - the next block's step-i share into L2: its 32 cache lines from 2 KiB * i on, in memory order, so the
-//    block's steps cover the next block's 32 rows (amx_prefetch_next_block);
-//  - this block's 32 rows of step i + kAmxL1PrefetchSteps into L1 (amx_prefetch_rows_l1).
-// Without the second, a layer's time grew with the tokens per step as if the weights' stream and the tiles'
-// arithmetic did not overlap (bf16, cold 3072x576, two threads: 1 to 16 tokens ~215 us, 32 tokens
+// which takes one 64-byte column step of both A tiles at a time:
+//  - the next block into L2, spread evenly over every step the block takes (all its token pairs and k
+//    chunks), in memory order (AmxNextBlockPrefetch): 32 lines a step where the block has one token pair,
+//    8 where it has four;
+//  - during a block's first token pair (the pass that reads its weights from memory; the later pairs find
+//    a k chunk of them in L1), this block's 32 rows of step i + kAmxL1PrefetchSteps into L1
+//    (amx_prefetch_rows_l1).
+// Without the L1 prefetch, a layer's time grew with the tokens per step as if the weights' stream and the
+// tiles' arithmetic did not overlap (bf16, cold 3072x576, two threads: 1 to 16 tokens ~215 us, 32 tokens
 // 305-347, 64 tokens 446-505, against ~33 us of TDPBF16PS work per thread at 32 tokens); our reading is
 // that each step's TILELOADDs waited on L2 while the previous step's tile products still held the same
 // tile registers. On the 2-vCPU Xeon with AMX (family 6 model 207), cold weights of one layer, alternating
 // in one process: 3072x576 at 32 tokens 315 -> 265-277 us, 576x1536 at 1 token 135 -> 109 us and at 32
-// tokens 201 -> 159 (docs/performance.md has the engine's figures). The int8 AMX GEMM (int8_amx_gemm.h)
-// with the same two prefetches ran within 5% of its time without them at 4-128 tokens (cold 3072x576 and
-// 576x1536 int8_sq layers, the same Xeon), so it keeps the hardware prefetchers alone.
+// tokens 201 -> 159 (docs/performance.md has the engine's figures). Spreading the next block's prefetch
+// over all of a block's steps, where it had been requested during the first pair's alone, leaves the
+// weights' stream the whole block's time: the model's 120 cold bf16 layers at 128 tokens 57.6 -> 51.8 ms
+// and at 256 tokens 100.6 -> 91.4 (medians of 30 alternations), 32 tokens unchanged. The int8 AMX GEMM
+// (int8_amx_gemm.h) with the same prefetches ran within 5% of its time without them at 4-128 tokens (cold
+// 3072x576 and 576x1536 int8_sq layers, the same Xeon), so it keeps the hardware prefetchers alone.
 constexpr int64_t kAmxPrefetchRows = 32;
 constexpr int64_t kAmxL1PrefetchSteps = 2;
 
-// Step i's share of next_block (nothing where it is null).
-inline void amx_prefetch_next_block(const char* next_block, int64_t i) {
-  if (next_block == nullptr) return;
-  for (int64_t line = 0; line < kAmxPrefetchRows; ++line)
-    _mm_prefetch(next_block + (kAmxPrefetchRows * i + line) * 64, KILN_WEIGHT_PREFETCH);
-}
+// The next block's L2 prefetch over one block's steps (a block of steps_per_pair 64-byte column steps per
+// token pair, num_pairs pairs): step() requests the next share of its kAmxPrefetchRows * steps_per_pair
+// lines, nothing where next_block is null.
+class AmxNextBlockPrefetch {
+ public:
+  AmxNextBlockPrefetch(const char* next_block, int64_t steps_per_pair, int64_t num_pairs)
+      : next_(next_block),
+        end_(next_block == nullptr ? 0 : kAmxPrefetchRows * steps_per_pair),
+        per_step_((kAmxPrefetchRows + num_pairs - 1) / num_pairs) {}
+
+  void step() {
+    const int64_t end = line_ + per_step_ < end_ ? line_ + per_step_ : end_;
+    for (; line_ < end; ++line_) _mm_prefetch(next_ + line_ * 64, KILN_WEIGHT_PREFETCH);
+  }
+
+ private:
+  const char* next_;
+  int64_t line_ = 0, end_, per_step_;
+};
 
 // The 64 bytes at column step i of the 32 rows of `block` (row_bytes apart) into L1.
 inline void amx_prefetch_rows_l1(const void* block, int64_t row_bytes, int64_t i) {

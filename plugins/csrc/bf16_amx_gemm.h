@@ -85,8 +85,8 @@ constexpr int64_t kAmxChunkSteps = 6;
 
 // One 32-row block of weights w (rows k apart) against tokens [t_begin, t_end) of packed x (t_begin a
 // multiple of 32, t_end - t_begin <= kAmxChunkTokens): y rows r..r + valid_rows through `epilogue`.
-// next_block: the next 32 rows of w (usually the ones the thread reads next), or null; the first token
-// pair's steps prefetch it into L2 and this block's next steps into L1 (amx_tiles.h).
+// next_block: the next 32 rows of w (usually the ones the thread reads next), or null; every step prefetches
+// a share of it into L2, and the first token pair's steps this block's next steps into L1 (amx_tiles.h).
 inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, int64_t t_begin, int64_t t_end,
                       int64_t r, int64_t valid_rows, const GemvEpilogue& epilogue, const char* next_block) {
   const int64_t steps = k / 32, stride = k * static_cast<int64_t>(sizeof(uint16_t));
@@ -96,12 +96,12 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
   const uint16_t* w1 = w + 16 * k;
   // C tiles of each token pair; C tile q: rows 16 * (q / 2).., tokens of block b + q % 2
   alignas(64) float c_all[kAmxChunkTokens / (2 * kAmxTokens)][4][16][16];
+  AmxNextBlockPrefetch prefetch(next_block, steps, (b_end - b_begin + 1) / 2);
   for (int64_t i0 = 0; i0 < steps; i0 += chunk_steps) {
     const int64_t i1 = i0 + chunk_steps < steps ? i0 + chunk_steps : steps;
     for (int64_t b = b_begin; b < b_end; b += 2) {
       const bool two = b + 1 < b_end;
       const bool first_pair = b == b_begin;
-      const char* next = first_pair ? next_block : nullptr;
       const int64_t l1_end = first_pair ? steps - kAmxL1PrefetchSteps : 0;  // steps that pull a later one into L1
       float(*c)[16][16] = c_all[(b - b_begin) / 2];
       const uint32_t* b0 = packed_x + b * steps * 256;
@@ -121,7 +121,7 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
       }
       if (two) {
         for (int64_t i = i0; i < i1; ++i) {
-          amx_prefetch_next_block(next, i);
+          prefetch.step();
           if (i < l1_end) amx_prefetch_rows_l1(w, 2 * k, i + kAmxL1PrefetchSteps);
           _tile_loadd(4, w + 32 * i, stride);
           _tile_loadd(5, w1 + 32 * i, stride);
@@ -134,7 +134,7 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
         }
       } else {
         for (int64_t i = i0; i < i1; ++i) {
-          amx_prefetch_next_block(next, i);
+          prefetch.step();
           if (i < l1_end) amx_prefetch_rows_l1(w, 2 * k, i + kAmxL1PrefetchSteps);
           _tile_loadd(4, w + 32 * i, stride);
           _tile_loadd(5, w1 + 32 * i, stride);
@@ -173,9 +173,7 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
   for (int64_t t = 0; t < num_tokens; t += kAmxChunkTokens) {
     const int64_t t_end = t + kAmxChunkTokens < num_tokens ? t + kAmxChunkTokens : num_tokens;
     for (int64_t r = r0; r < whole_end; r += kAmxBlockRows) {
-      // the next block's rows into L2 while this one computes, spread over its first token pair's steps (with
-      // the L1 prefetch, a burst ahead of a block of several pairs was no faster: 8 x 256-token prefill and
-      // a 64-sequence decode within the host's noise; 3072x576 at 64 tokens 323-446 -> 282-393 us spread)
+      // the next block's rows into L2 while this one computes, spread over all of its steps (amx_tiles.h)
       const char* next = r + 2 * kAmxBlockRows <= n ? reinterpret_cast<const char*>(w + (r + kAmxBlockRows) * k)
                                                     : nullptr;
       amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue, next);
