@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,17 +28,30 @@ def test_idempotent_and_thread_safe(cpu_kernels):
 
 
 def test_second_process_loads_the_cached_build_fast(cpu_kernels):
-    script = ("import time; from kilnlm.plugins import load_cpu_kernels; t = time.perf_counter(); "
-              "path = load_cpu_kernels(); print(path); print(time.perf_counter() - t)")
+    script = ("import sys, time; from kilnlm.plugins import load_cpu_kernels; t = time.perf_counter(); "
+              "path = load_cpu_kernels(); print(path); print(time.perf_counter() - t); "
+              "print('torch.utils.cpp_extension' in sys.modules)")
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     wall_s = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
-    path, load_s = result.stdout.split()
+    path, load_s, imported_cpp_extension = result.stdout.split()
     assert path == cpu_kernels
+    # cpp_extension (and setuptools with it) only where the library must be built (time of every cold start)
+    assert imported_cpp_extension == "False"
     # No compiler or ninja run: hashing the sources and a dlopen (milliseconds; generous for a busy CI).
     assert float(load_s) < 1.0, f"loading the cached kernels took {load_s} s"
     assert wall_s < 30
+
+
+def test_build_root_is_torch_extension_cache(tmp_path, monkeypatch):
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert cpu._build_root() == Path(get_default_build_root()) / f"{py}_cpu"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpu._build_root() == tmp_path
 
 
 def test_build_key_follows_the_sources(tmp_path, monkeypatch):
