@@ -43,6 +43,8 @@ static inline float kv_f32(uint8_t v) {  // 2^-8 * E4M3 value, exact
 constexpr int64_t kGroupHeads = 3;
 // Rows of block scores the scratch holds: kGroupHeads heads (AVX2) or kTileQueries query vectors (AVX-512).
 constexpr int64_t kScoreRows = 4;
+// Tiles of 16 query vectors the AMX path takes through each phase of a 32-key step together (amx_attend_block).
+constexpr int64_t kAmxPhaseTiles = 4;
 
 #if KILN_ISA == KILN_ISA_AVX512 || KILN_ISA == KILN_ISA_AVX512_BF16 || KILN_ISA == KILN_ISA_AMX_BF16
 
@@ -455,7 +457,8 @@ static inline void block_pv(const float* p, const kv_t* v, int64_t row_stride, i
 static inline int64_t attn_scratch_floats(int64_t M, int64_t D, int64_t tpb, int64_t kv_row_stride) {
   // + the AMX path's buffers (packed Q^T tiles, V tiles, scores, P, outputs), whatever the ISA: one
   // formula sizes every variant
-  return M * (D + 2) + kScoreRows * tpb + 2 * tpb * kv_row_stride + (M + 16 * (kv_row_stride / D)) * D / 2 + 16 * D + 2048;
+  return M * (D + 2) + kScoreRows * tpb + 2 * tpb * kv_row_stride + (M + 16 * (kv_row_stride / D)) * D / 2 + 16 * D +
+         kAmxPhaseTiles * (512 + 256 + 16 * D) + 256;
 }
 
 // The online-softmax step of one query vector for a block's scores s[0:n], m_new being their max with the
@@ -1113,8 +1116,18 @@ static inline const uint16_t* amx_cached_block(const AmxBlockCache& c, const kv_
 // One KV block (n keys from KV position base_pos; k_head: its first K row's slice of this KV head in
 // bf16, rows k_stride apart; v_head: the V row's in the pool's dtype, rows row_stride apart, or v_ready:
 // its V tiles, amx_pack_v's for each 32 keys, already packed) for the query vectors g; m, l, acc: the
-// item's softmax state (vector i = query token * heads of the item + head). vp [D / 16][16][16] u32, st
-// [32][16] float, pa [16][32] bfloat16 and ob [4][16][16] float: scratch, 64-byte aligned.
+// item's softmax state (vector i = query token * heads of the item + head). Scratch, 64-byte aligned: vp
+// [D / 16][16][16] u32, and for each of kAmxPhaseTiles tiles of 16 query vectors st [32][16] float, pa
+// [16][32] bfloat16 and ob [D / 16][16][16] float.
+//
+// Each 32-key step takes up to kAmxPhaseTiles tiles of query vectors through four phases in turn: their
+// scores (tile products, stored), their softmax (vector code on the stored scores, P stored as bf16),
+// P . V (tile products of the stored P, stored) and the running outputs' update (vector code). A tile
+// load of what vector stores have just written, or a vector load of a tile store's output, waits for the
+// stores to complete; one query tile at a time, every step waited four times so (on the Xeon with AMX the
+// two tile products right after such a load held ~18% of the kernel's samples in a 128-token prefill).
+// Between phases, the other tiles' work now covers that wait. Each query vector's arithmetic and its order
+// are unchanged: the same bits.
 template <typename kv_t>
 static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, const uint16_t* k_head, int64_t k_stride,
                                     const kv_t* v_head, const uint32_t* v_ready, int64_t row_stride, int64_t base_pos,
@@ -1124,6 +1137,9 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
   const int64_t stride_bytes = k_stride * 2;
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  alignas(64) float alpha[kAmxPhaseTiles][16];
+  int64_t idx[kAmxPhaseTiles][16];
+  uint32_t seen[kAmxPhaseTiles];
   for (int64_t kb = 0; kb < n; kb += kAmxKeys) {
     const int64_t nk = n - kb < kAmxKeys ? n - kb : kAmxKeys;  // valid keys of this step
     const uint16_t* k_rows = k_head + kb * k_stride;
@@ -1133,91 +1149,104 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
     } else {
       amx_pack_v(v_head + kb * row_stride, row_stride, nk, D, vp);
     }
-    for (int64_t j0 = 0; j0 < g.count; j0 += 16) {
-      const int64_t nq = g.count - j0 < 16 ? g.count - j0 : 16;
-      const uint32_t* q_tiles = g.packed + (j0 / 16) * steps * 256;
-      // S^T for keys kb.. (rows) x the 16 query vectors (columns), then transposed: lo / hi[j] = query
-      // vector j0 + j's scores of keys kb..kb + 15 / kb + 16..kb + 31
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t s = 0; s < steps; ++s) {
-        _tile_loadd(4, q_tiles + s * 256, 64);
-        _tile_loadd(2, k_rows + 32 * s, stride_bytes);
-        _tile_dpbf16ps(0, 2, 4);
-        if (nk > 16) {
-          _tile_loadd(3, k_rows + 16 * k_stride + 32 * s, stride_bytes);
-          _tile_dpbf16ps(1, 3, 4);
-        }
-      }
-      _tile_stored(0, st, 64);
-      _tile_stored(1, st + 256, 64);
-      __m512 lo[16], hi[16];
-      for (int r = 0; r < 16; ++r) {
-        lo[r] = _mm512_load_ps(st + 16 * r);
-        hi[r] = _mm512_load_ps(st + 256 + 16 * r);
-      }
-      transpose16x16(lo);
-      transpose16x16(hi);
-      // online softmax per query vector, over the keys it sees (causal, and only the block's n)
-      alignas(64) float alpha[16];
-      int64_t idx[16];
-      uint32_t seen = 0;
-      for (int64_t j = 0; j < 16; ++j) {
-        __m512 p_lo = _mm512_setzero_ps(), p_hi = _mm512_setzero_ps();
-        if (j < nq) {
-          const int64_t qi = (j0 + j) / g.heads, h = g.h_begin + (j0 + j) % g.heads;
-          idx[j] = qi * num_heads_item + h;
-          int64_t visible = w.first_q_pos + qi - (base_pos + kb) + 1;  // keys kb.. it sees
-          visible = visible < 0 ? 0 : (visible > nk ? nk : visible);
-          if (visible > 0) {
-            seen |= 1u << j;
-            const __mmask16 k_lo = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (1u << visible) - 1);
-            const __mmask16 k_hi = static_cast<__mmask16>(visible >= 32 ? 0xFFFF : visible > 16 ? (1u << (visible - 16)) - 1 : 0);
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), k_lo, lo[j]),
-                                                                 _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), k_hi, hi[j])));
-            const float m_old = m[idx[j]], m_new = top > m_old ? top : m_old;
-            // e^(m_old - m_new) where the max grew (0 for m_old = -inf: l and acc are 0 then), else 1
-            alpha[j] = m_new != m_old ? _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(m_old - m_new))) : 1.f;
-            const __m512 mv = _mm512_set1_ps(m_new);
-            p_lo = amx_round_bf16(_mm512_maskz_mov_ps(k_lo, exp_ps(_mm512_maskz_sub_ps(k_lo, lo[j], mv))));
-            p_hi = amx_round_bf16(_mm512_maskz_mov_ps(k_hi, exp_ps(_mm512_maskz_sub_ps(k_hi, hi[j], mv))));
-            m[idx[j]] = m_new;
-            l[idx[j]] = __builtin_fmaf(l[idx[j]], alpha[j], _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi)));
-          }
-        }
-        _mm512_store_si512(pa + 32 * j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p_hi, p_lo)));
-      }
-      if (seen == 0) continue;
-      // P . V, 64 output columns (4 C tiles) at a time; acc = acc * alpha + PV
-      _tile_loadd(4, pa, 64);
-      for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
-        const int64_t tiles = D / 16 - c0 < 4 ? D / 16 - c0 : 4;
+    for (int64_t p0 = 0; p0 < g.count; p0 += 16 * kAmxPhaseTiles) {
+      const int64_t p_end = g.count - p0 < 16 * kAmxPhaseTiles ? g.count : p0 + 16 * kAmxPhaseTiles;
+      const int64_t tiles = (p_end - p0 + 15) / 16;
+      // scores: S^T for keys kb.. (rows) x the tile's 16 query vectors (columns), rows 0-15 then 16-31
+      for (int64_t t = 0; t < tiles; ++t) {
+        const uint32_t* q_tiles = g.packed + (p0 / 16 + t) * steps * 256;
         _tile_zero(0);
         _tile_zero(1);
-        _tile_loadd(5, vt + (c0 + 0) * 256, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, vt + (c0 + 1) * 256, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        if (tiles > 2) {
-          _tile_zero(2);
-          _tile_zero(3);
-          _tile_loadd(7, vt + (c0 + 2) * 256, 64);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, vt + (c0 + 3) * 256, 64);
-          _tile_dpbf16ps(3, 4, 5);
+        for (int64_t s = 0; s < steps; ++s) {
+          _tile_loadd(4, q_tiles + s * 256, 64);
+          _tile_loadd(2, k_rows + 32 * s, stride_bytes);
+          _tile_dpbf16ps(0, 2, 4);
+          if (nk > 16) {
+            _tile_loadd(3, k_rows + 16 * k_stride + 32 * s, stride_bytes);
+            _tile_dpbf16ps(1, 3, 4);
+          }
         }
-        _tile_stored(0, ob, 64);
-        _tile_stored(1, ob + 256, 64);
-        if (tiles > 2) {
-          _tile_stored(2, ob + 512, 64);
-          _tile_stored(3, ob + 768, 64);
+        _tile_stored(0, st + 512 * t, 64);
+        _tile_stored(1, st + 512 * t + 256, 64);
+      }
+      // online softmax per query vector, over the keys it sees (causal, and only the block's n): S^T
+      // transposed back, lo / hi[j] = query vector j0 + j's scores of keys kb..kb + 15 / kb + 16..kb + 31
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t j0 = p0 + 16 * t, nq = g.count - j0 < 16 ? g.count - j0 : 16;
+        __m512 lo[16], hi[16];
+        for (int r = 0; r < 16; ++r) {
+          lo[r] = _mm512_load_ps(st + 512 * t + 16 * r);
+          hi[r] = _mm512_load_ps(st + 512 * t + 256 + 16 * r);
         }
+        transpose16x16(lo);
+        transpose16x16(hi);
+        seen[t] = 0;
+        for (int64_t j = 0; j < 16; ++j) {
+          __m512 p_lo = _mm512_setzero_ps(), p_hi = _mm512_setzero_ps();
+          if (j < nq) {
+            const int64_t qi = (j0 + j) / g.heads, h = g.h_begin + (j0 + j) % g.heads;
+            const int64_t i = qi * num_heads_item + h;
+            idx[t][j] = i;
+            int64_t visible = w.first_q_pos + qi - (base_pos + kb) + 1;  // keys kb.. it sees
+            visible = visible < 0 ? 0 : (visible > nk ? nk : visible);
+            if (visible > 0) {
+              seen[t] |= 1u << j;
+              const __mmask16 k_lo = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (1u << visible) - 1);
+              const __mmask16 k_hi = static_cast<__mmask16>(visible >= 32 ? 0xFFFF : visible > 16 ? (1u << (visible - 16)) - 1 : 0);
+              const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), k_lo, lo[j]),
+                                                                   _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), k_hi, hi[j])));
+              const float m_old = m[i], m_new = top > m_old ? top : m_old;
+              // e^(m_old - m_new) where the max grew (0 for m_old = -inf: l and acc are 0 then), else 1
+              alpha[t][j] = m_new != m_old ? _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(m_old - m_new))) : 1.f;
+              const __m512 mv = _mm512_set1_ps(m_new);
+              p_lo = amx_round_bf16(_mm512_maskz_mov_ps(k_lo, exp_ps(_mm512_maskz_sub_ps(k_lo, lo[j], mv))));
+              p_hi = amx_round_bf16(_mm512_maskz_mov_ps(k_hi, exp_ps(_mm512_maskz_sub_ps(k_hi, hi[j], mv))));
+              m[i] = m_new;
+              l[i] = __builtin_fmaf(l[i], alpha[t][j], _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi)));
+            }
+          }
+          _mm512_store_si512(pa + 512 * t + 32 * j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p_hi, p_lo)));
+        }
+      }
+      // P . V, 64 output columns (4 C tiles) at a time, into ob
+      for (int64_t t = 0; t < tiles; ++t) {
+        if (seen[t] == 0) continue;
+        float* out = ob + 16 * D * t;
+        _tile_loadd(4, pa + 512 * t, 64);
+        for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+          const int64_t num_c = D / 16 - c0 < 4 ? D / 16 - c0 : 4;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_loadd(5, vt + (c0 + 0) * 256, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, vt + (c0 + 1) * 256, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          if (num_c > 2) {
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(7, vt + (c0 + 2) * 256, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, vt + (c0 + 3) * 256, 64);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+          _tile_stored(0, out + 256 * c0, 64);
+          _tile_stored(1, out + 256 * (c0 + 1), 64);
+          if (num_c > 2) {
+            _tile_stored(2, out + 256 * (c0 + 2), 64);
+            _tile_stored(3, out + 256 * (c0 + 3), 64);
+          }
+        }
+      }
+      // acc = acc * alpha + PV, C tiles c, c + 1: dims 16 * c .. + 31
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t nq = g.count - (p0 + 16 * t) < 16 ? g.count - (p0 + 16 * t) : 16;
+        const float* out = ob + 16 * D * t;
         for (int64_t j = 0; j < nq; ++j) {
-          if (!((seen >> j) & 1)) continue;
-          const __m512 al = _mm512_set1_ps(alpha[j]);
-          for (int64_t t = 0; t < tiles; t += 2) {  // tiles t, t + 1: dims 16 * (c0 + t) .. + 31
-            float* a = acc + idx[j] * D + 16 * (c0 + t);
-            const __m512 x = _mm512_load_ps(ob + 256 * t + 16 * j), y = _mm512_load_ps(ob + 256 * (t + 1) + 16 * j);
+          if (!((seen[t] >> j) & 1)) continue;
+          const __m512 al = _mm512_set1_ps(alpha[t][j]);
+          for (int64_t c = 0; c < D / 16; c += 2) {
+            float* a = acc + idx[t][j] * D + 16 * c;
+            const __m512 x = _mm512_load_ps(out + 256 * c + 16 * j), y = _mm512_load_ps(out + 256 * (c + 1) + 16 * j);
             _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), al, _mm512_permutex2var_ps(x, first_half, y)));
             _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16), al, _mm512_permutex2var_ps(x, second_half, y)));
           }
@@ -1336,9 +1365,9 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     }
   }
   uint32_t* amx_v = amx_q + amx_q_size;
-  float* amx_st = reinterpret_cast<float*>(amx_v + 16 * D);
-  uint16_t* amx_p = reinterpret_cast<uint16_t*>(amx_st + 512);
-  float* amx_out = amx_st + 512 + 256;
+  float* amx_st = reinterpret_cast<float*>(amx_v + 16 * D);                        // [kAmxPhaseTiles][32][16]
+  uint16_t* amx_p = reinterpret_cast<uint16_t*>(amx_st + kAmxPhaseTiles * 512);  // [kAmxPhaseTiles][16][32]
+  float* amx_out = amx_st + kAmxPhaseTiles * (512 + 256);                        // [kAmxPhaseTiles][D / 16][256]
 #endif
 #if KILN_ISA == KILN_ISA_AVX512_BF16
   // bf16 activations with a bf16 or 8-bit pool: the VDPBF16PS path, for every item of such a call. Its
