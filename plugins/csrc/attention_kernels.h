@@ -1192,9 +1192,11 @@ static inline void amx_attend_block(const AttnWork& w, const AmxQueries& g, cons
             if (visible > 0) {
               seen[t] |= 1u << j;
               const __mmask16 k_lo = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (1u << visible) - 1);
-              const __mmask16 k_hi = static_cast<__mmask16>(visible >= 32 ? 0xFFFF : visible > 16 ? (1u << (visible - 16)) - 1 : 0);
-              const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), k_lo, lo[j]),
-                                                                   _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), k_hi, hi[j])));
+              const __mmask16 k_hi =
+                  static_cast<__mmask16>(visible >= 32 ? 0xFFFF : visible > 16 ? (1u << (visible - 16)) - 1 : 0);
+              const __m512 none = _mm512_set1_ps(-__builtin_inff());
+              const float top = _mm512_reduce_max_ps(
+                  _mm512_max_ps(_mm512_mask_mov_ps(none, k_lo, lo[j]), _mm512_mask_mov_ps(none, k_hi, hi[j])));
               const float m_old = m[i], m_new = top > m_old ? top : m_old;
               // e^(m_old - m_new) where the max grew (0 for m_old = -inf: l and acc are 0 then), else 1
               alpha[t][j] = m_new != m_old ? _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(m_old - m_new))) : 1.f;
