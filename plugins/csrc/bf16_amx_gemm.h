@@ -44,16 +44,64 @@ void amx_pack_x(const uint16_t* x, int64_t num_tokens, int64_t x_stride, int64_t
     }
 }
 
+// 16-bit lanes 2j and 2j + 1 <- lanes j and 16 + j: two rows of 16 bfloat16 interleaved into pairs.
+alignas(64) constexpr uint16_t kAmxPairLanes[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// The bfloat16 outputs of all 32 rows r.. of a block for `tokens` (5-16) tokens from t0: C tiles lo (rows
+// 0-15) and hi (rows 16-31) of one 16-token block. Each C row (one output row, a vector over the tokens)
+// takes its row_scale (times token_scale), then its bias, as GemvEpilogue::store16 applies them, and rows
+// 2i and 2i + 1 become one vector of bfloat16 pairs, so that a single 16 x 16 transpose of 32-bit lanes
+// turns the block into each token's 32 outputs, one 64-byte store apiece. store16 takes a transpose per C
+// tile and a conversion and a store per token and tile: twice the shuffles, which held ~20% of a 3072 x 576
+// layer's time at 128-256 tokens. The same bits.
+inline void amx_store_block_bf16(const float (*lo)[16], const float (*hi)[16], int64_t t0, int64_t tokens, int64_t r,
+                                 const GemvEpilogue& epilogue) {
+  const __mmask16 token_mask = static_cast<__mmask16>((1u << tokens) - 1u);
+  const bool token_scaled = epilogue.token_scale != nullptr;
+  const __m512 token_scale =
+      token_scaled ? _mm512_maskz_loadu_ps(token_mask, epilogue.token_scale + t0) : _mm512_setzero_ps();
+  const __m512i pair_lanes = _mm512_load_si512(kAmxPairLanes);
+  __m512 pairs[16];
+  for (int i = 0; i < 16; ++i) {
+    __m512 v[2];
+    for (int u = 0; u < 2; ++u) {
+      const int row = 2 * i + u;
+      __m512 x = _mm512_load_ps(row < 16 ? lo[row] : hi[row - 16]);
+      if (epilogue.row_scale != nullptr) {
+        const __m512 factor = _mm512_set1_ps(epilogue.row_scale[r + row]);
+        x = _mm512_mul_ps(x, token_scaled ? _mm512_mul_ps(token_scale, factor) : factor);
+      }
+      if (epilogue.bias != nullptr) x = _mm512_add_ps(x, _mm512_set1_ps(epilogue.bias[r + row]));
+      v[u] = x;
+    }
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0]));  // row 2i, then 2i + 1
+    pairs[i] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(pair_lanes, both));
+  }
+  transpose16x16(pairs);
+  uint16_t* out = static_cast<uint16_t*>(epilogue.out);
+  for (int64_t t = 0; t < tokens; ++t)
+    _mm512_storeu_si512(out + (t0 + t) * epilogue.out_stride + r, _mm512_castps_si512(pairs[t]));
+}
+
 // A 32-row block's four C tiles c (amx_block's) out through `epilogue`: rows r.. (valid_rows of them),
 // tokens of the 16-token blocks b and b + 1 below num_tokens.
 inline void amx_store_block(const float (*c)[16][16], int64_t b, int64_t num_tokens, int64_t r, int64_t valid_rows,
                             const GemvEpilogue& epilogue) {
+  if (valid_rows == kAmxBlockRows && epilogue.out_bf16) {  // a whole block of bf16 outputs
+    for (int q = 0; q < 2; ++q) {
+      const int64_t t0 = (b + q) * kAmxTokens;
+      const int64_t tokens = num_tokens - t0 < kAmxTokens ? num_tokens - t0 : kAmxTokens;
+      if (tokens > 4) amx_store_block_bf16(c[q], c[q + 2], t0, tokens, r, epilogue);
+    }
+  }
   for (int q = 0; q < 4; ++q) {
     const int64_t t0 = (b + q % 2) * kAmxTokens, row0 = 16 * (q / 2);
     // (no std::min here: see isa_variants.h)
     const int64_t rows = valid_rows - row0 < 16 ? valid_rows - row0 : 16;
     const int64_t tokens = num_tokens - t0 < kAmxTokens ? num_tokens - t0 : kAmxTokens;
     if (rows <= 0 || tokens <= 0) continue;
+    if (valid_rows == kAmxBlockRows && epilogue.out_bf16 && tokens > 4) continue;  // amx_store_block_bf16's
     __m512 v[16];
     if (tokens <= 4) {  // a few tokens (decode): each one's column of C alone
       const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
