@@ -94,11 +94,12 @@ template <typename scalar_t>
 void to_float(const at::Tensor& x, const float* pqs, float* dst) {
   const int64_t in = x.size(1);
   const scalar_t* src = x.data_ptr<scalar_t>();
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(in, 1)), [=](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const scalar_t* row = src + t * in;
       float* dst_row = dst + t * in;
-      // restrict: without it, a store through dst_row may alias row or pqs, and the loops stay scalar
+      // restrict and values captured (not references): otherwise a store through dst_row may alias row, pqs or
+      // the loop's bound, and the loops stay scalar
       const scalar_t* __restrict from = row;
       float* __restrict to = dst_row;
       const float* __restrict factor = pqs;
@@ -290,7 +291,8 @@ void int8_sq_gemm(const int8_t* w, const kiln::LinearShape& shape, const int16_t
     at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / in), [&](int64_t t0, int64_t t1) {
       int8_t* __restrict to = x8 + t0 * in;
       const int16_t* __restrict from = xq + t0 * in;
-      for (int64_t i = 0; i < (t1 - t0) * in; ++i) to[i] = static_cast<int8_t>(from[i]);
+      const int64_t count = (t1 - t0) * in;  // a local: `in` is captured by reference, which a byte may alias
+      for (int64_t i = 0; i < count; ++i) to[i] = static_cast<int8_t>(from[i]);
     });
     // 64 int8 columns are packed as 32 bfloat16 pairs are (int8_amx_gemm.h)
     auto* packed = reinterpret_cast<uint32_t*>(kiln::thread_scratch<4>(kiln::amx_bf16_packed_size(num_tokens, in / 2)));
@@ -318,7 +320,8 @@ void int8_sq_gemm(const int8_t* w, const kiln::LinearShape& shape, const int16_t
     at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / in), [&](int64_t t0, int64_t t1) {
       uint8_t* __restrict to = xu + t0 * in;
       const int16_t* __restrict from = xq + t0 * in;
-      for (int64_t i = 0; i < (t1 - t0) * in; ++i) to[i] = static_cast<uint8_t>(from[i] + 128);
+      const int64_t count = (t1 - t0) * in;
+      for (int64_t i = 0; i < count; ++i) to[i] = static_cast<uint8_t>(from[i] + 128);
     });
     kiln::run_rows(shape, acc.data(), [&](int64_t r0, int64_t r1, int32_t* y) {
       avx512vnni::gemm_vnni_rows(w, in, r0, r1, xu, num_tokens, in, y, out_features);
