@@ -273,6 +273,20 @@ void quantize_int8(const at::Tensor& x, const float* pqs, float input_scale, int
   });
 }
 
+// dst [T, in] = x_q + offset as bytes (int8_t: offset 0 for the AMX tiles; uint8_t: 128 for VPDPBUSD), over the
+// threads. __restrict and the bound in a local: a byte store may alias x_q or a variable the loop reads by
+// reference, which had kept it scalar, reloading its bound at every element (a 2,048-token call's conversion
+// held 14% of an int8_sq prefill's samples so).
+template <typename byte_t>
+void xq_to_bytes(const int16_t* xq, int64_t num_tokens, int64_t in, int offset, byte_t* dst) {
+  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / in), [=](int64_t t0, int64_t t1) {
+    byte_t* __restrict to = dst + t0 * in;
+    const int16_t* __restrict from = xq + t0 * in;
+    const int64_t count = (t1 - t0) * in;
+    for (int64_t i = 0; i < count; ++i) to[i] = static_cast<byte_t>(from[i] + offset);
+  });
+}
+
 // y = float(x_q @ q.T) * (token_scale[t] *) row_scale[o] (+ bias): from kMinAmxTokens tokens on AMX-INT8 CPUs
 // x_q as bytes packed into B tiles, 32-row blocks of the weight through TDPBSSD, the epilogue vectorized
 // with the same roundings (int8_amx_gemm.h); otherwise the int32 sums over the driver's row split
@@ -285,15 +299,9 @@ void int8_sq_gemm(const int8_t* w, const kiln::LinearShape& shape, const int16_t
 #if defined(__x86_64__)
   if (num_tokens >= kMinAmxTokens && in % 64 == 0 && kiln::cpu_has_amx_int8()) {
     // The calling thread's buffers, handed to the workers as pointers (no zero fill, no page faults per call):
-    // x8 [T, in] x_q as bytes, converted over the threads; restrict, or a byte store may alias xq and the
-    // loop stays scalar (a 2,048-token call's conversion held 14% of an int8_sq prefill's samples so)
+    // x8 [T, in] x_q as bytes
     auto* x8 = reinterpret_cast<int8_t*>(kiln::thread_scratch<3>((num_tokens * in + 3) / 4));
-    at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / in), [&](int64_t t0, int64_t t1) {
-      int8_t* __restrict to = x8 + t0 * in;
-      const int16_t* __restrict from = xq + t0 * in;
-      const int64_t count = (t1 - t0) * in;  // a local: `in` is captured by reference, which a byte may alias
-      for (int64_t i = 0; i < count; ++i) to[i] = static_cast<int8_t>(from[i]);
-    });
+    xq_to_bytes(xq, num_tokens, in, 0, x8);
     // 64 int8 columns are packed as 32 bfloat16 pairs are (int8_amx_gemm.h)
     auto* packed = reinterpret_cast<uint32_t*>(kiln::thread_scratch<4>(kiln::amx_bf16_packed_size(num_tokens, in / 2)));
     kiln::amx_bf16_pack(reinterpret_cast<const uint16_t*>(x8), num_tokens, in / 2, in / 2, packed);
@@ -315,14 +323,8 @@ void int8_sq_gemm(const int8_t* w, const kiln::LinearShape& shape, const int16_t
   std::vector<int32_t> acc(static_cast<size_t>(num_tokens * out_features));  // [T, out]
 #if defined(__x86_64__)
   if (num_tokens >= kMinVnniTokens && kiln::cpu_has_avx512_vnni()) {
-    // [T, in] x_q + 128, converted as the AMX path's bytes are
-    auto* xu = reinterpret_cast<uint8_t*>(kiln::thread_scratch<3>((num_tokens * in + 3) / 4));
-    at::parallel_for(0, num_tokens, std::max<int64_t>(1, 65536 / in), [&](int64_t t0, int64_t t1) {
-      uint8_t* __restrict to = xu + t0 * in;
-      const int16_t* __restrict from = xq + t0 * in;
-      const int64_t count = (t1 - t0) * in;
-      for (int64_t i = 0; i < count; ++i) to[i] = static_cast<uint8_t>(from[i] + 128);
-    });
+    auto* xu = reinterpret_cast<uint8_t*>(kiln::thread_scratch<3>((num_tokens * in + 3) / 4));  // [T, in] x_q + 128
+    xq_to_bytes(xq, num_tokens, in, 128, xu);
     kiln::run_rows(shape, acc.data(), [&](int64_t r0, int64_t r1, int32_t* y) {
       avx512vnni::gemm_vnni_rows(w, in, r0, r1, xu, num_tokens, in, y, out_features);
     }, epilogue, out);
