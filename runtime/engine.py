@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -88,16 +89,19 @@ class Engine:
         return cls.load_verified(root, verify_engine(root, trusted_keys))
 
     @classmethod
-    def load_verified(cls, engine_dir: Path, manifest: Manifest) -> "Engine":
+    def load_verified(cls, engine_dir: Path, manifest: Manifest,
+                      while_loading: Callable[[], None] | None = None) -> "Engine":
         """:meth:`load` without the checks: ``manifest`` is what :func:`verify_engine` has just returned for
-        ``engine_dir``, so that a caller can do other work between the two. Raises :class:`EngineError` for
-        an engine that fails to load."""
+        ``engine_dir``, so that a caller can do other work between the two. ``while_loading``: called once
+        just before the load's longest call that releases the GIL, or not at all (a tensor-parallel engine):
+        see :meth:`EngineBackend.load <kilnlm.runtime.backends.EngineBackend.load>`. Raises
+        :class:`EngineError` for an engine that fails to load."""
         backend_cls = engine_backend(manifest, engine_dir / MANIFEST_NAME)
         if manifest.build.tp_size > 1:  # one process per rank
             from kilnlm.runtime.backends.tensor_parallel import TensorParallelBackend
 
             return cls(engine_dir, manifest, TensorParallelBackend.load(engine_dir, manifest, backend_cls))
-        return cls(engine_dir, manifest, backend_cls.load(engine_dir, manifest))
+        return cls(engine_dir, manifest, backend_cls.load(engine_dir, manifest, while_loading=while_loading))
 
     @property
     def broken(self) -> str | None:

@@ -208,17 +208,24 @@ class Executor:
 
         root = Path(engine_dir)
         manifest = verify_engine(root, trusted_keys)
-        # The tokenizer parses (0.16 s for SmolLM2's, holding the GIL) and compiles its chat template (jinja2's
-        # import ~70 ms) while the engine loads, which holds the GIL for little of its time (the package's
-        # copy, load and realignment release it).
+        # The tokenizer parses (0.15 s for SmolLM2's, holding the GIL throughout) and compiles its chat template
+        # (~40 ms of Python) while the engine's package loads, in the longest call of the load that releases the
+        # GIL (Engine.load_verified's while_loading). Started with the load, the parse would hold the GIL while
+        # the package's extraction waits for it between its copies: the two would run one after the other.
+        loading = threading.Event()
+
         def prepare_tokenizer() -> Tokenizer:
+            loading.wait()
             tokenizer = Tokenizer.from_dir(root / TOKENIZER_DIR)
             tokenizer.prepare_chat_template()
             return tokenizer
 
         with ThreadPoolExecutor(1, thread_name_prefix="kilnlm-tokenizer") as pool:
             tokenizer = pool.submit(prepare_tokenizer)
-            engine = Engine.load_verified(root, manifest)
+            try:
+                engine = Engine.load_verified(root, manifest, while_loading=loading.set)
+            finally:
+                loading.set()  # a backend that does not call it, or a load that failed before it
         try:
             executor = cls(engine, tokenizer.result(), config, trusted_keys)
         except BaseException:

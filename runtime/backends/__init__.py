@@ -34,7 +34,7 @@ starts and drives the other ranks.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
@@ -56,9 +56,13 @@ class EngineBackend(Protocol):
         """Refuse (:class:`EngineError`, saying what to do) an engine this machine cannot run; loads nothing."""
 
     @classmethod
-    def load(cls, engine_dir: Path, manifest: Manifest, rank: int = 0) -> "EngineBackend":
+    def load(cls, engine_dir: Path, manifest: Manifest, rank: int = 0,
+             while_loading: Callable[[], None] | None = None) -> "EngineBackend":
         """Load the verified engine's shard of tensor-parallel rank ``rank`` (the engine itself when
-        ``build.tp_size`` is 1). Raises :class:`EngineError` when it fails to load."""
+        ``build.tp_size`` is 1). ``while_loading``, when given, is called once just before the load's longest
+        call that releases the GIL, or not at all: what the caller then starts in another thread holding the
+        GIL (the executor's tokenizer parse) runs beside that call instead of stalling the load's Python.
+        Raises :class:`EngineError` when it fails to load."""
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one KV block over all layers, K and V."""

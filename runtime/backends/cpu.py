@@ -10,6 +10,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 import torch
 
@@ -43,7 +44,7 @@ def cpu_runs_isa(isa: str) -> bool:
     return isa in machine_cpu_isas()
 
 
-def load_package(package_path: Path):
+def load_package(package_path: Path, while_loading: Callable[[], None] | None = None):
     """The AOTInductor package at ``package_path``, loaded by torch's own loader behind kilnlm's
     ``AotiPackage`` (:func:`kilnlm.plugins.cpu.load_aoti_package`), whose ``run`` releases the GIL:
     ``torch._inductor.aoti_load_package``'s runner holds it for the whole forward, stalling every other
@@ -62,12 +63,17 @@ def load_package(package_path: Path):
     Its weights are then moved to 64-byte boundaries (AOTInductor leaves them 16 bytes into a cache line,
     and a row's every 64-byte load would touch two lines) and backed by transparent huge pages where Linux
     allows (:mod:`kilnlm.runtime.memory`): a decode step streams all of them, and 4 KiB pages cost a TLB
-    miss every 4 KiB."""
+    miss every 4 KiB.
+
+    ``while_loading`` is called just before torch's loader runs, which releases the GIL for most of the
+    load (0.19 s of SmolLM2 bf16's 0.38 on the development VM): the executor parses its tokenizer there."""
     from kilnlm.plugins.cpu import load_aoti_package
 
     extracted = tempfile.mkdtemp(prefix="kilnlm-engine-")
     try:
         extract_package(package_path, Path(extracted))
+        if while_loading is not None:
+            while_loading()
         package = load_aoti_package(extracted)
     finally:
         shutil.rmtree(extracted, ignore_errors=True)
@@ -139,9 +145,10 @@ class CpuBackend:
                               f"{', '.join(sorted(machine_cpu_isas())) or 'no vector ISA'}: rebuild the engine on (or for) this machine")
 
     @classmethod
-    def load(cls, engine_dir: Path, manifest: Manifest, rank: int = 0) -> "CpuBackend":
-        """Load the plugins' CPU kernels, then the package of tensor-parallel rank ``rank``. Raises
-        :class:`EngineError` when either fails (the
+    def load(cls, engine_dir: Path, manifest: Manifest, rank: int = 0,
+             while_loading: Callable[[], None] | None = None) -> "CpuBackend":
+        """Load the plugins' CPU kernels, then the package of tensor-parallel rank ``rank``
+        (``while_loading``: see :func:`load_package`). Raises :class:`EngineError` when either fails (the
         package also when it cannot be extracted, e.g. into a full temporary directory)."""
         import kilnlm.plugins as plugins
 
@@ -151,7 +158,7 @@ class CpuBackend:
             raise EngineError(f"cannot serve {engine_dir}: {exc}") from None
         package_path = engine_dir / manifest.rank_engine_file(rank)
         try:
-            package = load_package(package_path)
+            package = load_package(package_path, while_loading)
         except (OSError, zipfile.BadZipFile) as exc:
             raise EngineError(f"cannot extract {package_path} into {tempfile.gettempdir()}: {exc}") from None
         except RuntimeError as exc:

@@ -19,6 +19,7 @@ Importing this module imports neither ``tensorrt`` nor any CUDA binding: ``verif
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -146,13 +147,16 @@ class TensorRTBackend:
             raise EngineError(f"cannot serve {engine_dir}: {problem}")
 
     @classmethod
-    def load(cls, engine_dir: Path, manifest: Manifest, rank: int = 0) -> "TensorRTBackend":
+    def load(cls, engine_dir: Path, manifest: Manifest, rank: int = 0,
+             while_loading: Callable[[], None] | None = None) -> "TensorRTBackend":
         """Deserialize the verified plan of rank ``rank`` (0: the only one) on the current CUDA device, check
         that its I/O tensors are the engine ABI (:func:`plan_io_problem`) and create its execution context
         and device buffers. Raises :class:`EngineError` when the plan does not deserialize (corrupt, or a
         TensorRT / GPU other than :meth:`verify` saw), lacks an ABI tensor or gets no context."""
         import tensorrt as trt
 
+        if while_loading is not None:  # first: which of the calls below release the GIL is not measured
+            while_loading()
         plan = engine_dir / manifest.rank_engine_file(rank)
         torch.cuda.init()  # TensorRT runs in torch's (primary) CUDA context of the current device
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))

@@ -32,7 +32,7 @@ class StandInBackend:
         cls.verified.append(engine_dir)
 
     @classmethod
-    def load(cls, engine_dir, manifest):
+    def load(cls, engine_dir, manifest, rank=0, while_loading=None):
         return cls(manifest)
 
     def kv_cache_bytes_per_block(self) -> int:

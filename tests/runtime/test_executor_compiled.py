@@ -231,3 +231,36 @@ def test_a_loaded_engine_leaves_nothing_in_the_temporary_directory_even_when_kil
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
     assert sorted(os.listdir(tmpdir)) == []
+
+
+def test_the_tokenizer_parses_during_the_package_load(tiny_engine_dir, monkeypatch):
+    """The CPU backend calls ``while_loading`` once, after the package's extraction and just before torch's
+    loader (the longest call of the load that releases the GIL), and the executor parses its tokenizer only
+    from then on; with a backend that never calls it, the executor still gets its tokenizer."""
+    import kilnlm.plugins.cpu as plugins_cpu
+    from kilnlm.runtime.backends.cpu import CpuBackend
+    from kilnlm.runtime.tokenizer import Tokenizer
+
+    events = []
+    load_aoti_package, from_dir = plugins_cpu.load_aoti_package, Tokenizer.from_dir.__func__
+    load_verified = Engine.load_verified.__func__
+
+    def recording_load_verified(cls, engine_dir, manifest, while_loading=None):
+        def called():
+            events.append("while_loading")
+            while_loading()
+        return load_verified(cls, engine_dir, manifest, while_loading=called)
+
+    monkeypatch.setattr(plugins_cpu, "load_aoti_package", lambda path: events.append("package") or load_aoti_package(path))
+    monkeypatch.setattr(Tokenizer, "from_dir", classmethod(lambda cls, d: events.append("tokenizer") or from_dir(cls, d)))
+    monkeypatch.setattr(Engine, "load_verified", classmethod(recording_load_verified))
+    with Executor.from_engine_dir(tiny_engine_dir, ExecutorConfig(max_batch_size=1)) as executor:
+        assert executor.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), timeout_s=120).token_ids
+    assert events[0] == "while_loading" and sorted(events[1:]) == ["package", "tokenizer"]
+
+    events.clear()
+    cpu_load = CpuBackend.load.__func__
+    monkeypatch.setattr(CpuBackend, "load", classmethod(lambda cls, d, m, rank=0, while_loading=None: cpu_load(cls, d, m, rank)))
+    with Executor.from_engine_dir(tiny_engine_dir, ExecutorConfig(max_batch_size=1)) as executor:
+        assert executor.tokenizer.encode("the cat")
+    assert sorted(events) == ["package", "tokenizer"]
