@@ -14,8 +14,9 @@
 //   activations in VDPBF16PS (bf16_gemv.h), else float32 FMAs (AVX2: weights converted by integer shifts,
 //   fp8_kernels.h; scalar);
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local
-//   buffer and multiplied: as exact bfloat16 with AVX512-BF16 dot products (fp8_bf16_gemm.h) where the
-//   CPU has them, else as float32 with at::mm.
+//   buffer and multiplied: as exact bfloat16 on AMX tiles where the CPU has AMX-BF16 (fp8_linear, but for
+//   KILNLM_BATCH_INVARIANT=1), else with AVX512-BF16 dot products (fp8_bf16_gemm.h) where the CPU has
+//   them, else as float32 with at::mm.
 // The token-count dispatch, thread split and tiling are quant_linear.h's (the driver of every weight-only
 // quantized linear); this file supplies the FP8 row loaders (Fp8Format).
 
@@ -187,7 +188,10 @@ struct Fp8Format {
 #if defined(__x86_64__)
     if (kiln::cpu_has_avx512_bf16_vbmi() && in % avx512vbmi::Fp8Rows::kCols == 0) {
       std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
-      for (int64_t t = 0; t < num_tokens; ++t) x_row_bf16(xq + t * in, xb.data() + t * in, in);  // the tiles' x rows too
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        exact_bf16_row(xq + t * in, in, xb.data() + t * in);
+        if (gemv_order64()) pairs64_order(xb.data() + t * in, in);  // Fp8Rows64's columns
+      }
       kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
         avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, epilogue.row_scale, epilogue.token_scale,
                                   epilogue.bias, out, std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
@@ -216,12 +220,13 @@ struct Fp8Format {
 
   void tile_f32(int64_t r0, int64_t r1, float* tile) const { dequant_fn()(w, shape.in, r0, r1, tile, fp8_lut().value); }
 
-  // Where the GEMV reads 64 columns at a time in Fp8Rows64's interleaved order, the context phase's bf16
-  // tiles take the same order, for x and the weights alike: then every output is summed by VDPBF16PS over
-  // the same pairs into the same lanes and reduced by the same tree (reduce16) at every token count, so a
-  // row's result does not depend on how many rows the call has (batch invariance: the GEMV serves up to
-  // kGemvTokens.with_bf16_gemm tokens, the tiles the rest). A permutation of the columns on both sides
-  // leaves the dot products' terms unchanged.
+  // Where the GEMV reads 64 columns at a time in Fp8Rows64's interleaved order, the context phase's
+  // VDPBF16PS tiles take the same order, for x and the weights alike: then every output is summed by
+  // VDPBF16PS over the same pairs into the same lanes and reduced by the same tree (reduce16) at every token
+  // count, so a row's result does not depend on how many rows the call has (batch invariance: the GEMV
+  // serves up to kGemvTokens.with_bf16_gemm tokens, the tiles the rest). A permutation of the columns on
+  // both sides leaves the dot products' terms unchanged. AMX tiles sum in their own order whatever the
+  // columns' (amx_context).
   bool gemv_order64() const {
 #if defined(__x86_64__)
     return kiln::cpu_has_avx512_bf16_vbmi() && shape.in % avx512vbmi::Fp8Rows64::kCols == 0;
@@ -230,23 +235,29 @@ struct Fp8Format {
 #endif
   }
 
-  bool context_sums_like_gemv() const { return bf16_context_gemm() && gemv_order64(); }
+  bool tiles_in_gemv_order() const { return gemv_order64() && !kiln::amx_tiles(*this); }
 
-  // No AMX for the context tiles: with AVX512-BF16 and VBMI (every AMX CPU) they sum each row as the GEMV
-  // does, so a row's bits never depend on the token count (tests/plugins/test_fp8_linear_cpu.py).
-  bool amx_context() const { return false; }
+  bool context_sums_like_gemv() const { return bf16_context_gemm() && tiles_in_gemv_order(); }
+
+  // fp8_linear's context tiles run on AMX where the CPU has it, as int8_linear's and int4_linear's do,
+  // giving up its batch invariance there (the AMX tiles and the GEMV sum each row in different orders) but
+  // for KILNLM_BATCH_INVARIANT=1, which keeps the VDPBF16PS tiles. On an Intel Xeon with AMX (family 6
+  // model 207, 2 vCPUs) the VDPBF16PS tiles held the fp8 engine's 128-token TTFT at 418 ms against bf16's 77
+  // (docs/performance.md). fp8_rowwise_linear's per-token scales stay on the VDPBF16PS tiles: the AMX
+  // epilogue scales rows, not tokens.
+  bool amx_context() const { return epilogue.token_scale == nullptr && !kiln::batch_invariant_requested(); }
 
   void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const {
     exact_bf16_row(x, shape.in, dst);
 #if defined(__x86_64__)
-    if (gemv_order64()) pairs64_order(dst, shape.in);
+    if (tiles_in_gemv_order()) pairs64_order(dst, shape.in);
 #endif
   }
 
   void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
 #if defined(__x86_64__)
     avx2::dequant_rows_bf16(w, shape.in, r0, r1, dst, k_pad, fp8_lut().value);  // padding columns stay 0
-    if (gemv_order64())
+    if (tiles_in_gemv_order())
       for (int64_t r = 0; r < r1 - r0; ++r) pairs64_order(dst + r * k_pad, shape.in);
 #endif
   }

@@ -88,9 +88,12 @@ def test_every_fp8_weight_byte_decodes_exactly(num_tokens, flush_denormal):
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 17, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_fp32_matmul_of_quantized_operands(num_tokens, dtype, with_bias, flush_denormal):
+@pytest.mark.parametrize("in_features", [200, 576])
+def test_matches_fp32_matmul_of_quantized_operands(num_tokens, dtype, with_bias, in_features, flush_denormal):
+    """in_features 200 = 6 x 32 + 8: the vector blocks and a scalar tail; 576 (SmolLM2's): the GEMV's
+    64-column order, and on AMX CPUs the context tiles on AMX."""
     gen = torch.Generator().manual_seed(7 * num_tokens + with_bias)
-    in_features, out_features = 200, 72  # 200 = 6 x 32 + 8: the vector blocks and a scalar tail
+    out_features = 72
     x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(dtype)
     weight = random_fp8_weight(out_features, in_features, gen)
     input_scale, weight_scale = torch.tensor(0.05), torch.tensor(0.003)
@@ -176,13 +179,16 @@ def test_bad_inputs_raise_clear_errors(kwargs, message):
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (48, 96)])
 @pytest.mark.parametrize("op", ["fp8_linear", "fp8_rowwise_linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(op, out_features, in_features, dtype):
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(op, out_features, in_features, dtype, monkeypatch):
     """Batch invariance (issue 26, item 4): each row of a call over M rows equals the same row computed
     alone, across the GEMV / tile boundary (4 / 5 tokens with AVX512-BF16) and far past it; SmolLM2's
-    shapes (in_features a multiple of 64: the GEMV's interleaved column order, which the tiles now take
-    too) and one with in_features 96 (natural order). Activations with an outlier channel; float32 outputs
-    show any difference in the float32 sums, bfloat16 ones (the engines') only those that cross a rounding
-    step."""
+    shapes (in_features a multiple of 64: the GEMV's interleaved column order, which the VDPBF16PS tiles
+    take too) and one with in_features 96 (natural order). Activations with an outlier channel; float32
+    outputs show any difference in the float32 sums, bfloat16 ones (the engines') only those that cross a
+    rounding step. fp8_linear's context tiles run on AMX where the CPU has AMX-BF16, summing in the tiles'
+    order: there it is invariant with KILNLM_BATCH_INVARIANT=1 (the VDPBF16PS tiles), which this sets."""
+    if op == "fp8_linear" and cpu_has("amx_bf16"):
+        monkeypatch.setenv("KILNLM_BATCH_INVARIANT", "1")
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(300, in_features, generator=gen) * 3.0
     x[:, 7] *= 60.0  # one channel far past the others: x_q spans E4M3's range, down to its finest steps
