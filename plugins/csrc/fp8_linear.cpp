@@ -176,6 +176,7 @@ struct Fp8Format {
   const float* xq;   // [T, in] float32 holding exact E4M3 values
   kiln::Epilogue epilogue;           // * (token_scale[t] *) scale[o] (+ bias)
   kiln::Epilogue f32_tile_epilogue;  // the same: the tiles hold q exactly
+  bool amx_context_tiles;            // amx_context(), decided once per call (fp8_amx_context)
 
   // E4M3 values are exact bfloat16, whatever x's dtype.
   bool bf16_context_gemm() const { return kiln::cpu_has_avx512_bf16(); }
@@ -239,13 +240,7 @@ struct Fp8Format {
 
   bool context_sums_like_gemv() const { return bf16_context_gemm() && tiles_in_gemv_order(); }
 
-  // fp8_linear's context tiles run on AMX where the CPU has it, as int8_linear's and int4_linear's do,
-  // giving up its batch invariance there (the AMX tiles and the GEMV sum each row in different orders) but
-  // for KILNLM_BATCH_INVARIANT=1, which keeps the VDPBF16PS tiles. On an Intel Xeon with AMX (family 6
-  // model 207, 2 vCPUs) the VDPBF16PS tiles held the fp8 engine's 128-token TTFT at 418 ms against bf16's 77
-  // (docs/performance.md). fp8_rowwise_linear's per-token scales stay on the VDPBF16PS tiles: the AMX
-  // epilogue scales rows, not tokens.
-  bool amx_context() const { return epilogue.token_scale == nullptr && !kiln::batch_invariant_requested(); }
+  bool amx_context() const { return amx_context_tiles; }
 
   void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const {
     exact_bf16_row(x, shape.in, dst);
@@ -270,6 +265,14 @@ struct Fp8Format {
   }
 };
 
+// Whether a call's context tiles may run on AMX (where the CPU has it): fp8_linear's do, as int8_linear's and
+// int4_linear's, giving up its batch invariance there (the AMX tiles and the GEMV sum each row in different
+// orders) but for KILNLM_BATCH_INVARIANT=1, which keeps the VDPBF16PS tiles. On an Intel Xeon with AMX
+// (family 6 model 207, 2 vCPUs) the VDPBF16PS tiles held the fp8 engine's 128-token TTFT at 418 ms against
+// bf16's 77 (docs/performance.md). fp8_rowwise_linear's per-token scales stay on the VDPBF16PS tiles: the AMX
+// epilogue scales rows, not tokens.
+bool fp8_amx_context(bool per_token) { return !per_token && !kiln::batch_invariant_requested(); }
+
 // The body of both ops, inputs checked: scale[o] the per-row factor (input_scale * weight_scale[o], or
 // weight_scale[o] alone with per_token, where the epilogue multiplies it by each token's scale first).
 at::Tensor run_fp8_linear(const at::Tensor& x_in, const at::Tensor& weight, std::vector<float> scale,
@@ -288,7 +291,7 @@ at::Tensor run_fp8_linear(const at::Tensor& x_in, const at::Tensor& weight, std:
   float* ts = per_token ? token_scale.data() : nullptr;
   const kiln::Epilogue epilogue{scale.data(), bias_ptr, ts};
   const Fp8Format format{w, kiln::LinearShape{num_tokens, in, out_features, /*row_bytes=*/in}, xq_buf.data(), epilogue,
-                         epilogue};
+                         epilogue, fp8_amx_context(per_token)};
   auto run = [&](auto* out_ptr) {  // float or at::BFloat16 (x's dtype, checked)
     using scalar_t = std::remove_pointer_t<decltype(out_ptr)>;
     quantize_activations<scalar_t>(x, input_scale, xq_buf.data(), ts);
