@@ -1381,8 +1381,9 @@ static void attend_typed(const AttnWork& w, float* scratch) {
   if (dpbf16) dp_pack_queries(w, dp_q);
 #endif
 #if KILN_ISA == KILN_ISA_AMX_BF16
-  // The AMX path prefetches nothing: it was measured (Intel Xeon) while the compiler deleted the prefetches
-  // (prefetch_l1), and no machine with AMX has measured it with them since.
+  // The AMX path prefetches nothing: on an Intel Xeon with AMX (family 6 model 207) the next block prefetched
+  // into L2 whole, by KV heads' shares or spread over the softmax was no faster than none beyond the host's
+  // swing (docs/performance.md, "Measured and left").
   const bool prefetching = !amx;
 #else
   const bool prefetching = true;
