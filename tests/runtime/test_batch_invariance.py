@@ -9,8 +9,8 @@ With KILNLM_BATCH_INVARIANT=1 every format, on any CPU: every kernel then sums e
 every token count (plugins/csrc/cpu_features.h). Without it, the formats whose kernels do so anyway, on CPUs
 with AVX512-BF16 and VBMI: int8_sq (exact int32 sums) and, without AMX-BF16 (whose tiles take fp8's context
 phase), fp8 (the GEMV and the tiles in one column order), the bf16 LM head's direct kernel serving their
-one row per sequence. docs/reliability.md gives the
-measurements, the kernels responsible and what the switch costs."""
+one row per sequence. docs/reliability.md gives the measurements, the kernels responsible and what the
+switch costs."""
 
 from __future__ import annotations
 
