@@ -189,10 +189,8 @@ struct Fp8Format {
 #if defined(__x86_64__)
     if (kiln::cpu_has_avx512_bf16_vbmi() && in % avx512vbmi::Fp8Rows::kCols == 0) {
       std::vector<uint16_t> xb(static_cast<size_t>(num_tokens * in));
-      for (int64_t t = 0; t < num_tokens; ++t) {
-        exact_bf16_row(xq + t * in, in, xb.data() + t * in);
-        if (gemv_order64()) pairs64_order(xb.data() + t * in, in);  // Fp8Rows64's columns
-      }
+      const bool order64 = gemv_order64();
+      for (int64_t t = 0; t < num_tokens; ++t) bf16_x_row(xq + t * in, xb.data() + t * in, order64);
       kiln::parallel_row_blocks(out_features, avx512vbmi::kGemvBlockRows, [&](int64_t r0, int64_t r1) {
         avx512vbmi::gemv_fp8_rows(xb.data(), num_tokens, w, out_features, in, epilogue.row_scale, epilogue.token_scale,
                                   epilogue.bias, out, std::is_same_v<scalar_t, at::BFloat16>, r0, r1);
@@ -242,11 +240,17 @@ struct Fp8Format {
 
   bool amx_context() const { return amx_context_tiles; }
 
-  void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const {
+  // One row of x_q as exact bfloat16 bits into dst [in], in Fp8Rows64's column order where gemv_order: the
+  // GEMV's rows always in its own order, the tiles' in it only where they must sum as the GEMV does.
+  void bf16_x_row(const float* x, uint16_t* dst, bool gemv_order) const {
     exact_bf16_row(x, shape.in, dst);
 #if defined(__x86_64__)
-    if (tiles_in_gemv_order()) pairs64_order(dst, shape.in);
+    if (gemv_order) pairs64_order(dst, shape.in);
 #endif
+  }
+
+  void x_row_bf16(const float* x, uint16_t* dst, int64_t /*k_pad: zero-filled*/) const {
+    bf16_x_row(x, dst, tiles_in_gemv_order());
   }
 
   void tile_bf16(int64_t r0, int64_t r1, uint16_t* dst, int64_t k_pad) const {
