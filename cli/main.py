@@ -22,6 +22,10 @@ SUBCOMMANDS = {
     "serve": ("kilnlm.cli.serve_cmd", "serve an engine over OpenAI's HTTP API (completions, chat, SSE, metrics)"),
 }
 
+# Subcommands that load the engine their --engine names: its files' SHA-256 checks start before anything
+# imports torch (kilnlm.runtime.manifest.prehash_engine_files), on the core `import torch` leaves idle.
+LOADS_ENGINE = ("generate", "serve", "eval")
+
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -36,7 +40,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kilnlm.runtime.errors import KilnError
+    from kilnlm.runtime.manifest import prehash_engine_files
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in LOADS_ENGINE and (engine := _engine_option(argv[1:])) is not None:
+        prehash_engine_files(engine)  # a cache reference, or no engine there: nothing starts
     args = make_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
@@ -47,5 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _engine_option(args: list[str]) -> str | None:
+    """The value of ``--engine`` in a subcommand's arguments, before argparse (whose parser's construction
+    imports torch) reads them; None where it is not spelled out (an abbreviation: nothing is started)."""
+    for i, arg in enumerate(args):
+        if arg == "--engine" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--engine="):
+            return arg.partition("=")[2]
+    return None
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

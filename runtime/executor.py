@@ -203,7 +203,9 @@ class Executor:
         :class:`~kilnlm.runtime.signing.TrustedKeys` its signature must match; by default
         ``$KILNLM_TRUSTED_KEYS``'s, None: no check; a ``speculative_config`` draft engine's must match too)
         and its tokenizer, and start the loop thread. The executor owns that engine: :meth:`shutdown` closes it
-        (a tensor-parallel engine's other ranks stop)."""
+        (a tensor-parallel engine's other ranks stop). A new process that calls
+        :func:`kilnlm.runtime.manifest.prehash_engine_files` before importing torch has the verification's
+        SHA-256 checks done during the import."""
         from kilnlm.runtime.engine import TOKENIZER_DIR, Engine, verify_engine
 
         root = Path(engine_dir)

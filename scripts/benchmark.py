@@ -42,7 +42,8 @@ in turn (round-robin): on a shared machine bandwidth and load drift by tens of p
 ratio to bf16 is only meaningful within a round; the table then shows medians and the per-round ratios.
 
 Also the cold start: seconds from launching a fresh Python process to its first generated token from an
-already built engine (load + verify + first forward).
+already built engine (load + verify + first forward), the engine's SHA-256 checks started before torch imports
+as kilnlm's CLI and Triton model start them (``kilnlm.runtime.manifest.prehash_engine_files``).
 
 Quantized engines (fp8, fp8_rowwise, int8_wo, int8_sq, int4_wo, int4_awq; ``int4_awq+lm_head`` etc. build with
 ``--quantize-lm-head``, ``fp8:auto_quantize_bits=8.5`` etc. with the options given) run bf16 activations, so they are compared
@@ -373,6 +374,8 @@ def bench_transformers(hf_dir: Path, dtype: torch.dtype, single_prompt: list[int
 
 COLD_START = """
 import sys, time
+from kilnlm.runtime.manifest import prehash_engine_files
+prehash_engine_files(sys.argv[1])  # as kilnlm's CLI and Triton model do, before torch imports
 from kilnlm.runtime.executor import Executor
 from kilnlm.runtime.request import SamplingParams
 ex = Executor.from_engine_dir(sys.argv[1])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGES = ("kilnlm.builder", "kilnlm.runtime", "kilnlm.plugins", "kilnlm.cli")
@@ -107,3 +109,17 @@ def test_layers_depend_one_way():
            if module == package or module.startswith(package + ".")
            for target in targets if any(target == f or target.startswith(f + ".") for f in forbidden)]
     assert not bad, f"imports against the dependency rule (runtime/ never imports builder/; plugins/ neither): {bad}"
+
+
+# What a new process imports before it starts the engine's SHA-256 checks (prehash_engine_files), which then run
+# on the core `import torch` (1.1-2.0 s of a cold start) leaves idle: kilnlm's CLI entry point, and the Triton
+# tensorrt_llm model's module-level imports besides triton_python_backend_utils.
+BEFORE_TORCH = ("kilnlm.cli.main", "kilnlm.runtime.manifest", "kilnlm.runtime.distribution.engine_source",
+                "kilnlm.runtime.serving.triton_backend")
+
+
+def test_what_runs_before_the_engine_is_hashed_imports_no_torch():
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in BEFORE_TORCH)
+            + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]", f"importing {', '.join(BEFORE_TORCH)} imports {out.strip()}"

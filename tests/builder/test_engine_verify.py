@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
+import time
 
 import pytest
 import torch
 
 import kilnlm.runtime.backends.cpu as cpu_backend
+import kilnlm.runtime.manifest as manifest_module
 from kilnlm.runtime.engine import Engine, verify_engine
 from kilnlm.runtime.errors import EngineError
+from kilnlm.runtime.manifest import prehash_engine_files
 
 
 @pytest.fixture
@@ -152,6 +157,57 @@ def test_symbolic_links_are_refused(engine_copy, no_loading, tmp_path):
     shutil.move(engine_copy / "tokenizer", tmp_path / "tokenizer_dir")
     (engine_copy / "tokenizer").symlink_to(tmp_path / "tokenizer_dir", target_is_directory=True)
     assert_refused(engine_copy, "tokenizer is a symbolic link")
+
+
+def prehash_and_wait(engine_dir) -> None:
+    """prehash_engine_files, then wait for its thread to finish every digest."""
+    prehash_engine_files(engine_dir)
+    for thread in threading.enumerate():
+        if thread.name == "kilnlm-prehash":
+            thread.join(timeout=60)
+            assert not thread.is_alive(), "the digests computed ahead did not finish"
+
+
+def test_digests_computed_ahead_stand_in_for_reading_the_files(engine_copy, monkeypatch):
+    prehash_and_wait(engine_copy)
+
+    def refuse(path):
+        raise AssertionError(f"{path} was read again although its digest was computed ahead")
+
+    monkeypatch.setattr(manifest_module, "_sha256_now", refuse)
+    verify_engine(engine_copy)
+    with pytest.raises(AssertionError, match="read again"):  # each digest computed ahead stands in once
+        verify_engine(engine_copy)
+
+
+@pytest.mark.parametrize("change", ["written in place", "replaced"])
+def test_a_file_changed_after_it_was_hashed_ahead_is_read_again(engine_copy, no_loading, change):
+    """Same size and modification time: the change time (written in place) or the inode (replaced) tells."""
+    prehash_and_wait(engine_copy)
+    time.sleep(0.05)  # past the file system's timestamp granularity (a jiffy)
+    package = engine_copy / "model.pt2"
+    before = package.stat()
+    data = bytearray(package.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    if change == "replaced":
+        (engine_copy / "new.pt2").write_bytes(bytes(data))
+        os.replace(engine_copy / "new.pt2", package)
+    else:
+        package.write_bytes(bytes(data))
+    os.utime(package, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert_refused(engine_copy, "model.pt2", "SHA-256")
+
+
+def test_hashing_ahead_starts_nothing_for_what_is_not_an_engine_and_reads_no_special_file(engine_copy, tmp_path,
+                                                                                         no_loading):
+    prehash_engine_files(tmp_path / "absent")
+    prehash_engine_files(tmp_path / "engine" / "tokenizer")  # a directory without a manifest
+    assert not [t for t in threading.enumerate() if t.name == "kilnlm-prehash"]
+    tokenizer = engine_copy / "tokenizer" / "tokenizer.json"
+    tokenizer.unlink()
+    os.mkfifo(tokenizer)  # opened for reading, a FIFO without a writer would block the thread for good
+    prehash_and_wait(engine_copy)
+    assert_refused(engine_copy, "tokenizer.json is not a regular file")
 
 
 def test_oversized_or_malformed_manifest(engine_copy, no_loading):

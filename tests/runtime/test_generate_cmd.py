@@ -62,3 +62,20 @@ def test_generate_structured_output(eager_engine_dir, tmp_path, capsys):
     assert "guided_decoding's regex guide does not compile" in capsys.readouterr().err
     assert main([*engine, "--grammar", str(tmp_path / "missing.ebnf"), "hi"]) == 2
     assert "--grammar" in capsys.readouterr().err
+
+
+def test_the_engine_verification_starts_before_the_parsers_import_torch(monkeypatch):
+    """``generate``, ``serve`` and ``eval`` start the SHA-256 checks of the engine their ``--engine`` names
+    before building the parsers (whose construction imports torch); other subcommands start none."""
+    import kilnlm.cli.main as cli_main
+    import kilnlm.runtime.manifest as manifest
+
+    calls = []
+    monkeypatch.setattr(manifest, "prehash_engine_files", lambda engine_dir: calls.append(f"prehash {engine_dir}"))
+    make_parser = cli_main.make_parser
+    monkeypatch.setattr(cli_main, "make_parser", lambda: calls.append("parser") or make_parser())
+    for argv in (["generate", "--engine", "E1", "--help"], ["serve", "--engine=E2", "--help"],
+                 ["eval", "--max-tokens", "3", "--engine", "E3", "--help"], ["build", "--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    assert calls == ["prehash E1", "parser", "prehash E2", "parser", "prehash E3", "parser", "parser", "parser"]

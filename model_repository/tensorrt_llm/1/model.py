@@ -34,12 +34,10 @@ _add_launcher_python_path()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402  (after the path set-up above)
 
+# Nothing imported here imports torch (1.1-2.0 s): initialize starts the engine's SHA-256 checks first.
 from kilnlm.runtime.distribution.engine_source import resolve_served_engine, served_trusted_keys  # noqa: E402
-from kilnlm.runtime.executor import Executor, ExecutorConfig  # noqa: E402
-from kilnlm.runtime.serving import parameters, triton_backend  # noqa: E402
-from kilnlm.runtime.serving.dispatcher import RequestDispatcher  # noqa: E402
-from kilnlm.runtime.serving.metrics import Metrics  # noqa: E402
-from kilnlm.runtime.serving.trtllm import LLMProtocol  # noqa: E402
+from kilnlm.runtime.manifest import prehash_engine_files  # noqa: E402
+from kilnlm.runtime.serving import triton_backend  # noqa: E402
 
 
 class TritonPythonModel:
@@ -51,6 +49,13 @@ class TritonPythonModel:
         decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         served = resolve_served_engine(args["model_repository"], args["model_version"],
                                        {"engine_dir": "engine", **params}, log=pb_utils.Logger.log_info)
+        prehash_engine_files(served.engine_dir)  # while torch imports, on the core the import leaves idle
+        from kilnlm.runtime.executor import Executor, ExecutorConfig
+        from kilnlm.runtime.serving import parameters
+        from kilnlm.runtime.serving.dispatcher import RequestDispatcher
+        from kilnlm.runtime.serving.metrics import Metrics
+        from kilnlm.runtime.serving.trtllm import LLMProtocol
+
         overrides = parameters.executor_overrides(params, args["model_repository"], args["model_version"])
         pb_utils.Logger.log_info(f"kilnlm: loading engine {served.engine_dir} ({served.source}) with "
                                  f"{overrides or 'defaults'}")
