@@ -75,7 +75,8 @@ def test_the_engine_verification_starts_before_the_parsers_import_torch(monkeypa
     make_parser = cli_main.make_parser
     monkeypatch.setattr(cli_main, "make_parser", lambda: calls.append("parser") or make_parser())
     for argv in (["generate", "--engine", "E1", "--help"], ["serve", "--engine=E2", "--help"],
-                 ["eval", "--max-tokens", "3", "--engine", "E3", "--help"], ["build", "--help"], ["generate", "--help"]):
+                 ["eval", "--max-tokens", "3", "--engine", "E3", "--help"], ["build", "--help"],
+                 ["generate", "--help"]):
         with pytest.raises(SystemExit):
             main(argv)
     assert calls == ["prehash E1", "parser", "prehash E2", "parser", "prehash E3", "parser", "parser", "parser"]
