@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 # subcommand -> module under kilnlm.cli. Imported lazily so that `kilnlm generate` on a serving-only
@@ -22,10 +23,10 @@ SUBCOMMANDS = {
     "serve": ("kilnlm.cli.serve_cmd", "serve an engine over OpenAI's HTTP API (completions, chat, SSE, metrics)"),
 }
 
-# Subcommands that load the engine their --engine names: its files' SHA-256 checks start before anything
-# imports torch (kilnlm.runtime.manifest.prehash_engine_files), on the core `import torch` leaves idle.
+# Subcommands that load the engine their --engine names (and a --speculative-config's draft engine): its
+# files' SHA-256 checks start before anything imports torch (kilnlm.runtime.manifest.prehash_engine_files),
+# on the core `import torch` leaves idle.
 LOADS_ENGINE = ("generate", "serve", "eval")
-
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -43,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     from kilnlm.runtime.manifest import prehash_engine_files
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in LOADS_ENGINE and (engine := _engine_option(argv[1:])) is not None:
-        prehash_engine_files(engine)  # a cache reference, or no engine there: nothing starts
+    if argv and argv[0] in LOADS_ENGINE:
+        for engine_dir in _engine_dirs(argv[1:]):
+            prehash_engine_files(engine_dir)  # a cache reference, or no engine there: nothing starts
     args = make_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
@@ -55,16 +57,28 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _engine_option(args: list[str]) -> str | None:
-    """The value of ``--engine`` in a subcommand's arguments, before argparse (whose parser's construction
-    imports torch) reads them; None where it is not spelled out (an abbreviation: nothing is started)."""
+def _engine_dirs(args: list[str]) -> list[str]:
+    """The engines a subcommand's arguments name, read before argparse (whose parsers' construction imports
+    torch): ``--engine``'s value, and a ``--speculative-config``'s draft ``model``. Options spelled
+    otherwise (abbreviated) or JSON that does not parse name none: argparse and the executor report those."""
+    engine_dirs = [value for value in (_option_value(args, "--engine"),) if value is not None]
+    try:
+        spec = json.loads(_option_value(args, "--speculative-config") or "null")
+    except json.JSONDecodeError:
+        spec = None
+    if isinstance(spec, dict) and spec.get("method") == "draft" and isinstance(spec.get("model"), str):
+        engine_dirs.append(spec["model"])
+    return engine_dirs
+
+
+def _option_value(args: list[str], option: str) -> str | None:
+    """The value of ``option`` (``--name VALUE`` or ``--name=VALUE``) in ``args``, or None."""
     for i, arg in enumerate(args):
-        if arg == "--engine" and i + 1 < len(args):
+        if arg == option and i + 1 < len(args):
             return args[i + 1]
-        if arg.startswith("--engine="):
+        if arg.startswith(option + "="):
             return arg.partition("=")[2]
     return None
-
 
 if __name__ == "__main__":
     sys.exit(main())

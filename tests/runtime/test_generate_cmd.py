@@ -66,7 +66,8 @@ def test_generate_structured_output(eager_engine_dir, tmp_path, capsys):
 
 def test_the_engine_verification_starts_before_the_parsers_import_torch(monkeypatch):
     """``generate``, ``serve`` and ``eval`` start the SHA-256 checks of the engine their ``--engine`` names
-    before building the parsers (whose construction imports torch); other subcommands start none."""
+    (and of a draft engine their ``--speculative-config`` names) before building the parsers (whose
+    construction imports torch); other subcommands start none."""
     import kilnlm.cli.main as cli_main
     import kilnlm.runtime.manifest as manifest
 
@@ -74,9 +75,12 @@ def test_the_engine_verification_starts_before_the_parsers_import_torch(monkeypa
     monkeypatch.setattr(manifest, "prehash_engine_files", lambda engine_dir: calls.append(f"prehash {engine_dir}"))
     make_parser = cli_main.make_parser
     monkeypatch.setattr(cli_main, "make_parser", lambda: calls.append("parser") or make_parser())
+    draft = '{"method": "draft", "model": "D1", "num_speculative_tokens": 4}'
     for argv in (["generate", "--engine", "E1", "--help"], ["serve", "--engine=E2", "--help"],
                  ["eval", "--max-tokens", "3", "--engine", "E3", "--help"], ["build", "--help"],
-                 ["generate", "--help"]):
+                 ["generate", "--help"], ["generate", "--speculative-config", draft, "--engine", "E4", "--help"],
+                 ["serve", "--engine", "E5", "--speculative-config", "{not json", "--help"]):
         with pytest.raises(SystemExit):
             main(argv)
-    assert calls == ["prehash E1", "parser", "prehash E2", "parser", "prehash E3", "parser", "parser", "parser"]
+    assert calls == ["prehash E1", "parser", "prehash E2", "parser", "prehash E3", "parser", "parser", "parser",
+                     "prehash E4", "prehash D1", "parser", "prehash E5", "parser"]
