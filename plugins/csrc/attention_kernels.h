@@ -1011,8 +1011,9 @@ static inline AmxQueries amx_queries(const AttnWork& w, int64_t kv_head, uint32_
 static inline int64_t amx_queries_size(const AmxQueries& g, int64_t D) { return (g.count + 15) / 16 * (D / 32) * 256; }
 
 // Packs g's query vectors (amx_queries) into its Q^T B tiles (bfloat16, rounded to nearest even by
-// VCVTNE2PS2BF16), zero past g.count: per 16 vectors and 32 dims, their bf16 pairs transposed.
-static inline void amx_pack_queries(const AttnWork& w, const AmxQueries& g) {
+// VCVTNE2PS2BF16), zero past g.count: per 16 vectors and 32 dims, their bf16 pairs transposed. Query token
+// qi's row: q_rows[qi] where given (a SharedUnit's tokens of several items), else w.q + qi * w.q_tok_stride.
+static inline void amx_pack_queries(const AttnWork& w, const AmxQueries& g, const float* const* q_rows = nullptr) {
   const int64_t D = w.head_dim, steps = D / 32;
   for (int64_t j0 = 0; j0 < g.count; j0 += 16)
     for (int64_t s = 0; s < steps; ++s) {
@@ -1020,7 +1021,7 @@ static inline void amx_pack_queries(const AttnWork& w, const AmxQueries& g) {
       for (int64_t j = 0; j < 16; ++j) {
         if (j0 + j < g.count) {
           const int64_t qi = (j0 + j) / g.heads, h = g.h_begin + (j0 + j) % g.heads;
-          const float* q = w.q + qi * w.q_tok_stride + h * D + 32 * s;
+          const float* q = (q_rows != nullptr ? q_rows[qi] : w.q + qi * w.q_tok_stride) + h * D + 32 * s;
           v[j] = reinterpret_cast<__m512>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q)));
         } else {
           v[j] = _mm512_setzero_ps();
@@ -1278,11 +1279,19 @@ static void attend_typed(const AttnWork& w, float* scratch) {
                                                        //   one block (one row per vector scored together)
   float* k_f32 = s + kScoreRows * tpb;                 // [tpb, span] the item's KV heads' rows of a block,
   float* v_f32 = k_f32 + tpb * row_stride;             //   as float32 (span <= row_stride)
-  for (int64_t i = 0; i < M; ++i) {
-    m[i] = -__builtin_inff();
-    l[i] = 0.f;
+  if (w.init_m != nullptr) {  // the state after the blocks before kv_block_begin, shared with other items
+    for (int64_t i = 0; i < M; ++i) {
+      m[i] = w.init_m[i];
+      l[i] = w.init_l[i];
+    }
+    for (int64_t i = 0; i < M * D; ++i) acc[i] = w.init_acc[i];
+  } else {
+    for (int64_t i = 0; i < M; ++i) {
+      m[i] = -__builtin_inff();
+      l[i] = 0.f;
+    }
+    for (int64_t i = 0; i < M * D; ++i) acc[i] = 0.f;
   }
-  for (int64_t i = 0; i < M * D; ++i) acc[i] = 0.f;
   const int64_t kv_head_begin = w.head_begin / w.group, kv_head_end = (w.head_end - 1) / w.group + 1;
   const int64_t span = (kv_head_end - kv_head_begin) * D;  // elements of a row the item reads
   const int64_t reads_per_row = w.num_q_tokens * (num_heads_item < w.group ? num_heads_item : w.group);
@@ -1497,6 +1506,44 @@ static void attend_typed(const AttnWork& w, float* scratch) {
     }
   }
 }
+
+#if KILN_ISA == KILN_ISA_AMX_BF16
+// Cascade attention's shared part (paged_attention.cpp, share_prefixes): the unit's query vectors of KV head
+// u.kv_head, tokens of several items whose KV blocks [u.work.kv_block_begin, u.work.kv_block_end) of a
+// bfloat16 pool are the same, through those blocks together, up to 16 to a tile. Leaves each vector's state after them
+// (u.m, u.l, u.acc), the same bits as its item's own loop would: amx_attend_block computes a vector's
+// numbers from its own row or lane only. Scratch: attn_scratch_floats(kSharedUnitVectors, ...) floats.
+static void attend_shared(const SharedUnit& u, float* scratch) {
+  const AttnWork& w = u.work;
+  const int64_t D = w.head_dim, tpb = w.tokens_per_block, row_stride = w.kv_row_stride;
+  const int64_t num_heads_item = w.head_end - w.head_begin;
+  uint32_t* packed =
+      reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~static_cast<uintptr_t>(63));
+  const AmxQueries queries = amx_queries(w, u.kv_head, packed);
+  amx_pack_queries(w, queries, u.q_rows);
+  uint32_t* vp = packed + amx_queries_size(queries, D);
+  float* st = reinterpret_cast<float*>(vp + 16 * D);                        // [kAmxPhaseTiles][32][16]
+  uint16_t* pa = reinterpret_cast<uint16_t*>(st + kAmxPhaseTiles * 512);  // [kAmxPhaseTiles][16][32]
+  float* ob = st + kAmxPhaseTiles * (512 + 256);                          // [kAmxPhaseTiles][D / 16][256]
+  for (int64_t qi = 0; qi < w.num_q_tokens; ++qi)
+    for (int64_t h = queries.h_begin; h < queries.h_begin + queries.heads; ++h) {
+      const int64_t i = qi * num_heads_item + h;
+      u.m[i] = -__builtin_inff();
+      u.l[i] = 0.f;
+      for (int64_t e = 0; e < D; ++e) u.acc[i * D + e] = 0.f;
+    }
+  const uint16_t* k_pool = static_cast<const uint16_t*>(w.k_base);
+  const uint16_t* v_pool = static_cast<const uint16_t*>(w.v_base);
+  amx_configure_tiles();
+  for (int64_t j = w.kv_block_begin; j < w.kv_block_end; ++j) {
+    const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;
+    amx_attend_block(w, queries, k_pool + first_row * row_stride + u.kv_head * D, row_stride,
+                     v_pool + first_row * row_stride + u.kv_head * D, static_cast<const uint32_t*>(nullptr), row_stride,
+                     j * tpb, tpb, u.m, u.l, u.acc, vp, st, pa, ob);
+  }
+  _tile_release();
+}
+#endif
 
 static void attend(const AttnWork& w, float* scratch) {
   switch (w.kv_type) {

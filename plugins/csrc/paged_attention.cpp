@@ -8,7 +8,9 @@
 // Step 2 is split into work items (sequence, KV head or single query head, chunk of query tokens) that
 // threads take dynamically, largest first; each item runs the online-softmax kernel of
 // attention_kernels.h. Few items that the threads cannot share evenly are split along their KV blocks
-// and the parts' softmax states merged afterwards (split-KV). Activations in float32 or bfloat16,
+// and the parts' softmax states merged afterwards (split-KV); on AMX, decode items that read the same
+// leading blocks (a shared prefix) take those blocks together first (cascade attention, share_prefixes).
+// Activations in float32 or bfloat16,
 // computed in float32 (on AMX tiles or with AVX512-BF16's VDPBF16PS, a bf16 engine's q and probabilities
 // are rounded to bfloat16 for their products; the sums are float32).
 //
@@ -34,7 +36,9 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bf16_bits.h"
@@ -72,6 +76,10 @@ struct AttnWork {
   int64_t kv_block_end;     //   of them, or one part's range when the sequence's KV is split (make_work)
   float* partial;           // a split part's [M] max, [M] sum, [M, head_dim] unnormalized output (merged by
                             //   merge_parts), or null: the item writes its normalized output to `out`
+  const float* init_m;      // the softmax state of the item's M query vectors after the KV blocks before
+  const float* init_l;      //   kv_block_begin (from its part's first), computed for it and other items that
+  const float* init_acc;    //   read the same blocks (cascade attention, share_prefixes): [M] max, [M] sum,
+                            //   [M, head_dim] output; all null: the item starts empty at kv_block_begin
   int64_t cost;             // scheduling estimate: query vectors x KV positions read
   uint64_t call_id;         // this call's number in the process: what a thread's cached KV blocks are valid for
 };
@@ -89,6 +97,19 @@ inline void store_output(const AttnWork& w, int64_t qi, int64_t h, const float* 
     for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] * scale;
   }
 }
+
+// One unit of cascade attention's shared part (share_prefixes): the query vectors of one KV head, from the
+// tokens of several items whose first KV blocks are the same blocks of the pool, through those blocks
+// together. Run before the items, which go on from the states it leaves (AttnWork::init_m).
+struct SharedUnit {
+  AttnWork work;               // the unit as one item: the items' heads, num_q_tokens = the unit's tokens,
+                               //   KV blocks [0, kv_block_end) of the first item's table, first_q_pos past them
+  const float* const* q_rows;  // [work.num_q_tokens] each token's query row (its item's q at that token)
+  int64_t kv_head;
+  float* m;                    // the group's state at the unit's first token: [tokens * heads] max, sum and
+  float* l;                    //   [tokens * heads, head_dim] output, vector (token, item-relative head) at
+  float* acc;                  //   token * heads + head
+};
 
 #define KILN_ISA_KERNELS "attention_kernels.h"
 #include "isa_variants.h"
@@ -120,6 +141,17 @@ AttendFn attend_fn() {
 }
 
 constexpr int64_t kQueryChunkTokens = 16;  // query tokens per work item in the context phase
+
+using SharedFn = void (*)(const SharedUnit&, float*);
+
+// The kernel for cascade attention's shared part (share_prefixes), or null where the CPU has no AMX-BF16:
+// the AMX path alone takes its query vectors 16 to a tile, whoever's they are.
+SharedFn attend_shared_fn() {
+#if defined(__x86_64__)
+  if (kiln::cpu_has_amx_bf16()) return amxbf16::attend_shared;
+#endif
+  return nullptr;
+}
 
 struct Dims {
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_seqs, max_blocks_per_seq;
@@ -454,6 +486,118 @@ void merge_parts(const SplitParts& parts, int64_t head_dim) {
   });
 }
 
+// Cascade attention (vLLM's name; FlashInfer's cascade inference, Ye et al. 2024; Hydragen, Juravsky et al.
+// 2024) for the AMX path over a bfloat16 pool: items of fewer query vectors per KV head than an AMX tile
+// holds (decode tokens, speculative verification) whose KV ranges start at the same pool block (a prompt
+// prefix the prefix cache shares), every query of them past the blocks they share, take those blocks
+// together in SharedUnits of up to kSharedUnitVectors query vectors of one KV head, 16 to a tile, where each
+// item alone fills 3 of 16 (a SmolLM2 decode token). Each item then goes on from its vectors' states at the
+// first block not shared. A vector's numbers come from its own row or lane of the tiles, in the same order
+// either way (attention_kernels.h, amx_attend_block), so its result is the same bits with or without the
+// sharing: batch invariance holds. Groups: the items of one first block (of their range: a split part's
+// too) and head range, at least kMinSharedVectors vectors per KV head together; the blocks they share run
+// from there as far as all of their tables agree and all of their queries see every key. Context chunks
+// (a tile or more of their own) are not grouped: for them the extra pass cost more than it saved (on an
+// Intel Xeon with AMX, a 256-token chunk after 256 cached 1.44 -> 1.71 ms, 8 new 256-token prompts 4.2 -> 5.2).
+constexpr int64_t kSharedUnitVectors = 64;
+constexpr int64_t kMinSharedVectors = 16;
+
+struct SharedPrefixes {
+  std::vector<float> states;          // each group's [M] max, [M] sum, [M, head_dim] output
+  std::vector<const float*> q_rows;   // each group's tokens' query rows
+  std::vector<SharedUnit> units;
+  void clear() {
+    states.clear();
+    q_rows.clear();
+    units.clear();
+  }
+};
+
+void share_prefixes(const Dims& d, std::vector<AttnWork>& work, SharedPrefixes& shared) {
+  const int64_t tpb = d.tokens_per_block, D = d.head_dim, group = d.num_heads / d.num_kv_heads;
+  thread_local std::vector<int64_t> order;
+  order.clear();
+  for (int64_t i = 0; i < static_cast<int64_t>(work.size()); ++i) {
+    const AttnWork& w = work[i];
+    const int64_t per_kv_head = std::min(w.head_end - w.head_begin, group);
+    if (w.num_q_tokens * per_kv_head < kMinSharedVectors && w.kv_block_end > w.kv_block_begin &&
+        (w.first_q_pos + 1) / tpb > w.kv_block_begin)
+      order.push_back(i);
+  }
+  const auto key = [&](int64_t i) {
+    const AttnWork& w = work[i];
+    return std::make_tuple(w.kv_block_begin, w.block_table[w.kv_block_begin], w.head_begin);
+  };
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return key(a) != key(b) ? key(a) < key(b) : a < b; });
+  struct Group {
+    int64_t begin, end, blocks_begin, blocks_end, tokens;  // items order[begin, end), sharing these KV blocks
+  };
+  thread_local std::vector<Group> groups;
+  groups.clear();
+  int64_t state_floats = 0, num_rows = 0;
+  for (int64_t r0 = 0, r1; r0 < static_cast<int64_t>(order.size()); r0 = r1) {
+    for (r1 = r0 + 1; r1 < static_cast<int64_t>(order.size()) && key(order[r1]) == key(order[r0]); ++r1) {}
+    const AttnWork& first = work[order[r0]];
+    const int64_t heads = first.head_end - first.head_begin, per_kv_head = std::min(heads, group);
+    const int64_t begin = first.kv_block_begin;
+    int64_t tokens = 0, end = INT64_MAX;  // the shared blocks: [begin, end)
+    for (int64_t r = r0; r < r1; ++r) {
+      const AttnWork& w = work[order[r]];
+      tokens += w.num_q_tokens;
+      end = std::min({end, (w.first_q_pos + 1) / tpb, w.kv_block_end});
+      for (int64_t j = begin + 1; j < end; ++j)
+        if (w.block_table[j] != first.block_table[j]) end = j;
+    }
+    if (r1 - r0 < 2 || tokens * per_kv_head < kMinSharedVectors) continue;
+    groups.push_back(Group{r0, r1, begin, end, tokens});
+    state_floats += tokens * heads * (D + 2);
+    num_rows += tokens;
+  }
+  if (groups.empty()) return;
+  shared.states.resize(static_cast<size_t>(state_floats));
+  shared.q_rows.reserve(static_cast<size_t>(num_rows));  // units point into both: sized before they do
+  float* state = shared.states.data();
+  for (const Group& g : groups) {
+    const AttnWork& first = work[order[g.begin]];
+    const int64_t heads = first.head_end - first.head_begin, M = g.tokens * heads;
+    float *m = state, *l = m + M, *acc = l + M;
+    state += M * (D + 2);
+    const float* const* rows = shared.q_rows.data() + shared.q_rows.size();
+    int64_t token = 0;
+    for (int64_t r = g.begin; r < g.end; ++r) {
+      AttnWork& w = work[order[r]];
+      for (int64_t qi = 0; qi < w.num_q_tokens; ++qi) shared.q_rows.push_back(w.q + qi * w.q_tok_stride);
+      w.init_m = m + token * heads;
+      w.init_l = l + token * heads;
+      w.init_acc = acc + token * heads * D;
+      w.cost = std::max<int64_t>(1, w.cost - w.num_q_tokens * heads * (g.blocks_end - w.kv_block_begin) * tpb);
+      w.kv_block_begin = g.blocks_end;
+      token += w.num_q_tokens;
+    }
+    const int64_t per_kv_head = std::min(heads, group);
+    const int64_t unit_tokens = std::max<int64_t>(1, kSharedUnitVectors / per_kv_head);
+    for (int64_t kv_head = first.head_begin / group; kv_head <= (first.head_end - 1) / group; ++kv_head)
+      for (int64_t t0 = 0; t0 < g.tokens; t0 += unit_tokens) {
+        SharedUnit u;
+        u.work = first;
+        u.work.q = nullptr;
+        u.work.num_q_tokens = std::min(unit_tokens, g.tokens - t0);
+        u.work.first_q_pos = g.blocks_end * tpb;  // every query sees every key of the shared blocks
+        u.work.kv_block_begin = g.blocks_begin;
+        u.work.kv_block_end = g.blocks_end;
+        u.work.partial = nullptr;
+        u.work.init_m = u.work.init_l = u.work.init_acc = nullptr;
+        u.q_rows = rows + t0;
+        u.kv_head = kv_head;
+        u.m = m + t0 * heads;
+        u.l = l + t0 * heads;
+        u.acc = acc + t0 * heads * D;
+        shared.units.push_back(u);
+      }
+  }
+}
+
 // Step 2: work items, largest first. An item covers all heads of a chunk of query tokens when there are
 // enough chunks to keep the threads busy (each KV row is then read once, whole); otherwise items are
 // split per KV head (one GQA group: its query heads take each KV block in turn, from L1), and only
@@ -464,7 +608,7 @@ void merge_parts(const SplitParts& parts, int64_t head_dim) {
 // states into `parts`, for merge_parts after run_work. Fills `work` (cleared first; the caller keeps its
 // capacity across calls).
 void make_work(const Dims& d, const BatchView& batch, const PoolView& pool, const float* q_rot, void* out, bool out_bf16,
-               SplitParts& parts, std::vector<AttnWork>& work) {
+               SplitParts& parts, SharedPrefixes& shared, std::vector<AttnWork>& work) {
   const int64_t H = d.num_heads, Hkv = d.num_kv_heads, D = d.head_dim, group = H / Hkv;
   const int32_t *cu = batch.cu_seqlens_q, *kv_lens = batch.seq_lens_kv, *tables = batch.block_tables;
   int64_t num_chunks = 0;
@@ -513,6 +657,9 @@ void make_work(const Dims& d, const BatchView& batch, const PoolView& pool, cons
     }
   }
   split_kv(d, work, parts);
+  if (attend_shared_fn() != nullptr && pool.kv_type == KvType::kBFloat16 && out_bf16 && d.head_dim % 32 == 0 &&
+      d.tokens_per_block % 32 == 0)  // the AMX path's items (attention_kernels.h)
+    share_prefixes(d, work, shared);
   std::stable_sort(work.begin(), work.end(), [](const AttnWork& a, const AttnWork& b) { return a.cost > b.cost; });
 }
 
@@ -538,6 +685,21 @@ void run_work(const std::vector<AttnWork>& work, const Dims& d) {
   });
 }
 
+// Cascade attention's shared part (share_prefixes), before the items that go on from its states; threads
+// pull units as run_work's items.
+void run_shared(const SharedPrefixes& shared, const Dims& d) {
+  const int64_t num_units = static_cast<int64_t>(shared.units.size());
+  if (num_units == 0) return;
+  const int64_t scratch_floats =
+      generic::attn_scratch_floats(kSharedUnitVectors, d.head_dim, d.tokens_per_block, d.num_kv_heads * d.head_dim);
+  const SharedFn attend_shared = attend_shared_fn();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_units), 1, [&](int64_t, int64_t) {
+    float* scratch = kiln::thread_scratch<0>(scratch_floats);
+    for (int64_t i = next.fetch_add(1); i < num_units; i = next.fetch_add(1)) attend_shared(shared.units[i], scratch);
+  });
+}
+
 // Steps 1 and 2 for activations scalar_t and a cache_t pool; out: [T, num_heads, head_dim] in scalar_t.
 template <typename scalar_t, typename cache_t>
 void rope_write_attend(const Dims& d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -545,9 +707,12 @@ void rope_write_attend(const Dims& d, const at::Tensor& q, const at::Tensor& k, 
   rope_and_write_kv<scalar_t, cache_t>(d, q, k, v, pool, batch, inv_freq, q_rot);
   // this thread's, reused by its later calls (a decode step makes one per layer)
   thread_local SplitParts parts;
+  thread_local SharedPrefixes shared;
   thread_local std::vector<AttnWork> work;
   parts.clear();
-  make_work(d, batch, pool, q_rot, out, std::is_same_v<scalar_t, at::BFloat16>, parts, work);
+  shared.clear();
+  make_work(d, batch, pool, q_rot, out, std::is_same_v<scalar_t, at::BFloat16>, parts, shared, work);
+  run_shared(shared, d);
   run_work(work, d);
   merge_parts(parts, d.head_dim);
 }

@@ -240,6 +240,36 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(make_packed_batch,
     check_batch_invariance(make_packed_batch, (1, 2, 3))
 
 
+def test_sequences_that_share_prefix_blocks_get_the_bits_they_get_alone(make_packed_batch, num_threads):
+    """Cascade attention (paged_attention.cpp, share_prefixes): on AMX, decode and speculative-sized items whose
+    first KV blocks are the same pool blocks go through those blocks together, 16 query vectors to a tile,
+    and each goes on from its state there. Every sequence's rows must still be the bits it gets alone, at
+    every thread count, and the reference's within the bf16 tolerance: sequences sharing 9 blocks (past
+    split-KV's cut at 256 positions, so its second part is shared too), two sharing only 3 of them, a context
+    chunk over the prefix (enough query vectors of its own: not grouped), and unrelated sequences."""
+    tpb, shared_blocks = 32, 9
+    seqs = ([(300 + 3 * b, 1) for b in range(12)] + [(295, 5)] * 3 + [(310, 1), (333, 1)] + [(288, 20)]
+            + [(40 + 61 * b, 1) for b in range(4)])
+    batch = make_packed_batch(seqs, num_heads=9, num_kv_heads=3, tokens_per_block=tpb, num_blocks=320,
+                              dtype=torch.bfloat16)
+    tables = batch.block_tables.clone()
+    for b in range(1, 18):  # the first 18 sequences read sequence 0's first blocks (two of them only 3)
+        n = 3 if seqs[b] in ((310, 1), (333, 1)) else shared_blocks
+        tables[b, :n] = tables[0, :n]
+    slots = [int(tables[b, p // tpb]) * tpb + p % tpb for b, (c, n) in enumerate(seqs) for p in range(c, c + n)]
+    batch = dataclasses.replace(batch, block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64))
+    expected = paged_attention_reference(*batch.args(batch.kv_cache.clone()))
+    results = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        whole = torch.ops.kilnlm.paged_attention(*batch.args(batch.kv_cache.clone()))
+        parts = [torch.ops.kilnlm.paged_attention(*alone(batch, b).args(batch.kv_cache.clone())) for b in range(len(seqs))]
+        results += [whole, torch.cat(parts)]
+    torch.testing.assert_close(results[0], expected, **TOLERANCE[torch.bfloat16])
+    for result in results[1:]:
+        assert torch.equal(result, results[0])
+
+
 def one_token(batch, i: int):
     """Query token ``i`` of ``batch``'s one sequence as a decode step of its own (its KV positions up to and
     including it; same pool, same blocks)."""
