@@ -28,6 +28,7 @@ SUBCOMMANDS = {
 # on the core `import torch` leaves idle.
 LOADS_ENGINE = ("generate", "serve", "eval")
 
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kilnlm",
@@ -80,6 +81,6 @@ def _option_value(args: list[str], option: str) -> str | None:
             return arg.partition("=")[2]
     return None
 
+
 if __name__ == "__main__":
     sys.exit(main())
-

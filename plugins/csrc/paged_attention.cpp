@@ -99,11 +99,12 @@ inline void store_output(const AttnWork& w, int64_t qi, int64_t h, const float* 
 }
 
 // One unit of cascade attention's shared part (share_prefixes): the query vectors of one KV head, from the
-// tokens of several items whose first KV blocks are the same blocks of the pool, through those blocks
+// tokens of several items whose KV ranges start with the same blocks of the pool, through those blocks
 // together. Run before the items, which go on from the states it leaves (AttnWork::init_m).
 struct SharedUnit {
-  AttnWork work;               // the unit as one item: the items' heads, num_q_tokens = the unit's tokens,
-                               //   KV blocks [0, kv_block_end) of the first item's table, first_q_pos past them
+  AttnWork work;               // the unit as one item: the items' heads, num_q_tokens = the unit's tokens, the
+                               //   shared KV blocks [kv_block_begin, kv_block_end) of the first item's table,
+                               //   first_q_pos past them
   const float* const* q_rows;  // [work.num_q_tokens] each token's query row (its item's q at that token)
   int64_t kv_head;
   float* m;                    // the group's state at the unit's first token: [tokens * heads] max, sum and
