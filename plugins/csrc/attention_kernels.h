@@ -1114,6 +1114,19 @@ static inline const uint16_t* amx_cached_block(const AmxBlockCache& c, const kv_
   return entry;
 }
 
+// amx_attend_block's scratch (vp, st, pa, ob: see there), laid out from `after`, the end of the packed
+// Q^T tiles (64-byte aligned).
+struct AmxStepBuffers {
+  uint32_t* vp;
+  float* st;
+  uint16_t* pa;
+  float* ob;
+};
+static inline AmxStepBuffers amx_step_buffers(uint32_t* after, int64_t D) {
+  float* st = reinterpret_cast<float*>(after + 16 * D);
+  return {after, st, reinterpret_cast<uint16_t*>(st + kAmxPhaseTiles * 512), st + kAmxPhaseTiles * (512 + 256)};
+}
+
 // One KV block (n keys from KV position base_pos; k_head: its first K row's slice of this KV head in
 // bf16, rows k_stride apart; v_head: the V row's in the pool's dtype, rows row_stride apart, or v_ready:
 // its V tiles, amx_pack_v's for each 32 keys, already packed) for the query vectors g; m, l, acc: the
@@ -1375,10 +1388,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
       amx_q_size += amx_queries_size(queries, D);
     }
   }
-  uint32_t* amx_v = amx_q + amx_q_size;
-  float* amx_st = reinterpret_cast<float*>(amx_v + 16 * D);                        // [kAmxPhaseTiles][32][16]
-  uint16_t* amx_p = reinterpret_cast<uint16_t*>(amx_st + kAmxPhaseTiles * 512);  // [kAmxPhaseTiles][16][32]
-  float* amx_out = amx_st + kAmxPhaseTiles * (512 + 256);                        // [kAmxPhaseTiles][D / 16][256]
+  const AmxStepBuffers amx_buf = amx_step_buffers(amx_q + amx_q_size, D);
 #endif
 #if KILN_ISA == KILN_ISA_AVX512_BF16
   // bf16 activations with a bf16 or 8-bit pool: the VDPBF16PS path, for every item of such a call. Its
@@ -1427,7 +1437,7 @@ static void attend_typed(const AttnWork& w, float* scratch) {
           const uint16_t* k_head = sizeof(kv_t) == 1 ? cached : reinterpret_cast<const uint16_t*>(k_block) + g * D;
           amx_attend_block(w, queries, k_head, sizeof(kv_t) == 1 ? D : row_stride, v_block + g * D,
                            reinterpret_cast<const uint32_t*>(cached + tpb * D), row_stride, base_pos, num_block_tokens,
-                           m, l, acc, amx_v, amx_st, amx_p, amx_out);
+                           m, l, acc, amx_buf.vp, amx_buf.st, amx_buf.pa, amx_buf.ob);
           continue;
         }
         if (!k_ready) {
@@ -1438,8 +1448,8 @@ static void attend_typed(const AttnWork& w, float* scratch) {
           k_ready = true;
         }
         amx_attend_block(w, queries, k_rows + (g - first_head) * D, k_stride, v_block + g * D,
-                         static_cast<const uint32_t*>(nullptr), row_stride, base_pos, num_block_tokens, m, l, acc, amx_v,
-                         amx_st, amx_p, amx_out);
+                         static_cast<const uint32_t*>(nullptr), row_stride, base_pos, num_block_tokens, m, l, acc,
+                         amx_buf.vp, amx_buf.st, amx_buf.pa, amx_buf.ob);
       }
       continue;
     }
@@ -1510,9 +1520,9 @@ static void attend_typed(const AttnWork& w, float* scratch) {
 #if KILN_ISA == KILN_ISA_AMX_BF16
 // Cascade attention's shared part (paged_attention.cpp, share_prefixes): the unit's query vectors of KV head
 // u.kv_head, tokens of several items whose KV blocks [u.work.kv_block_begin, u.work.kv_block_end) of a
-// bfloat16 pool are the same, through those blocks together, up to 16 to a tile. Leaves each vector's state after them
-// (u.m, u.l, u.acc), the same bits as its item's own loop would: amx_attend_block computes a vector's
-// numbers from its own row or lane only. Scratch: attn_scratch_floats(kSharedUnitVectors, ...) floats.
+// bfloat16 pool are the same, through those blocks together, up to 16 to a tile. Leaves each vector's
+// state after them (u.m, u.l, u.acc), the same bits as its item's own loop would: amx_attend_block
+// computes a vector's numbers from its own row or lane only. Scratch: attn_scratch_floats(kSharedUnitVectors, ...) floats.
 static void attend_shared(const SharedUnit& u, float* scratch) {
   const AttnWork& w = u.work;
   const int64_t D = w.head_dim, tpb = w.tokens_per_block, row_stride = w.kv_row_stride;
@@ -1521,10 +1531,7 @@ static void attend_shared(const SharedUnit& u, float* scratch) {
       reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~static_cast<uintptr_t>(63));
   const AmxQueries queries = amx_queries(w, u.kv_head, packed);
   amx_pack_queries(w, queries, u.q_rows);
-  uint32_t* vp = packed + amx_queries_size(queries, D);
-  float* st = reinterpret_cast<float*>(vp + 16 * D);                        // [kAmxPhaseTiles][32][16]
-  uint16_t* pa = reinterpret_cast<uint16_t*>(st + kAmxPhaseTiles * 512);  // [kAmxPhaseTiles][16][32]
-  float* ob = st + kAmxPhaseTiles * (512 + 256);                          // [kAmxPhaseTiles][D / 16][256]
+  const AmxStepBuffers buf = amx_step_buffers(packed + amx_queries_size(queries, D), D);
   for (int64_t qi = 0; qi < w.num_q_tokens; ++qi)
     for (int64_t h = queries.h_begin; h < queries.h_begin + queries.heads; ++h) {
       const int64_t i = qi * num_heads_item + h;
@@ -1539,7 +1546,7 @@ static void attend_shared(const SharedUnit& u, float* scratch) {
     const int64_t first_row = static_cast<int64_t>(w.block_table[j]) * tpb;
     amx_attend_block(w, queries, k_pool + first_row * row_stride + u.kv_head * D, row_stride,
                      v_pool + first_row * row_stride + u.kv_head * D, static_cast<const uint32_t*>(nullptr), row_stride,
-                     j * tpb, tpb, u.m, u.l, u.acc, vp, st, pa, ob);
+                     j * tpb, tpb, u.m, u.l, u.acc, buf.vp, buf.st, buf.pa, buf.ob);
   }
   _tile_release();
 }
