@@ -132,6 +132,52 @@ constexpr int64_t kAmxChunkTokens = 256;
 // between chunks. Summing in k order through float32 C tiles, this changes no bit.
 constexpr int64_t kAmxChunkSteps = 6;
 
+// A token pair's C tiles 0-3 (tiles 1 and 3 only with its second block, `two`): from zero for a block's first
+// k chunk, else back from c, where the last chunk left them.
+inline void amx_begin_pair(float (*c)[16][16], bool from_zero, bool two) {
+  if (from_zero) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    return;
+  }
+  _tile_loadd(0, c[0], 64);
+  _tile_loadd(2, c[2], 64);
+  if (two) {
+    _tile_loadd(1, c[1], 64);
+    _tile_loadd(3, c[3], 64);
+  }
+}
+
+inline void amx_end_pair(float (*c)[16][16], bool two) {
+  _tile_stored(0, c[0], 64);
+  _tile_stored(2, c[2], 64);
+  if (two) {
+    _tile_stored(1, c[1], 64);
+    _tile_stored(3, c[3], 64);
+  }
+}
+
+// 32-column steps [i0, i1) of a 32-row block into a token pair's C tiles: step i's A tiles (rows 0-15 and
+// 16-31) at a + (i - i0) * a_step and a_half elements further, rows a_stride bytes apart, against the B tiles
+// of the pair's token blocks b0 (and b1 with kTwo); before(i) runs ahead of step i's loads.
+template <bool kTwo, typename Before>
+inline void amx_pair_steps(const uint16_t* a, int64_t a_step, int64_t a_half, int64_t a_stride, const uint32_t* b0,
+                           const uint32_t* b1, int64_t i0, int64_t i1, const Before& before) {
+  for (int64_t i = i0; i < i1; ++i, a += a_step) {
+    before(i);
+    _tile_loadd(4, a, a_stride);
+    _tile_loadd(5, a + a_half, a_stride);
+    _tile_loadd(6, b0 + 256 * i, 64);
+    if (kTwo) _tile_loadd(7, b1 + 256 * i, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (kTwo) _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    if (kTwo) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 // One 32-row block of weights w (rows k apart) against tokens [t_begin, t_end) of packed x (t_begin a
 // multiple of 32, t_end - t_begin <= kAmxChunkTokens): y rows r..r + valid_rows through `epilogue`.
 // next_block: the next 32 rows of w (usually the ones the thread reads next), or null; every step prefetches
@@ -142,7 +188,6 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
   const int64_t b_begin = t_begin / kAmxTokens, b_end = (t_end + kAmxTokens - 1) / kAmxTokens;
   const int64_t num_chunks = b_end - b_begin > 2 ? (steps + kAmxChunkSteps - 1) / kAmxChunkSteps : 1;
   const int64_t chunk_steps = (steps + num_chunks - 1) / num_chunks;
-  const uint16_t* w1 = w + 16 * k;
   // C tiles of each token pair; C tile q: rows 16 * (q / 2).., tokens of block b + q % 2
   alignas(64) float c_all[kAmxChunkTokens / (2 * kAmxTokens)][4][16][16];
   AmxNextBlockPrefetch prefetch(next_block, steps, (b_end - b_begin + 1) / 2);
@@ -155,49 +200,14 @@ inline void amx_block(const uint16_t* w, int64_t k, const uint32_t* packed_x, in
       float(*c)[16][16] = c_all[(b - b_begin) / 2];
       const uint32_t* b0 = packed_x + b * steps * 256;
       const uint32_t* b1 = b0 + steps * 256;
-      if (i0 == 0) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      } else {
-        _tile_loadd(0, c[0], 64);
-        _tile_loadd(2, c[2], 64);
-        if (two) {
-          _tile_loadd(1, c[1], 64);
-          _tile_loadd(3, c[3], 64);
-        }
-      }
-      if (two) {
-        for (int64_t i = i0; i < i1; ++i) {
-          prefetch.step();
-          if (i < l1_end) amx_prefetch_rows_l1(w, 2 * k, i + kAmxL1PrefetchSteps);
-          _tile_loadd(4, w + 32 * i, stride);
-          _tile_loadd(5, w1 + 32 * i, stride);
-          _tile_loadd(6, b0 + 256 * i, 64);
-          _tile_loadd(7, b1 + 256 * i, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      } else {
-        for (int64_t i = i0; i < i1; ++i) {
-          prefetch.step();
-          if (i < l1_end) amx_prefetch_rows_l1(w, 2 * k, i + kAmxL1PrefetchSteps);
-          _tile_loadd(4, w + 32 * i, stride);
-          _tile_loadd(5, w1 + 32 * i, stride);
-          _tile_loadd(6, b0 + 256 * i, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(2, 5, 6);
-        }
-      }
-      _tile_stored(0, c[0], 64);
-      _tile_stored(2, c[2], 64);
-      if (two) {
-        _tile_stored(1, c[1], 64);
-        _tile_stored(3, c[3], 64);
-      }
+      amx_begin_pair(c, i0 == 0, two);
+      const auto before = [&](int64_t i) {
+        prefetch.step();
+        if (i < l1_end) amx_prefetch_rows_l1(w, 2 * k, i + kAmxL1PrefetchSteps);
+      };
+      if (two) amx_pair_steps<true>(w + 32 * i0, 32, 16 * k, stride, b0, b1, i0, i1, before);
+      else amx_pair_steps<false>(w + 32 * i0, 32, 16 * k, stride, b0, b1, i0, i1, before);
+      amx_end_pair(c, two);
       if (i1 == steps) amx_store_block(c, b, t_end, r, valid_rows, epilogue);
     }
   }
@@ -228,6 +238,61 @@ void amx_gemm_rows(const uint32_t* packed_x, int64_t num_tokens, const uint16_t*
       amx_block(w + r * k, k, packed_x, t, t_end, r, kAmxBlockRows, epilogue, next);
     }
     if (whole_end < r1) amx_block(tail, k, packed_x, t, t_end, whole_end, r1 - whole_end, epilogue, nullptr);
+  }
+  _tile_release();
+}
+
+// One 32-row block of a weight that `source` fills (amx_bf16.h, AmxWeightSource) against tokens
+// [t_begin, t_end) of packed x, as amx_block, a k chunk at a time: the source writes a chunk's A tiles into
+// one of two L1-resident buffers ([kAmxFillSteps][32][32] bfloat16, 12 KiB each) one chunk ahead of the tile
+// products that read them. With one token pair its C tiles stay in tile registers from chunk to chunk and a
+// chunk is 2 steps (64 columns); with several, every pair's C tiles go to memory between chunks of
+// kAmxFillSteps. Every (token, row) sums in k order in 32-column steps, as amx_block.
+inline void amx_filled_block(const kiln::AmxWeightSource& source, uint16_t* buffers, int64_t steps,
+                             const uint32_t* packed_x, int64_t t_begin, int64_t t_end, int64_t r, int64_t valid_rows,
+                             const GemvEpilogue& epilogue) {
+  constexpr int64_t kStepElems = kAmxBlockRows * 32;  // one step of the block: two A tiles
+  const int64_t b_begin = t_begin / kAmxTokens, b_end = (t_end + kAmxTokens - 1) / kAmxTokens;
+  const bool one_pair = b_end - b_begin <= 2;
+  const int64_t chunk = one_pair ? 2 : kiln::kAmxFillSteps;
+  const auto buffer = [&](int64_t i0) { return buffers + (i0 / chunk & 1) * kiln::kAmxFillSteps * kStepElems; };
+  const auto fill = [&](int64_t i0) {
+    source.fill(source.self, r, valid_rows, i0, i0 + chunk < steps ? i0 + chunk : steps, buffer(i0));
+  };
+  alignas(64) float c_all[kAmxChunkTokens / (2 * kAmxTokens)][4][16][16];
+  fill(0);
+  for (int64_t i0 = 0; i0 < steps; i0 += chunk) {
+    const int64_t i1 = i0 + chunk < steps ? i0 + chunk : steps;
+    if (i1 < steps) fill(i1);
+    const uint16_t* w = buffer(i0);
+    for (int64_t b = b_begin; b < b_end; b += 2) {
+      const bool two = b + 1 < b_end;
+      float(*c)[16][16] = c_all[(b - b_begin) / 2];
+      const uint32_t* b0 = packed_x + b * steps * 256;
+      const uint32_t* b1 = b0 + steps * 256;
+      if (i0 == 0 || !one_pair) amx_begin_pair(c, i0 == 0, two);
+      const auto nothing = [](int64_t) {};
+      if (two) amx_pair_steps<true>(w, kStepElems, kStepElems / 2, 64, b0, b1, i0, i1, nothing);
+      else amx_pair_steps<false>(w, kStepElems, kStepElems / 2, 64, b0, b1, i0, i1, nothing);
+      if (one_pair && i1 < steps) continue;  // the sums stay in tiles 0-3 for the next chunk
+      amx_end_pair(c, two);
+      if (i1 == steps) amx_store_block(c, b, t_end, r, valid_rows, epilogue);
+    }
+  }
+}
+
+// Rows [r0, r1) (r0 a multiple of 32) of a weight that `source` fills, against every token of packed x,
+// through `epilogue`, kAmxChunkTokens tokens at a time (each pass fills the weight again). buffers: two fill
+// buffers, 2 * kAmxFillSteps * 32 * 32 bfloat16, 64-byte aligned.
+void amx_filled_rows(const uint32_t* packed_x, int64_t num_tokens, const kiln::AmxWeightSource& source, int64_t k,
+                     int64_t r0, int64_t r1, uint16_t* buffers, const GemvEpilogue& epilogue) {
+  amx_configure_tiles();  // C tiles 0-3, A (weights) 4-5, B (x) 6-7
+  for (int64_t t = 0; t < num_tokens; t += kAmxChunkTokens) {
+    const int64_t t_end = t + kAmxChunkTokens < num_tokens ? t + kAmxChunkTokens : num_tokens;
+    for (int64_t r = r0; r < r1; r += kAmxBlockRows) {
+      const int64_t rows = r1 - r < kAmxBlockRows ? r1 - r : kAmxBlockRows;
+      amx_filled_block(source, buffers, k / 32, packed_x, t, t_end, r, rows, epilogue);
+    }
   }
   _tile_release();
 }

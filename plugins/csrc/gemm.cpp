@@ -279,6 +279,15 @@ void amx_bf16_linear(const uint32_t* packed, int64_t num_tokens, const uint16_t*
   kiln_gemm::amxbf16::amx_gemm_rows(packed, num_tokens, w, rows, k, 0, rows, /*tail_block=*/nullptr, epilogue);
 }
 
+void amx_bf16_linear_filled(const uint32_t* packed, int64_t num_tokens, const AmxWeightSource& source, int64_t r0,
+                            int64_t r1, int64_t k, const float* row_scale, const float* bias, void* out,
+                            int64_t out_stride, bool out_bf16) {
+  const kiln_gemm::amxbf16::GemvEpilogue epilogue(out, out_stride, bias, row_scale, out_bf16);
+  // two fill buffers of kAmxFillSteps x 32 x 32 bfloat16 bits
+  auto* buffers = reinterpret_cast<uint16_t*>(kiln::thread_scratch<10>(kAmxFillSteps * 32 * 32));
+  kiln_gemm::amxbf16::amx_filled_rows(packed, num_tokens, source, k, r0, r1, buffers, epilogue);
+}
+
 }  // namespace kiln
 #endif
 

@@ -711,6 +711,85 @@ static void dequant_rows_bf16(const uint8_t* w, int64_t in, const float* scales,
   }
 }
 
+// The 16 values q - zero of a nibble (q its two's complement) in float32 (exact), for every int8 zero point:
+// zero_tables().values[zero + 128] (16 KiB, made once), so that a group's table is one load and one multiply.
+struct ZeroTables {
+  alignas(64) float values[256][16];
+  ZeroTables() {
+    for (int z = -128; z < 128; ++z)
+      for (int i = 0; i < 16; ++i) values[z + 128][i] = static_cast<float>(((i ^ 8) - 8) - z);
+  }
+};
+static const ZeroTables& zero_tables() {
+  static const ZeroTables tables;
+  return tables;
+}
+
+// Rows [0, rows) (rows <= 32) of w (rows row_bytes apart; scales [rows, num_groups] float32, zeros
+// [rows, num_groups] int8 or null) and columns [c0, c1) (multiples of 64) as AMX A tiles, as amx_bf16.h's
+// AmxWeightSource fills them: dst [(c1 - c0) / 32][32][32] bfloat16 bits, 64-byte aligned, the 64-column
+// chunk at c in steps (c - c0) / 32 (its even columns) and the next (its odd ones) -- each row's columns in
+// dequant_rows_bf16's chunk64 order, with its values (the same bits) -- and rows `rows` to 31 zero. Rows go
+// in pairs: one VCVTNE2PS2BF16 (~2.5 cycles on an Intel Xeon with AMX, the costliest step) rounds both
+// rows' group tables, the first's in words 0-15 and the second's in 16-31, and bit 4 of the lookups' index
+// picks the row (a byte's high nibble, shifted down, has it clear; the low nibble gets it cleared or set,
+// the second row's high nibble set).
+static void dequant_amx_steps(const uint8_t* w, int64_t row_bytes, const float* scales, const int8_t* zeros,
+                              int64_t num_groups, int64_t group_size, int64_t rows, int64_t c0, int64_t c1,
+                              uint16_t* dst) {
+  constexpr int64_t kStep = 32 * 32;  // bfloat16 elements of one step's 32 rows
+  const __m512i low4 = _mm512_set1_epi16(0x0F), second = _mm512_set1_epi16(0x10);
+  const ZeroTables& tables = zero_tables();
+  const auto table_of = [&](int64_t r, int64_t g) {  // (q - zero) * scale in float32, nibble by nibble
+    const int64_t i = r * num_groups + g;
+    return _mm512_mul_ps(_mm512_load_ps(tables.values[zero_at(zeros, i) + 128]), _mm512_set1_ps(scales[i]));
+  };
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    const uint8_t* row0 = w + r * row_bytes;
+    const uint8_t* row1 = row0 + row_bytes;
+    uint16_t* out = dst + r * 32;
+    int64_t g = c0 / group_size, group_end = (g + 1) * group_size;
+    __m512i table = (__m512i)_mm512_cvtne2ps_pbh(table_of(r + 1, g), table_of(r, g));
+    for (int64_t c = c0; c < c1; c += 64, out += 2 * kStep) {
+      if (c == group_end) {  // group_size % 64 == 0: a chunk never straddles two groups
+        ++g;
+        group_end += group_size;
+        table = (__m512i)_mm512_cvtne2ps_pbh(table_of(r + 1, g), table_of(r, g));
+      }
+      const __m512i b0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + c / 2)));
+      const __m512i b1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row1 + c / 2)));
+      _mm512_store_si512(out, _mm512_permutexvar_epi16(_mm512_and_si512(b0, low4), table));
+      _mm512_store_si512(out + kStep, _mm512_permutexvar_epi16(_mm512_srli_epi16(b0, 4), table));
+      // (b1 & 0x0F) | 0x10
+      _mm512_store_si512(out + 32, _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(b1, low4, second, 0xEA), table));
+      _mm512_store_si512(out + kStep + 32,
+                         _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(b1, 4), second), table));
+    }
+  }
+  if (r < rows) {  // the last of an odd count: its table twice over
+    const uint8_t* row = w + r * row_bytes;
+    uint16_t* out = dst + r * 32;
+    int64_t g = c0 / group_size, group_end = (g + 1) * group_size;
+    __m512 t = table_of(r, g);
+    __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+    for (int64_t c = c0; c < c1; c += 64, out += 2 * kStep) {
+      if (c == group_end) {
+        ++g;
+        group_end += group_size;
+        t = table_of(r, g);
+        table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+      }
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c / 2)));
+      _mm512_store_si512(out, _mm512_permutexvar_epi16(bytes, table));
+      _mm512_store_si512(out + kStep, _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+    }
+    ++r;
+  }
+  for (int64_t step = 0; step < (c1 - c0) / 32; ++step)
+    for (int64_t z = r; z < 32; ++z) _mm512_store_si512(dst + step * kStep + z * 32, _mm512_setzero_si512());
+}
+
 // x [n] float32 (n % 64 == 0) as bfloat16 bits in chunk64 order into dst [n], rounded to nearest even.
 static void to_bf16_chunk64(const float* src, int64_t n, uint16_t* dst) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);

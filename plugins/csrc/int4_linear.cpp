@@ -14,7 +14,9 @@
 // - more tokens (context phase): tiles of kTileRows output rows are dequantized into a thread-local buffer
 //   and multiplied with all T rows: float32 x -> float32 tiles (exactly the reference's q * scale) through
 //   at::mm; bfloat16 x on CPUs with AVX512-BF16 -> bfloat16 tiles (q * scale rounded once to bfloat16, as
-//   a bf16 checkpoint's weights are) through VDPBF16PS (fp8_bf16_gemm.h), float32 accumulation.
+//   a bf16 checkpoint's weights are) through VDPBF16PS (fp8_bf16_gemm.h), float32 accumulation; on CPUs
+//   with AMX-BF16, where in and group_size are multiples of 64, the same bfloat16 values a 32-row block's
+//   k chunk at a time into L1, right before the AMX tiles multiply them (Int4Format::amx_source).
 // The token-count dispatch, thread split and tiling are quant_linear.h's (the driver of every weight-only
 // quantized linear); this file supplies the int4 row loaders (Int4Format).
 //
@@ -34,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -465,6 +468,40 @@ struct Int4Format {
     for (int64_t r = 0; r < r1 - r0; ++r) avx512bf16::to_bf16_padded(tile + r * shape.in, shape.in, dst + r * k_pad, k_pad);
 #endif
   }
+
+  // The AMX tiles' weight, dequantized a block's k chunk at a time into L1 (amx_bf16.h), where the tiles are
+  // in chunk64 order; none otherwise (the driver then dequantizes whole tiles through tile_bf16).
+  std::optional<kiln::AmxWeightSource> amx_source() const {
+#if defined(__x86_64__)
+    if (chunk64()) return kiln::AmxWeightSource{&fill_amx_steps, this};
+#endif
+    return std::nullopt;
+  }
+
+#if defined(__x86_64__)
+  static void fill_amx_steps(const void* self, int64_t r, int64_t rows, int64_t i0, int64_t i1, uint16_t* dst) {
+    const Problem& p = static_cast<const Int4Format*>(self)->problem;
+    const int64_t num_groups = p.in / p.group_size, row_bytes = p.in / 2, steps = p.in / 32;
+    // The next block's packed rows (contiguous) into L2, a share per chunk, in memory order: a block's rows
+    // are read 32 bytes apiece, 32 rows at a time, which the hardware prefetchers do not follow (SmolLM2's
+    // 30 cold layers at 16 tokens: ~10-30% of the time).
+    if (r + 2 * rows <= p.out_features) {
+      const char* next = reinterpret_cast<const char*>(p.w + (r + rows) * row_bytes);
+      const int64_t bytes = rows * row_bytes;
+      for (int64_t b = bytes * i0 / steps / 64 * 64; b < bytes * i1 / steps; b += 64)
+        _mm_prefetch(next + b, _MM_HINT_T1);
+    }
+    const float* scales = p.scales != nullptr ? p.scales + r * num_groups : nullptr;
+    if (scales == nullptr) {  // float16: the block's scales widened by its first chunk, on this thread
+      float* widened = kiln::thread_scratch<11>(32 * num_groups);
+      if (i0 == 0) widen_half(p.scales_f16 + r * num_groups, rows * num_groups, widened);
+      scales = widened;
+    }
+    avx512bf16::dequant_amx_steps(p.w + r * row_bytes, row_bytes, scales,
+                                  p.zeros != nullptr ? p.zeros + r * num_groups : nullptr, num_groups, p.group_size,
+                                  rows, 32 * i0, 32 * i1, dst);
+  }
+#endif
 
   void bf16_gemm(const uint16_t* xb, int64_t tokens_pad, const uint16_t* wb, int64_t rows_pad, int64_t k_pad, float* acc,
                  int64_t acc_stride) const {

@@ -27,6 +27,8 @@
 //   tile_bf16(r0, r1, dst, k_pad) rows [r0, r1) as bfloat16 bits into dst [r1 - r0, k_pad] (the same)
 //   bf16_gemm(...)               the AVX512-BF16 GEMM of its ISA namespace (fp8_bf16_gemm.h, bf16_gemm_nt)
 //   amx_context()                whether the bf16 tiles may run on AMX instead (amx_bf16.h) where the CPU has it
+//   amx_source()                 optional: the weight as amx_bf16.h's AmxWeightSource, which the AMX tiles
+//                                convert a k chunk at a time, or none (then whole tiles through tile_bf16)
 //   epilogue, f32_tile_epilogue  Epilogue: what the float32 sums are scaled by (the float32 tiles may carry
 //                                the row scale already)
 #pragma once
@@ -38,6 +40,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "amx_bf16.h"
@@ -158,12 +161,20 @@ bool amx_tiles(const Format& format) {
 // whole packed x from L3 (an Intel Xeon, SmolLM2 int4_awq: 8 x 256-token prefill 1.6x bf16's time).
 constexpr int64_t kAmxContextChunkTokens = 256;
 
+// Whether Format has amx_source() (see the top of this file).
+template <typename Format, typename = void>
+struct HasAmxSource : std::false_type {};
+template <typename Format>
+struct HasAmxSource<Format, std::void_t<decltype(std::declval<const Format&>().amx_source())>> : std::true_type {};
+
 // Context phase, bfloat16 (AVX512-BF16): x rounded (or exactly converted) to bfloat16 once, tiles of
 // kTileRows rows as bfloat16, VDPBF16PS products accumulated in float32; tokens padded to 4, rows to 4,
 // columns to 32 with zeros. With AMX (amx_bf16.h) where the format takes it (amx_context: not where its
 // tiles must sum each row as its GEMV does), x is packed into B tiles once and each tile's rows, padded
-// to 32, are the A tiles, kAmxContextChunkTokens tokens at a time. Every (token, row) sum is the same
-// whichever pass the token is in.
+// to 32, are the A tiles, kAmxContextChunkTokens tokens at a time; a format with amx_source() converts
+// its weight a 32-row block's k chunk at a time instead (amx_bf16_linear_filled), into a buffer that
+// stays in L1 where a whole tile went to L2 (kTileRows x 1536 bfloat16: 192 KiB). Every (token, row) sum
+// is the same whichever pass the token is in.
 template <typename scalar_t, typename Format>
 void run_tiled_bf16(const Format& format, const LinearShape& s, scalar_t* out) {
   const int64_t k_pad = (s.in + 31) / 32 * 32, tokens_pad = (s.num_tokens + 3) / 4 * 4;
@@ -182,6 +193,22 @@ void run_tiled_bf16(const Format& format, const LinearShape& s, scalar_t* out) {
     TORCH_INTERNAL_ASSERT(format.epilogue.token_scale == nullptr, "the AMX tiles take weight-only formats");
     packed = reinterpret_cast<uint32_t*>(thread_scratch<8>(amx_bf16_packed_size(s.num_tokens, k_pad)));
     amx_bf16_pack(xb, s.num_tokens, k_pad, k_pad, packed);
+    if constexpr (HasAmxSource<Format>::value) {
+      if (const std::optional<AmxWeightSource> source = format.amx_source()) {
+        // 32-row blocks, each converted a k chunk at a time into L1 just before its tiles multiply it; the
+        // token chunks one after another, each split between the threads, so that its packed x stays in L2
+        const Epilogue& e = format.epilogue;
+        for (int64_t t0 = 0; t0 < s.num_tokens; t0 += kAmxContextChunkTokens) {
+          const int64_t num_tokens = std::min(kAmxContextChunkTokens, s.num_tokens - t0);
+          parallel_row_blocks(s.out_features, 32, [&](int64_t r0, int64_t r1) {
+            amx_bf16_linear_filled(packed + amx_bf16_packed_size(t0, k_pad), num_tokens, *source, r0, r1, k_pad,
+                                   e.row_scale, e.bias, out + t0 * s.out_features, s.out_features,
+                                   std::is_same_v<scalar_t, at::BFloat16>);
+          });
+        }
+        return;
+      }
+    }
   }
   const int64_t row_multiple = amx ? 32 : 4, chunk_tokens = amx ? kAmxContextChunkTokens : tokens_pad;
   const int64_t num_tiles = (s.out_features + kTileRows - 1) / kTileRows;

@@ -140,6 +140,28 @@ def test_every_nibble_decodes_exactly(num_tokens, dtype, zero_points, group_size
         assert torch.equal(y, expected[c0:c0 + num_tokens].to(dtype))
 
 
+@pytest.mark.skipif(not cpu_has("amx_bf16"), reason="the AMX context tiles (4 tokens on) sum each (token, row) in one "
+                    "order at every token count; the other ISAs' context paths do not promise it")
+@pytest.mark.parametrize("shape", [(72, 576, 64), (40, 1536, 128), (33, 384, 192)], ids=lambda s: "x".join(map(str, s)))
+def test_amx_tiles_give_a_token_the_same_bits_at_every_token_count(shape):
+    """The AMX path dequantizes a 32-row block's k chunk at a time (two columns steps when the block has one
+    token pair, six when it has several; groups of 64 / 128 / 192 columns, so a chunk may start inside a
+    group) and carries its sums across chunks in tile registers or in memory: each token's outputs must be
+    the same bits whether it comes with 3 others or with 299 (part-filled 16-token blocks, one and several
+    token pairs, past the 256-token pass), with float16 scales (widened per block) and zero points, in full
+    blocks, a 40-row layer's 8-row last block and a 33-row layer's single-row one."""
+    out_features, in_features, group_size = shape
+    weight, scales, pqs, bias = make_layer(out_features, in_features, group_size, with_pqs=True, with_bias=True,
+                                           seed=11)
+    zero_point = make_zero_points(out_features, in_features // group_size, seed=12)
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    y_all = int4_linear(x, weight, scales.half(), pqs, bias, group_size, zero_point)
+    assert_matches(y_all, x, weight, scales.half(), pqs, bias, group_size, zero_point)
+    for num_tokens in (4, 5, 16, 17, 32, 33, 64, 65, 200, 257):
+        y = int4_linear(x[:num_tokens], weight, scales.half(), pqs, bias, group_size, zero_point)
+        assert torch.equal(y, y_all[:num_tokens]), num_tokens
+
+
 @pytest.mark.parametrize("num_tokens", [1, 2])
 @pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-point"])
 def test_largest_int16_group_sums_without_overflow(num_tokens, zero_points):
