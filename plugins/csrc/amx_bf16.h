@@ -38,8 +38,9 @@ struct AmxWeightSource {
 };
 
 // amx_bf16_linear for rows [r0, r1) (r0 a multiple of 32) of a weight that `source` converts a block's k
-// chunk at a time into an L1-resident buffer just before its tiles multiply it: out[t, r] as
-// amx_bf16_linear's, the same bits as from the whole converted weight. Runs on the calling thread.
+// chunk at a time into an L1-resident buffer just before its tiles multiply it, for at most 256 tokens (one
+// pass: larger calls go 256 tokens at a time, quant_linear.h): out[t, r] as amx_bf16_linear's, the same bits
+// as from the whole converted weight. Runs on the calling thread.
 void amx_bf16_linear_filled(const uint32_t* packed, int64_t num_tokens, const AmxWeightSource& source, int64_t r0,
                             int64_t r1, int64_t k, const float* row_scale, const float* bias, void* out,
                             int64_t out_stride, bool out_bf16);

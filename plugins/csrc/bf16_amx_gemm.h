@@ -281,18 +281,15 @@ inline void amx_filled_block(const kiln::AmxWeightSource& source, uint16_t* buff
   }
 }
 
-// Rows [r0, r1) (r0 a multiple of 32) of a weight that `source` fills, against every token of packed x,
-// through `epilogue`, kAmxChunkTokens tokens at a time (each pass fills the weight again). buffers: two fill
-// buffers, 2 * kAmxFillSteps * 32 * 32 bfloat16, 64-byte aligned.
+// Rows [r0, r1) (r0 a multiple of 32) of a weight that `source` fills, against the num_tokens (at most
+// kAmxChunkTokens: one pass) tokens of packed x, through `epilogue`. buffers: two fill buffers,
+// 2 * kAmxFillSteps * 32 * 32 bfloat16, 64-byte aligned.
 void amx_filled_rows(const uint32_t* packed_x, int64_t num_tokens, const kiln::AmxWeightSource& source, int64_t k,
                      int64_t r0, int64_t r1, uint16_t* buffers, const GemvEpilogue& epilogue) {
   amx_configure_tiles();  // C tiles 0-3, A (weights) 4-5, B (x) 6-7
-  for (int64_t t = 0; t < num_tokens; t += kAmxChunkTokens) {
-    const int64_t t_end = t + kAmxChunkTokens < num_tokens ? t + kAmxChunkTokens : num_tokens;
-    for (int64_t r = r0; r < r1; r += kAmxBlockRows) {
-      const int64_t rows = r1 - r < kAmxBlockRows ? r1 - r : kAmxBlockRows;
-      amx_filled_block(source, buffers, k / 32, packed_x, t, t_end, r, rows, epilogue);
-    }
+  for (int64_t r = r0; r < r1; r += kAmxBlockRows) {
+    const int64_t rows = r1 - r < kAmxBlockRows ? r1 - r : kAmxBlockRows;
+    amx_filled_block(source, buffers, k / 32, packed_x, 0, num_tokens, r, rows, epilogue);
   }
   _tile_release();
 }

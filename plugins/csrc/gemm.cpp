@@ -282,6 +282,7 @@ void amx_bf16_linear(const uint32_t* packed, int64_t num_tokens, const uint16_t*
 void amx_bf16_linear_filled(const uint32_t* packed, int64_t num_tokens, const AmxWeightSource& source, int64_t r0,
                             int64_t r1, int64_t k, const float* row_scale, const float* bias, void* out,
                             int64_t out_stride, bool out_bf16) {
+  TORCH_INTERNAL_ASSERT(num_tokens <= kiln_gemm::amxbf16::kAmxChunkTokens, "one pass of at most 256 tokens");
   const kiln_gemm::amxbf16::GemvEpilogue epilogue(out, out_stride, bias, row_scale, out_bf16);
   // two fill buffers of kAmxFillSteps x 32 x 32 bfloat16 bits
   auto* buffers = reinterpret_cast<uint16_t*>(kiln::thread_scratch<10>(kAmxFillSteps * 32 * 32));

@@ -744,18 +744,19 @@ static void dequant_amx_steps(const uint8_t* w, int64_t row_bytes, const float* 
     const int64_t i = r * num_groups + g;
     return _mm512_mul_ps(_mm512_load_ps(tables.values[zero_at(zeros, i) + 128]), _mm512_set1_ps(scales[i]));
   };
-  int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    // an odd count's last row pairs with itself; its partner's stores land in row `rows`, zeroed below
+    const int64_t r1 = r + 1 < rows ? r + 1 : r;
     const uint8_t* row0 = w + r * row_bytes;
-    const uint8_t* row1 = row0 + row_bytes;
+    const uint8_t* row1 = w + r1 * row_bytes;
     uint16_t* out = dst + r * 32;
     int64_t g = c0 / group_size, group_end = (g + 1) * group_size;
-    __m512i table = (__m512i)_mm512_cvtne2ps_pbh(table_of(r + 1, g), table_of(r, g));
+    __m512i table = (__m512i)_mm512_cvtne2ps_pbh(table_of(r1, g), table_of(r, g));
     for (int64_t c = c0; c < c1; c += 64, out += 2 * kStep) {
       if (c == group_end) {  // group_size % 64 == 0: a chunk never straddles two groups
         ++g;
         group_end += group_size;
-        table = (__m512i)_mm512_cvtne2ps_pbh(table_of(r + 1, g), table_of(r, g));
+        table = (__m512i)_mm512_cvtne2ps_pbh(table_of(r1, g), table_of(r, g));
       }
       const __m512i b0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0 + c / 2)));
       const __m512i b1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row1 + c / 2)));
@@ -767,27 +768,8 @@ static void dequant_amx_steps(const uint8_t* w, int64_t row_bytes, const float* 
                          _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(b1, 4), second), table));
     }
   }
-  if (r < rows) {  // the last of an odd count: its table twice over
-    const uint8_t* row = w + r * row_bytes;
-    uint16_t* out = dst + r * 32;
-    int64_t g = c0 / group_size, group_end = (g + 1) * group_size;
-    __m512 t = table_of(r, g);
-    __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
-    for (int64_t c = c0; c < c1; c += 64, out += 2 * kStep) {
-      if (c == group_end) {
-        ++g;
-        group_end += group_size;
-        t = table_of(r, g);
-        table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
-      }
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c / 2)));
-      _mm512_store_si512(out, _mm512_permutexvar_epi16(bytes, table));
-      _mm512_store_si512(out + kStep, _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
-    }
-    ++r;
-  }
   for (int64_t step = 0; step < (c1 - c0) / 32; ++step)
-    for (int64_t z = r; z < 32; ++z) _mm512_store_si512(dst + step * kStep + z * 32, _mm512_setzero_si512());
+    for (int64_t z = rows; z < 32; ++z) _mm512_store_si512(dst + step * kStep + z * 32, _mm512_setzero_si512());
 }
 
 // x [n] float32 (n % 64 == 0) as bfloat16 bits in chunk64 order into dst [n], rounded to nearest even.
