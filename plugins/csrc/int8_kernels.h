@@ -209,19 +209,22 @@ struct Widened64 {
 };
 
 static inline Widened64 widen64(const int8_t* w) {
-  const auto widen16 = [](const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  const auto widen16 = [](const int8_t* p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
   return {widen16(w), widen16(w + 16), widen16(w + 32), widen16(w + 48)};
 }
 
 // The eight int32 lane sums of w * x over 64 columns (x int16), the four VPMADDWD products added pairwise,
-// so that a caller's accumulator takes one add per 64 weights. Per 16 weights, one VPMADDWD and one add
-// into a single accumulator, with the prefetch's parity tested in the loop, had cost ~3 cycles on an AMD EPYC
-// Zen 3 (two taken branches per iteration) against ~1 so, VPMOVSXBW's rate there (one per ~1.2 cycles).
+// so that a caller's accumulator takes one add per 64 weights: ~1 cycle per 16 weights on an AMD EPYC Zen 3,
+// VPMOVSXBW's rate there (one per ~1.2 cycles), where a loop of 16 weights per iteration, the prefetch behind
+// a test of the column, took ~3 (two taken branches per iteration).
 static inline __m256i madd64(const Widened64& w, const int16_t* x) {
   const auto madd = [x](__m256i v, int k) {
     return _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * k)));
   };
-  return _mm256_add_epi32(_mm256_add_epi32(madd(w.v0, 0), madd(w.v1, 1)), _mm256_add_epi32(madd(w.v2, 2), madd(w.v3, 3)));
+  return _mm256_add_epi32(_mm256_add_epi32(madd(w.v0, 0), madd(w.v1, 1)),
+                          _mm256_add_epi32(madd(w.v2, 2), madd(w.v3, 3)));
 }
 
 template <int NR, int NT>
