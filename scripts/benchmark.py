@@ -49,8 +49,10 @@ Quantized engines (fp8, fp8_rowwise, int8_wo, int8_sq, int4_wo, int4_awq; ``int4
 ``--quantize-lm-head``, ``fp8:auto_quantize_bits=8.5`` etc. with the options given) run bf16 activations, so they are compared
 against transformers at bf16, and their batch-1 decode also against the kilnlm bf16 engine ("x bf16"). The
 machine's memory bandwidth is measured first (the best of several passes summing a 1 GiB tensor with all
-threads: the rate at which weights can possibly stream from DRAM); "% BW" is the weight GB/s a format's
-batch-1 decode achieves as a fraction of it (issue 3, item 12). Engines are built once into
+threads: the rate at which weights can possibly stream from DRAM) and again just before and just after each
+batch-1 decode, in its process; "% BW" is the weight GB/s a format's batch-1 decode achieves as a fraction of
+the faster of those two (issue 3, item 12): on a shared host the bandwidth drifts by tens of percent within
+minutes, so the figure from the start of a run can be far from the one a decode minutes later had. Engines are built once into
 ``--work-dir`` and reused by later runs that ask for the same limits and options.
 
 Everything runs on the C allocator the Triton launcher gives the engines (``--malloc``, default "auto":
@@ -118,6 +120,7 @@ class Result:
     batch_wall_s: float = float("nan")
     batch_tokens_per_s: float = float("nan")
     shared_prefix_tokens_per_s: float = float("nan")
+    decode_bandwidth_gbs: float = float("nan")  # read bandwidth beside (a)'s decode: the faster of before / after
     speculative: dict | None = None  # scenario (d): task -> tokens/s without and with, acceptance rate
 
 
@@ -254,11 +257,13 @@ def bench_engine(engine_dir: Path, single_prompt: list[int], batch_prompts: list
     result = Result()
     with Executor.from_engine_dir(engine_dir) as executor:
         warm_up(executor, single_prompt)
+        bandwidth_before_gbs = measure_read_bandwidth_gbs()
         t0 = time.perf_counter()
         rid = executor.submit(single_prompt, params)
         stamps = []
         for response in executor.stream(rid):
             stamps += [time.perf_counter()] * len(response.token_ids)
+        result.decode_bandwidth_gbs = max(bandwidth_before_gbs, measure_read_bandwidth_gbs())
         result.ttft_s = stamps[0] - t0
         result.decode_tokens_per_s = (len(stamps) - 1) / (stamps[-1] - stamps[0])
         if ttft_prompts:
@@ -392,24 +397,27 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from benchmark import bench_engine
-print(bench_engine(Path(sys.argv[2]), json.loads(sys.argv[3]), [], int(sys.argv[4])).decode_tokens_per_s, flush=True)
+r = bench_engine(Path(sys.argv[2]), json.loads(sys.argv[3]), [], int(sys.argv[4]))
+print(r.decode_tokens_per_s, r.decode_bandwidth_gbs, flush=True)
 """
 
 
 def decode_rounds(engines: dict[str, Path], prompt: list[int], max_tokens: int,
-                  num_rounds: int) -> dict[str, list[float]]:
-    """Scenario (a)'s decode tokens/s of every engine in ``num_rounds`` rounds, each engine in a fresh process
-    in turn within a round (round-robin), so that the machine's drift in bandwidth and load (large on shared
-    machines) falls on every format alike and ratios can be taken within a round."""
-    rates: dict[str, list[float]] = {spec: [] for spec in engines}
+                  num_rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """Scenario (a)'s decode of every engine in ``num_rounds`` rounds, each engine in a fresh process in turn
+    within a round (round-robin), so that the machine's drift in bandwidth and load (large on shared machines)
+    falls on every format alike and ratios can be taken within a round: per engine, (tokens/s, the read
+    bandwidth in GB/s measured beside it) for each round."""
+    rounds: dict[str, list[tuple[float, float]]] = {spec: [] for spec in engines}
     for round_idx in range(num_rounds):
         for spec, engine_dir in engines.items():
             args = [str(Path(__file__).resolve().parent), str(engine_dir), json.dumps(prompt), str(max_tokens)]
             out = subprocess.run([sys.executable, "-c", DECODE_ONCE, *args], check=True, capture_output=True, text=True)
-            rates[spec].append(float(out.stdout.strip().splitlines()[-1]))
+            tokens_per_s, bandwidth_gbs = map(float, out.stdout.strip().splitlines()[-1].split())
+            rounds[spec].append((tokens_per_s, bandwidth_gbs))
         print(f"[bench] decode round {round_idx + 1}/{num_rounds}: " +
-              ", ".join(f"{spec} {r[-1]:.1f}" for spec, r in rates.items()), flush=True)
-    return rates
+              ", ".join(f"{spec} {r[-1][0]:.1f} ({r[-1][1]:.1f} GB/s)" for spec, r in rounds.items()), flush=True)
+    return rounds
 
 
 COLLECTIVE_CALLS = 200
@@ -569,16 +577,20 @@ def main() -> int:
         rows.append((f"kilnlm {qformat}", qformat, result, hf_results.get(dtype), weight_bytes, cold_s))
     rounds = decode_rounds(engines, single_prompt, args.max_tokens, args.decode_rounds) if args.decode_rounds > 1 else {}
     round_ratios: dict[str, list[float]] = {}
-    for _, qformat, r, *_ in rows:
+    round_fractions: dict[str, list[float]] = {}  # weight GB/s / the bandwidth beside it, per round
+    for _, qformat, r, _, weight_bytes, _ in rows:
         if qformat in rounds:
-            r.decode_tokens_per_s = statistics.median(rounds[qformat])
+            r.decode_tokens_per_s = statistics.median(rate for rate, _ in rounds[qformat])
+            round_fractions[qformat] = [weight_bytes * rate / 1e9 / gbs for rate, gbs in rounds[qformat]]
             if "bf16" in rounds:
-                round_ratios[qformat] = [a / b for a, b in zip(rounds[qformat], rounds["bf16"])]
+                round_ratios[qformat] = [a / b for (a, _), (b, _) in zip(rounds[qformat], rounds["bf16"])]
     bf16 = next((r for _, q, r, *_ in rows if q == "bf16"), None)
 
     header = (f"{'':<22}{'TTFT ms':>9}{'decode tok/s':>14}{'x HF':>7}{'x bf16':>8}{'MB/token':>10}{'GB/s':>7}{'% BW':>6}"
               f"{'batch s':>9}{'batch tok/s':>13}{'x HF':>7}{'prefix tok/s':>14}{'x (b)':>7}{'cold start s':>14}")
-    print(f"\n(memory read bandwidth {bandwidth_gbs:.1f} GB/s; C allocator {malloc_library or 'glibc malloc'})\n" + header + "\n" + "-" * len(header))
+    print(f"\n(memory read bandwidth {bandwidth_gbs:.1f} GB/s at the start; % BW against the bandwidth measured beside "
+          f"each decode{', the median round' if rounds else ''}; C allocator {malloc_library or 'glibc malloc'})\n"
+          + header + "\n" + "-" * len(header))
     records = []
     for name, qformat, r, base, weight_bytes, cold_s in rows:
         ratio_a = r.decode_tokens_per_s / base.decode_tokens_per_s if base else None
@@ -587,6 +599,9 @@ def main() -> int:
             ratio_bf16 = statistics.median(round_ratios[qformat])
         ratio_b = r.batch_tokens_per_s / base.batch_tokens_per_s if base and batch_prompts else None
         gbs = weight_bytes * r.decode_tokens_per_s / 1e9 if weight_bytes else None
+        fraction = gbs / r.decode_bandwidth_gbs if gbs else None
+        if qformat in round_fractions:
+            fraction = statistics.median(round_fractions[qformat])
         ratio_c = r.shared_prefix_tokens_per_s / r.batch_tokens_per_s if qformat and batch_prompts else None
 
         def cell(value, fmt, width):
@@ -594,16 +609,17 @@ def main() -> int:
 
         print(f"{name:<22}{r.ttft_s * 1e3:>9.1f}{r.decode_tokens_per_s:>14.1f}{cell(ratio_a, '.2f', 7)}"
               f"{cell(ratio_bf16, '.2f', 8)}{cell(weight_bytes and weight_bytes / 1e6, '.0f', 10)}{cell(gbs, '.1f', 7)}"
-              f"{cell(gbs and 100 * gbs / bandwidth_gbs, '.0f', 6)}{cell(r.batch_wall_s, '.2f', 9)}"
+              f"{cell(fraction and 100 * fraction, '.0f', 6)}{cell(r.batch_wall_s, '.2f', 9)}"
               f"{cell(r.batch_tokens_per_s, '.1f', 13)}{cell(ratio_b, '.2f', 7)}{cell(r.shared_prefix_tokens_per_s, '.1f', 14)}"
               f"{cell(ratio_c, '.2f', 7)}{cell(cold_s, '.2f', 14)}")
         records.append({"name": name, **vars(r), "weight_bytes_per_token": weight_bytes, "weight_gbs": gbs,
-                        "fraction_of_bandwidth": gbs / bandwidth_gbs if gbs else None, "cold_start_s": cold_s,
+                        "fraction_of_bandwidth": fraction, "cold_start_s": cold_s,
                         "decode_ratio_vs_transformers": ratio_a, "decode_ratio_vs_bf16_engine": ratio_bf16,
                         "batch_ratio_vs_transformers": ratio_b, "shared_prefix_ratio_vs_batch": ratio_c,
                         "memory_read_bandwidth_gbs": bandwidth_gbs,
                         "malloc": malloc_library,
-                        "decode_tokens_per_s_rounds": rounds.get(qformat), "decode_ratio_vs_bf16_rounds": round_ratios.get(qformat)})
+                        "decode_rounds": rounds.get(qformat), "decode_ratio_vs_bf16_rounds": round_ratios.get(qformat),
+                        "fraction_of_bandwidth_rounds": round_fractions.get(qformat)})
     if round_ratios:
         print(f"\nx bf16 in each of {args.decode_rounds} rounds (decode tok/s of one fresh process per engine, round-robin):")
         for spec, ratios in round_ratios.items():
