@@ -52,8 +52,8 @@ machine's memory bandwidth is measured first (the best of several passes summing
 threads: the rate at which weights can possibly stream from DRAM) and again just before and just after each
 batch-1 decode, in its process; "% BW" is the weight GB/s a format's batch-1 decode achieves as a fraction of
 the faster of those two (issue 3, item 12): on a shared host the bandwidth drifts by tens of percent within
-minutes, so the figure from the start of a run can be far from the one a decode minutes later had. Engines are built once into
-``--work-dir`` and reused by later runs that ask for the same limits and options.
+minutes, so the figure from the start of a run can be far from the one a decode minutes later had. Engines
+are built once into ``--work-dir`` and reused by later runs that ask for the same limits and options.
 
 Everything runs on the C allocator the Triton launcher gives the engines (``--malloc``, default "auto":
 TCMalloc, else jemalloc, when installed; ``kilnlm.runtime.memory.preload_malloc``): the benchmark starts
