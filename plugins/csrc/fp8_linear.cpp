@@ -169,7 +169,8 @@ __attribute__((target("avx512f,avx512bw"))) void pairs64_order(uint16_t* x, int6
 struct Fp8Format {
   // Up to this many tokens the fused GEMV beats dequantize-then-GEMM (measured on SmolLM2's shapes,
   // scripts/bench_plugins.py): the bf16 GEMM is ~4x the float32 one, so it takes over sooner.
-  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*with_bf16_gemm=*/4, /*with_amx_gemm=*/4};
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*int16_with_f32_gemm=*/16,
+                                                     /*with_bf16_gemm=*/4, /*with_amx_gemm=*/4};
 
   const uint8_t* w;  // [out, in] E4M3 bytes
   kiln::LinearShape shape;
@@ -180,6 +181,9 @@ struct Fp8Format {
 
   // E4M3 values are exact bfloat16, whatever x's dtype.
   bool bf16_context_gemm() const { return kiln::cpu_has_avx512_bf16(); }
+
+  // FP8 has no int16 GEMV: its GEMVs read x as E4M3 values (xq).
+  bool int16_generation() const { return false; }
 
   // Fused dequantize-and-multiply GEMV, each weight byte read once per call -- with AVX512-BF16 + VBMI
   // (and in_features a multiple of 32) through bf16_gemv.h, else through the AVX2 / scalar float32 GEMV.

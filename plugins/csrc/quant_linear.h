@@ -15,6 +15,8 @@
 //
 // A format (Fp8Format, Int4Format, Int8Format in the ops' files) provides:
 //   kGemvTokens                  GemvTokenLimits: its tuned limits (scripts/bench_plugins.py)
+//   int16_generation()           whether generation() takes the int16 GEMV for this call (bfloat16 x on AVX2
+//                                CPUs; the int16_with_f32_gemm limit)
 //   bf16_context_gemm()          whether the context phase multiplies bfloat16 tiles (AVX512-BF16)
 //   context_sums_like_gemv()     whether the context phase sums each row as generation() does (same pairs,
 //                                same lanes, same reduction), so a row's bits never depend on T
@@ -73,9 +75,11 @@ constexpr int64_t kTileRows = 64;
 
 // Up to how many tokens a format's fused GEMV beats dequantize-then-GEMM, depending on the context GEMM it
 // would otherwise take (the bf16 GEMM is ~3-4x the float32 one, so it takes over sooner; AMX tiles sooner
-// still where the format's tiles take them).
+// still where the format's tiles take them) and on the GEMV: against the float32 tiles, the int16 GEMV
+// (bfloat16 x as block floating point int16, VPMADDWD; AVX2 CPUs) keeps up far longer than a float32 one.
 struct GemvTokenLimits {
   int64_t with_f32_gemm;
+  int64_t int16_with_f32_gemm;
   int64_t with_bf16_gemm;
   int64_t with_amx_gemm;
 };
@@ -243,8 +247,9 @@ template <typename scalar_t, typename Format>
 void run_quantized_linear(const Format& format, const LinearShape& s, scalar_t* out) {
   const bool bf16_gemm = format.bf16_context_gemm();
   const GemvTokenLimits& limits = Format::kGemvTokens;
-  const int64_t max_gemv_tokens =
-      !bf16_gemm ? limits.with_f32_gemm : amx_tiles(format) ? limits.with_amx_gemm : limits.with_bf16_gemm;
+  int64_t max_gemv_tokens = limits.with_f32_gemm;
+  if (bf16_gemm) max_gemv_tokens = amx_tiles(format) ? limits.with_amx_gemm : limits.with_bf16_gemm;
+  else if (format.int16_generation()) max_gemv_tokens = limits.int16_with_f32_gemm;
   if (s.num_tokens <= max_gemv_tokens) return format.generation(out);
   // batch invariance (cpu_features.h): a GEMV sums each token's row alone, in one order at every T
   if (batch_invariant_requested() && !format.context_sums_like_gemv()) return format.generation(out);

@@ -4,7 +4,7 @@ bfloat16 with in_features a multiple of 32 runs on AMX tiles at every token coun
 (Intel Sapphire Rapids and later; each row's bits then do not depend on the token count, checked below); else,
 up to 64 tokens, kilnlm's own AVX512-BF16 kernel where the CPU has it (KILNLM_CPU_ISA=avx512bf16 forces it on
 an AMX machine), float32 with up to 64 tokens kilnlm's AVX2 GEMV; more tokens or other shapes go to
-at::linear: the token sweep crosses those boundaries. On AVX2 CPUs without AVX512-BF16, bfloat16 runs kilnlm's AVX2 GEMV up to 16 tokens and float32
+at::linear: the token sweep crosses those boundaries. On AVX2 CPUs without AVX512-BF16, bfloat16 runs kilnlm's AVX2 GEMV up to 48 tokens and float32
 tiles through at::mm beyond; the capped-ISA test checks those paths on any x86-64 machine. Both are checked against exact float64 dot products of the same
 bfloat16 operands: float32 accumulation in another summation order (a few float32 ulps of the
 accumulated magnitude) plus the output's rounding to bfloat16 (half a bfloat16 ulp, <= 2^-8 relative).
@@ -85,7 +85,7 @@ import torch
 from kilnlm.plugins import load_cpu_kernels
 load_cpu_kernels()
 for out_features, in_features in ((960, 576), (37, 64), (40, 200), (13, 20)):
-    for num_tokens in (1, 2, 3, 5, 16, 17, 70):
+    for num_tokens in (1, 2, 3, 5, 16, 17, 48, 49, 70):
         for with_bias, dtype in ((False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)):
             gen = torch.Generator().manual_seed(num_tokens * 7 + out_features)
             x = (torch.randn(num_tokens, in_features, generator=gen) * 3).to(dtype)

@@ -1,7 +1,7 @@
 """The C++ int4_linear kernel (W4A16) against exact float64 arithmetic on the reference's dequantized
-weight and against ``int4_linear_reference``: generation-phase GEMV (T <= 16) and context-phase tiled
-path (T > 16), SmolLM2-shaped and odd small layers, group sizes 32 / 64 / 128 / per-channel / odd,
-pre_quant_scale, bias and zero points (asymmetric groups), float32 and float16 scales, every nibble value,
+weight and against ``int4_linear_reference``: generation-phase GEMV (up to 8 tokens with AVX512-BF16, 64
+with AVX2's int16 GEMV, 16 for float32 x) and the context-phase tiled path beyond, SmolLM2-shaped and odd
+small layers, group sizes 32 / 64 / 128 / per-channel / odd, pre_quant_scale, bias and zero points (asymmetric groups), float32 and float16 scales, every nibble value,
 every ISA path (the AOTInductor test of all three quantized GEMMs is in test_int8_linear_cpu.py).
 
 Tolerances: float32 outputs must lie within 2e-6 x sum_c |x_c * w_c| of the float64 dot product of the
@@ -259,7 +259,7 @@ for out_features, in_features, group_size in ((72, 200, 40), (96, 576, 64), (16,
     s = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02
     pqs, bias = torch.rand(in_features, generator=gen) + 0.5, torch.randn(out_features, generator=gen)
     zeros = torch.randint(-8, 8, (out_features, in_features // group_size), generator=gen, dtype=torch.int8)
-    for num_tokens in (1, 2, 5, 40):
+    for num_tokens in (1, 2, 5, 40, 65):
         for dtype in (torch.float32, torch.bfloat16):
             for z, scales in ((None, s), (zeros, s), (zeros, s.half())):
                 x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)

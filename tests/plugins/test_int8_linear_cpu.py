@@ -1,7 +1,8 @@
 """The C++ int8_linear (W8A16 weight-only) and int8_sq_linear (SmoothQuant W8A8) kernels.
 
 int8_linear against exact float64 arithmetic and ``int8_linear_reference`` on the generation-phase GEMV
-(T <= 16) and the tiled context-phase path; int8_sq_linear *bit-exactly* against
+(up to 4 tokens with AVX512-BF16, 16 for float32 x, every count for bfloat16 x on AVX2 CPUs) and the tiled
+context-phase path; int8_sq_linear *bit-exactly* against
 ``int8_sq_linear_reference``: its activation quantization (IEEE division, round half to even, clamp) and
 its int32 accumulation are exact, and the epilogue (one float32 conversion, one multiply by
 ``input_scale * weight_scale[o]``, one bias add, one cast) performs the reference's roundings in the
