@@ -193,8 +193,35 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
 template <int NT>
 struct RowsPerBlock { static constexpr int value = NT == 1 ? 4 : (NT == 2 ? 2 : 1); };
 
+// dst[0:8] = the low 8 bytes of q (int8) times scale, in float32.
+static inline void store_scaled8(__m128i q, __m256 scale, float* dst) {
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale));
+}
+
+// 32 columns a block in natural order: each byte's low and high nibbles interleaved back into column order
+// (PUNPCKLBW / PUNPCKHBW), looked up as q - zero in the group's table (PSHUFB, as gemv_block), widened,
+// converted and multiplied by the scale: (q - zero) * scale, the scalar loop's value. A zero point beyond
+// +-120, whose q - zero would not fit a byte, takes the scalar loop.
 static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int64_t c0, int64_t num_blocks, float* out) {
-  for (int64_t c = c0; c < c0 + 32 * num_blocks; ++c) out[c] = static_cast<float>(int4_at(row, c) - zero) * scale;
+  if (zero < -120 || zero > 120) {
+    for (int64_t c = c0; c < c0 + 32 * num_blocks; ++c) out[c] = static_cast<float>(int4_at(row, c) - zero) * scale;
+    return;
+  }
+  const __m128i lut = _mm_sub_epi8(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1),
+                                   _mm_set1_epi8(static_cast<char>(zero)));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t c = c0 + 32 * b;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2));
+    const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const __m128i first = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));   // columns c .. c + 15
+    const __m128i second = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));  // c + 16 .. c + 31
+    store_scaled8(first, s, out + c);
+    store_scaled8(_mm_srli_si128(first, 8), s, out + c + 8);
+    store_scaled8(second, s, out + c + 16);
+    store_scaled8(_mm_srli_si128(second, 8), s, out + c + 24);
+  }
 }
 
 // The generation-phase kernel for group_size % 32 == 0 and in % 64 == 0, without shuffles: the one above
