@@ -1,8 +1,9 @@
 """The C++ int4_linear kernel (W4A16) against exact float64 arithmetic on the reference's dequantized
 weight and against ``int4_linear_reference``: generation-phase GEMV (up to 8 tokens with AVX512-BF16, 64
 with AVX2's int16 GEMV, 16 for float32 x) and the context-phase tiled path beyond, SmolLM2-shaped and odd
-small layers, group sizes 32 / 64 / 128 / per-channel / odd, pre_quant_scale, bias and zero points (asymmetric groups), float32 and float16 scales, every nibble value,
-every ISA path (the AOTInductor test of all three quantized GEMMs is in test_int8_linear_cpu.py).
+small layers, group sizes 32 / 64 / 128 / per-channel / odd, pre_quant_scale, bias and zero points
+(asymmetric groups), float32 and float16 scales, every nibble value, every ISA path (the AOTInductor test of
+all three quantized GEMMs is in test_int8_linear_cpu.py).
 
 Tolerances: float32 outputs must lie within 2e-6 x sum_c |x_c * w_c| of the float64 dot product of the
 same float32 operands (the kernel only sums in another order: with in_features <= 1536 that is a few
