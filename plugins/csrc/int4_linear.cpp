@@ -304,11 +304,17 @@ struct Int4Format {
   // The tiles round x to bfloat16 (or sum through at::mm) where the GEMV does not.
   bool context_sums_like_gemv() const { return false; }
 
+#if defined(__x86_64__)
+  // AVX2's int16 GEMV can take this call's shapes on this CPU (bfloat16 x).
+  bool int16_gemv_applies() const {
+    return kiln::cpu_has_avx2_fma_f16c() && avx2::int16_kernel_applies(shape.in, problem.group_size);
+  }
+#endif
+
   // generation() takes AVX2's int16 GEMV (but for an x holding inf / NaN, see run_int16_gemv).
   bool int16_generation() const {
 #if defined(__x86_64__)
-    const int64_t group_size = problem.group_size;
-    return x_bf16() && pick_isa(group_size) == Isa::kAvx2 && avx2::int16_kernel_applies(shape.in, group_size);
+    return x_bf16() && pick_isa(problem.group_size) == Isa::kAvx2 && int16_gemv_applies();
 #else
     return false;
 #endif
@@ -350,9 +356,7 @@ struct Int4Format {
       // prompt 1.6-1.8x the tiles' time against 3.1x with the int16 GEMV, batch-1 decode 1.07-1.18x
       // against 1.0x; docs/reliability.md).
       const bool int16_here = num_tokens <= kMaxInt16TokensBf16Gemm && !kiln::batch_invariant_requested();
-      if ((isa == Isa::kAvx2 || (bf16_gemv && int16_here)) &&
-          kiln::cpu_has_avx2_fma_f16c() && avx2::int16_kernel_applies(in, group_size) && run_int16_gemv(out))
-        return;
+      if ((isa == Isa::kAvx2 || (bf16_gemv && int16_here)) && int16_gemv_applies() && run_int16_gemv(out)) return;
       if (bf16_gemv && run_bf16_gemv(out)) return;
     }
 #endif

@@ -156,11 +156,16 @@ struct Int8Format {
   // as the GEMV does.
   bool context_sums_like_gemv() const { return bf16_gemv_sums_like_tiles() && kiln::batch_invariant_requested(); }
 
+#if defined(__x86_64__)
+  // AVX2's int16 GEMV can take this call's shapes on this CPU (bfloat16 x).
+  bool int16_gemv_applies() const { return kiln::cpu_has_avx2_fma_f16c() && shape.in % avx2::kInt16BlockCols == 0; }
+#endif
+
   // generation() takes AVX2's int16 GEMV where the context tiles would be float32 (but for an x holding
   // inf / NaN, which int16_quantize refuses).
   bool int16_generation() const {
 #if defined(__x86_64__)
-    return x_bf16() && !kiln::cpu_has_avx512() && kiln::cpu_has_avx2_fma_f16c() && shape.in % avx2::kInt16BlockCols == 0;
+    return x_bf16() && !kiln::cpu_has_avx512() && int16_gemv_applies();
 #else
     return false;
 #endif
@@ -182,7 +187,7 @@ struct Int8Format {
       // Intel Xeon, 30 cold SmolLM2 gate_up + down pairs: 62-66 against 97 us per pair at one token, 140
       // against 165 at four; a cold decode sweep 34.7 against 25.0 GB/s).
       const bool int16_on_bf16 = bf16_gemm && !context_sums_like_gemv();
-      if ((int16_on_bf16 || !kiln::cpu_has_avx512()) && kiln::cpu_has_avx2_fma_f16c() && in % avx2::kInt16BlockCols == 0) {
+      if ((int16_on_bf16 || !kiln::cpu_has_avx512()) && int16_gemv_applies()) {
         thread_local kiln::Int16Activations xq;
         xq.resize(num_tokens, in, in / avx2::kInt16BlockCols);
         if (avx2::int16_quantize(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), nullptr, num_tokens, in,
