@@ -284,8 +284,8 @@ struct Int4Format {
   // weight to bf16 tiles, is paid back from ~9 tokens); on AMX from 4 (an Intel Xeon, 3072x576 cache-hot:
   // the GEMV 88 / 106 us at 3 / 4 tokens, the tiles ~91 at any count up to 16). The int16 GEMV against the
   // float32 tiles (an AMD EPYC Zen 3, 2 threads, SmolLM2's 30 layers cold, with zero points): the tiles take
-  // 2.49x its time at 17 tokens, 1.56x at 32, 1.15x at 64, 0.96x at 96.
-  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*int16_with_f32_gemm=*/64,
+  // 1.31x its time at 17 tokens, 1.07x at 24, 0.98x at 32, 0.82x at 64.
+  static constexpr kiln::GemvTokenLimits kGemvTokens{/*with_f32_gemm=*/16, /*int16_with_f32_gemm=*/24,
                                                      /*with_bf16_gemm=*/8, /*with_amx_gemm=*/3};
 
   const at::Tensor& x;  // [T, in] float32 / bfloat16, contiguous
