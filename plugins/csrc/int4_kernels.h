@@ -137,9 +137,13 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int
 
 #elif KILN_ISA == KILN_ISA_AVX2  // ------------------------------------------------------------ AVX2 + FMA
 
+// Whether q - zero fits the PSHUFB tables' bytes for every q in [-8, 7]: zero points in [-120, 120].
+static inline bool zero_fits_byte_table(int zero) { return zero >= -120 && zero <= 120; }
+
 // NR rows x NT tokens micro-kernel. Nibbles are decoded to q - zero with one PSHUFB table lookup (the
 // group's table: [0..7, -8..-1] - zero, in [-15, 15]), widened to int32, converted and multiplied by the
-// group scale (w = (q - zero) * scale exactly as the reference), then FMA'd.
+// group scale (w = (q - zero) * scale exactly as the reference), then FMA'd. A zero point beyond +-120
+// looks q up and subtracts the zero point after the widening.
 template <int NR, int NT>
 static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales, const int8_t* zeros,
                               int64_t group_size, const float* x, int64_t x_stride, float* y, int64_t y_stride) {
@@ -161,15 +165,19 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
       }
       for (int r = 0; r < NR; ++r) {
         const __m256 scale = _mm256_set1_ps(scales[r * num_groups + g]);
-        const __m128i lut = _mm_sub_epi8(sign_lut, _mm_set1_epi8(static_cast<char>(zero_at(zeros, r * num_groups + g))));
+        const int zero = zero_at(zeros, r * num_groups + g);
+        const int table_zero = zero_fits_byte_table(zero) ? zero : 0;
+        const __m128i lut = _mm_sub_epi8(sign_lut, _mm_set1_epi8(static_cast<char>(table_zero)));
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + c / 2));
         const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4));
         const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+        __m256i qz[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                         _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+        if (table_zero != zero) {
+          for (__m256i& v : qz) v = _mm256_sub_epi32(v, _mm256_set1_epi32(zero));
+        }
         __m256 wv[4];
-        wv[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), scale);
-        wv[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), scale);
-        wv[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), scale);
-        wv[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), scale);
+        for (int i = 0; i < 4; ++i) wv[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(qz[i]), scale);
         for (int t = 0; t < NT; ++t) {
           const float* xt = x + t * x_stride + c;
           acc[r][t][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xt), acc[r][t][0]);
@@ -203,7 +211,7 @@ static inline void store_scaled8(__m128i q, __m256 scale, float* dst) {
 // converted and multiplied by the scale: (q - zero) * scale, the scalar loop's value. A zero point beyond
 // +-120, whose q - zero would not fit a byte, takes the scalar loop.
 static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int64_t c0, int64_t num_blocks, float* out) {
-  if (zero < -120 || zero > 120) {
+  if (!zero_fits_byte_table(zero)) {
     for (int64_t c = c0; c < c0 + 32 * num_blocks; ++c) out[c] = static_cast<float>(int4_at(row, c) - zero) * scale;
     return;
   }

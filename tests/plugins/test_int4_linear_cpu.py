@@ -260,9 +260,12 @@ for out_features, in_features, group_size in ((72, 200, 40), (96, 576, 64), (16,
     s = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02
     pqs, bias = torch.rand(in_features, generator=gen) + 0.5, torch.randn(out_features, generator=gen)
     zeros = torch.randint(-8, 8, (out_features, in_features // group_size), generator=gen, dtype=torch.int8)
+    # any int8 zero point, beyond what q - zero's byte tables hold (|zero| > 120), the extremes in row 0
+    wide_zeros = torch.randint(-128, 128, zeros.shape, generator=gen, dtype=torch.int8)
+    wide_zeros[0, :] = torch.tensor([-128, 127, -121, 121])[torch.arange(zeros.shape[1]) % 4].to(torch.int8)
     for num_tokens in (1, 2, 5, 24, 25, 40):
         for dtype in (torch.float32, torch.bfloat16):
-            for z, scales in ((None, s), (zeros, s), (zeros, s.half())):
+            for z, scales in ((None, s), (zeros, s), (zeros, s.half()), (wide_zeros, s)):
                 x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
                 y = torch.ops.kilnlm.int4_linear(x, pack_int4(q), scales, pqs, bias, group_size, z)
                 tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=1e-2)
@@ -275,8 +278,9 @@ print("ok")
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512bf16"])
 def test_capped_isa_paths_match_reference(isa):
     """The scalar, AVX2 and AVX512-BF16 paths (forced with KILNLM_CPU_ISA in a fresh process; the default
-    run above takes the widest path the CPU has). avx512bf16 on an AMX CPU: the bf16 GEMV at 5 tokens and
-    the AVX512-BF16 tiles at 40, which AMX takes otherwise."""
+    run above takes the widest path the CPU has), with zero points in [-8, 7] and anywhere in int8.
+    avx512bf16 on an AMX CPU: the bf16 GEMV at 5 tokens and the AVX512-BF16 tiles at 40, which AMX takes
+    otherwise."""
     env = dict(os.environ, KILNLM_CPU_ISA=isa)
     result = subprocess.run([sys.executable, "-c", ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
