@@ -140,6 +140,13 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int
 // Whether q - zero fits the PSHUFB tables' bytes for every q in [-8, 7]: zero points in [-120, 120].
 static inline bool zero_fits_byte_table(int zero) { return zero >= -120 && zero <= 120; }
 
+// The PSHUFB table of one group: entry n (a nibble) holds q - zero, q = [0..7, -8..-1][n], as int8. Only
+// for zero points that zero_fits_byte_table.
+static inline __m128i byte_table(int zero) {
+  return _mm_sub_epi8(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1),
+                      _mm_set1_epi8(static_cast<char>(zero)));
+}
+
 // NR rows x NT tokens micro-kernel. Nibbles are decoded to q - zero with one PSHUFB table lookup (the
 // group's table: [0..7, -8..-1] - zero, in [-15, 15]), widened to int32, converted and multiplied by the
 // group scale (w = (q - zero) * scale exactly as the reference), then FMA'd. A zero point beyond +-120
@@ -149,7 +156,6 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
                               int64_t group_size, const float* x, int64_t x_stride, float* y, int64_t y_stride) {
   const int64_t row_bytes = in / 2, num_groups = in / group_size;
   const int64_t num_blocks = group_size / 32;
-  const __m128i sign_lut = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m256 acc[NR][NT][2];
   for (int r = 0; r < NR; ++r)
@@ -167,7 +173,7 @@ static inline void gemv_block(const uint8_t* w, int64_t in, const float* scales,
         const __m256 scale = _mm256_set1_ps(scales[r * num_groups + g]);
         const int zero = zero_at(zeros, r * num_groups + g);
         const int table_zero = zero_fits_byte_table(zero) ? zero : 0;
-        const __m128i lut = _mm_sub_epi8(sign_lut, _mm_set1_epi8(static_cast<char>(table_zero)));
+        const __m128i lut = byte_table(table_zero);
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + c / 2));
         const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4));
         const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
@@ -215,8 +221,7 @@ static inline void dequant_blocks(const uint8_t* row, float scale, int zero, int
     for (int64_t c = c0; c < c0 + 32 * num_blocks; ++c) out[c] = static_cast<float>(int4_at(row, c) - zero) * scale;
     return;
   }
-  const __m128i lut = _mm_sub_epi8(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1),
-                                   _mm_set1_epi8(static_cast<char>(zero)));
+  const __m128i lut = byte_table(zero);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256 s = _mm256_set1_ps(scale);
   for (int64_t b = 0; b < num_blocks; ++b) {
